@@ -1,0 +1,74 @@
+"""MoE contract: routing (top-k or hash) plus the routed experts, for one layer's flat tokens.
+
+The shared expert is not part of the backend: the model adds it. A backend may fuse routing, token
+permutation, the grouped GEMMs with the SwiGLU clamp and the weighted combine in any way it likes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What one MoE layer kind needs; one backend is built per distinct spec."""
+
+    hidden_size: int
+    """Token width."""
+    intermediate_size: int
+    """Per-expert SwiGLU width (`moe_intermediate_size`)."""
+    num_experts: int
+    """Routed experts (`n_routed_experts`)."""
+    top_k: int
+    """Experts per token (`num_experts_per_tok`)."""
+    scoring_func: str
+    """Router activation: `sqrtsoftplus`, `sigmoid` or `softmax`."""
+    routed_scaling_factor: float
+    """Multiplies the normalised routing weights."""
+    swiglu_limit: float
+    """Clamp on the gate (max) and up (both sides) pre-activations; 0 disables it."""
+    is_hash: bool = False
+    """True for `hash_moe` layers: experts come from `tid2eid[token_id]`, not from the scores."""
+    dtype: torch.dtype = torch.float32
+    """Activation and weight dtype."""
+
+
+@dataclass
+class MoEWeights:
+    """One layer's routed-expert parameters, as the model holds them (transformers' layout)."""
+
+    router: torch.Tensor
+    """`[num_experts, hidden_size]` gate weight."""
+    gate_up: torch.Tensor
+    """`[num_experts, 2 * intermediate_size, hidden_size]`: gate rows then up rows."""
+    down: torch.Tensor
+    """`[num_experts, hidden_size, intermediate_size]`."""
+    score_bias: torch.Tensor | None = None
+    """`[num_experts]` fp32 `e_score_correction_bias` (top-k layers), added for selection only."""
+    tid2eid: torch.Tensor | None = None
+    """`[vocab_size, top_k]` int64 token-to-experts table (hash layers)."""
+
+
+@runtime_checkable
+class MoEBackend(Protocol):
+    """Routes flat tokens to experts and returns the weighted sum of their outputs."""
+
+    spec: MoESpec
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        """Route and run the routed experts.
+
+        Routing: `scores = scoring_func(x @ router.T)`; top-k layers pick the `top_k` largest
+        `scores + score_bias`, hash layers take `tid2eid[input_ids]`; the picked scores are normalised
+        to sum 1 and multiplied by `routed_scaling_factor`. Expert `e` computes
+        `down_e(silu(min(g, limit)) * clamp(u, -limit, limit))` with `g, u` from `gate_up_e @ x`.
+
+        :param x: `[num_tokens, hidden_size]` normalised layer input.
+        :param input_ids: `[num_tokens]` token ids (used by hash layers only).
+        :param weights: the layer's `MoEWeights`.
+        :returns: `[num_tokens, hidden_size]` in `x`'s dtype.
+        """
+        ...

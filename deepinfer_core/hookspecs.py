@@ -1,0 +1,148 @@
+"""Every hook a DeepInfer plugin can implement, grouped by when it is called.
+
+A plugin is a module registered under the `deepinfer` entry-point group; its functions are marked with
+`deepinfer_core.hookimpl` and named exactly as below (a misspelt name is rejected at load time).
+
+Factory hooks (`make_*`) run once, while the engine is built, never per step. They are
+`firstresult`: the first implementation that returns something other than `None` wins and the rest
+are not called. The pure-PyTorch reference implementations are registered first and marked `trylast`,
+so any installed plugin is asked before them. A plugin that cannot serve a spec declines by
+returning `None`; it may say why by calling `decline("reason")`, which `deepinfer plugins` and the
+"nothing could serve" error show.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer_core.backends import (
+        AttentionBackend, AttentionSpec, EplbBackend, EplbSpec, MoEBackend, MoESpec,
+        SamplingBackend, SamplingSpec, VerifyBackend, VerifySpec,
+    )
+
+PROJECT_NAME = "deepinfer"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+# ---------------------------------------------------------------------------------------------------
+# Platform: called once per process, before anything is built.
+# ---------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def platforms() -> list[str]:
+    """Name the platforms this plugin serves.
+
+    Called when the platform is chosen. `DEEPINFER_ACCELERATOR=<name>` fails at once, naming the pip
+    extra to install, when no installed plugin lists `<name>`. The reference plugin lists `cpu`.
+
+    :returns: platform names such as `["nvidia"]` or `["ascend"]`.
+    """
+
+
+@hookspec(firstresult=True)
+def detect_device(decline: Callable[[str], None]) -> torch.device | None:
+    """Return the device this plugin's hardware offers on this machine, or `None` when there is none.
+
+    Called only when `DEEPINFER_ACCELERATOR` is unset. First result wins; the reference returns the
+    CPU, last.
+
+    :param decline: call with a reason to record why this plugin found no device.
+    :returns: a `torch.device`, or `None` to decline.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend factories: called once per distinct spec while the engine is built. firstresult.
+# ---------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]) -> AttentionBackend | None:
+    """Build the attention backend (window + compressed attention with sinks, CSA indexer) for `spec`.
+
+    :param spec: the layer kind's `AttentionSpec`.
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `AttentionBackend`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
+    """Build the routed-MoE backend (routing, dispatch, experts, combine) for `spec`.
+
+    :param spec: the layer kind's `MoESpec`.
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `MoEBackend`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def make_eplb(spec: EplbSpec, device: torch.device, decline: Callable[[str], None]) -> EplbBackend | None:
+    """Build the expert-placement (EPLB) backend for `spec`.
+
+    :param spec: the placement problem's `EplbSpec`.
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `EplbBackend`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def make_sampler(spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]) -> SamplingBackend | None:
+    """Build the sampler for `spec`.
+
+    :param spec: the `SamplingSpec`.
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `SamplingBackend`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def make_verifier(spec: VerifySpec, device: torch.device, decline: Callable[[str], None]) -> VerifyBackend | None:
+    """Build the speculative-decoding verifier for `spec`.
+
+    :param spec: the `VerifySpec`.
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `VerifyBackend`, or `None` to let the next plugin try.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registries: called once when the tokenizer / chat encoding for a checkpoint is looked up. Every
+# implementation is called (not firstresult); each registers what it offers through the callback.
+# ---------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_tokenizers(register: Callable[..., None]) -> None:
+    """Offer tokenizer loaders.
+
+    Call `register(name, loader, priority=0)` where `loader(model_dir: Path, config) -> tokenizer | None`
+    returns an object with `encode(text) -> list[int]` and `decode(ids) -> str`, or `None` when it
+    cannot load that checkpoint's tokenizer. Higher priority loaders are tried first.
+
+    :param register: the registration callback.
+    """
+
+
+@hookspec
+def register_chat_encodings(register: Callable[..., None]) -> None:
+    """Offer chat encodings (conversation -> prompt token ids, and streamed output parsing).
+
+    Call `register(model_type, factory)` where `factory(tokenizer, config) -> encoding | None`.
+
+    :param register: the registration callback.
+    """
+
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]

@@ -1,0 +1,388 @@
+"""Typed configuration: the model's `config.json` (`ModelConfig`) and the engine's knobs (`EngineConfig`).
+
+`ModelConfig` mirrors transformers 5.23's `DeepseekV4Config` field for field, with the same defaults and
+the same normalisation of legacy keys, so a config.json means the same thing here as in the oracle.
+Unknown keys (real checkpoints carry many) are kept in `model_extra` and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+DEFAULT_NUM_HASH_LAYERS = 3
+DEFAULT_PARTIAL_ROTARY_FACTOR = 64 / 512
+_SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
+
+
+class ConfigError(ValueError):
+    """A configuration file cannot be read or does not describe a supported model."""
+
+
+class QuantizationConfig(BaseModel):
+    """The checkpoint's `quantization_config`; only what loading needs is typed, the rest is kept."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    quant_method: str | None = Field(None, description='"fp8" for DeepSeek block-FP8 checkpoints.')
+    fmt: str | None = Field(None, description="Storage format name some exporters write (e.g. 'e4m3').")
+    scale_fmt: str | None = Field(None, description='Scale encoding, e.g. "ue8m0"; None means float32.')
+    activation_scheme: str | None = None
+    weight_block_size: tuple[PositiveInt, PositiveInt] = Field(
+        (128, 128), description="FP8 scale block (rows, columns) of the dense weights."
+    )
+    expert_dtype: Literal["fp4", "fp8", "bf16"] | None = Field(
+        None, description='Routed-expert storage: "fp4" (e2m1, one scale per 32 inputs) or block "fp8".'
+    )
+
+
+class ModelConfig(BaseModel):
+    """DeepSeek-V4 model configuration (transformers' `DeepseekV4Config` after normalisation).
+
+    Build it with `ModelConfig.from_dir(checkpoint_dir)` or `ModelConfig.from_dict(d)`. Legacy keys are
+    folded exactly as transformers does: `compress_ratios` (per-layer 0/4/128) -> `layer_types`,
+    `compress_rate_csa`/`compress_rate_hca` -> `compress_rates`, `num_hash_layers` -> `mlp_layer_types`,
+    `qk_rope_head_dim` -> `partial_rotary_factor`, `rope_scaling` -> `rope_parameters` nested as
+    `{"main": {...}, "compress": {...}}` (YaRN only on the compress branch, `attention_factor` 1.0).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True, protected_namespaces=())
+
+    model_type: Literal["deepseek_v4"] = "deepseek_v4"
+    vocab_size: PositiveInt = 129280
+    hidden_size: PositiveInt = 4096
+    moe_intermediate_size: PositiveInt = 2048
+    num_hidden_layers: PositiveInt = 43
+    num_attention_heads: PositiveInt = 64
+    num_key_value_heads: PositiveInt = 1
+    head_dim: PositiveInt = 512
+    q_lora_rank: PositiveInt = 1024
+    num_experts_per_tok: PositiveInt = 6
+    n_routed_experts: PositiveInt = 256
+    n_shared_experts: PositiveInt = 1
+    scoring_func: Literal["sqrtsoftplus", "softmax", "sigmoid"] = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: PositiveInt = 1048576
+    rope_theta: float = Field(10000.0, gt=0)
+    layer_types: list[str] = Field(default_factory=list)
+    compress_rates: dict[str, PositiveInt] = Field(default_factory=lambda: dict(DEFAULT_COMPRESS_RATES))
+    compress_rope_theta: float = Field(160000.0, gt=0)
+    hc_mult: PositiveInt = 4
+    hc_sinkhorn_iters: PositiveInt = 20
+    hc_eps: float = Field(1.0e-6, gt=0)
+    mlp_layer_types: list[str] = Field(default_factory=list)
+    swiglu_limit: float = 10.0
+    sliding_window: PositiveInt = 128
+    o_groups: PositiveInt = 8
+    o_lora_rank: PositiveInt = 1024
+    index_n_heads: PositiveInt = 64
+    index_head_dim: PositiveInt = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = Field(1, ge=0)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    rms_norm_eps: float = Field(1.0e-6, gt=0)
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    partial_rotary_factor: float = DEFAULT_PARTIAL_ROTARY_FACTOR
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    quantization_config: QuantizationConfig | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Validate a config.json dictionary (not modified). Raises `pydantic.ValidationError`."""
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Read `<path>/config.json`. Raises `ConfigError` if it is missing or not JSON."""
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{config_path} not found: point the model path at a checkpoint directory")
+        try:
+            data = json.loads(config_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{config_path} is not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise ConfigError(f"{config_path} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = copy.deepcopy(data)
+        model_type = data.get("model_type", "deepseek_v4")
+        if model_type != "deepseek_v4":
+            raise ValueError(
+                f"model_type {model_type!r} is not supported: this loader reads DeepSeek-V4 "
+                f"checkpoints (model_type 'deepseek_v4')"
+            )
+        _fold_legacy_keys(data)
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        n = self.num_hidden_layers
+        for name, types, allowed in (
+            ("layer_types", self.layer_types, LAYER_TYPES),
+            ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES),
+        ):
+            if len(types) != n:
+                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}")
+            bad = sorted({t for t in types if t not in allowed})
+            if bad:
+                raise ValueError(f"{name} has unknown entries {bad}; allowed: {list(allowed)}")
+        for layer_type in {CSA, HCA} & set(self.layer_types):
+            if layer_type not in self.compress_rates:
+                raise ValueError(f"compress_rates lacks a rate for {layer_type!r}, which layer_types uses")
+        if CSA in self.layer_types and self.index_topk <= 0:
+            raise ValueError(f"index_topk must be positive for compressed_sparse_attention, got {self.index_topk}")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(
+                f"o_groups ({self.o_groups}) must divide num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_key_value_heads != 1:
+            raise ValueError(f"num_key_value_heads must be 1 (DeepSeek-V4 shares one KV head), got "
+                             f"{self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                             f"({self.n_routed_experts})")
+        rope_dim = self.qk_rope_head_dim
+        if not 0 < rope_dim <= self.head_dim or rope_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim (head_dim * partial_rotary_factor = {rope_dim}) must be even and in "
+                f"(0, head_dim={self.head_dim}]; check partial_rotary_factor / qk_rope_head_dim"
+            )
+        for label in ("main", "compress"):
+            params = self.rope_parameters.get(label)
+            if params is None:
+                raise ValueError(f"rope_parameters lacks the {label!r} entry")
+            if params.get("rope_type") == "yarn" and not (
+                params.get("factor", 0) >= 1 and params.get("original_max_position_embeddings")
+            ):
+                raise ValueError(
+                    f"rope_parameters[{label!r}] is yarn and needs factor >= 1 and "
+                    f"original_max_position_embeddings, got {params}"
+                )
+        return self
+
+    # ------------------------------------------------------------------ convenience
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        """Dimensions of each head that get RoPE (the trailing part of head_dim)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers (`num_hidden_layers`; MTP layers are not counted)."""
+        return self.num_hidden_layers
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids as a list (empty if the config names none)."""
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    @property
+    def expert_dtype(self) -> str | None:
+        """Storage dtype of the routed experts ("fp4", "fp8", ...) or None when unquantised."""
+        return self.quantization_config.expert_dtype if self.quantization_config else None
+
+    @property
+    def checkpoint_dtype(self) -> str | None:
+        """The `dtype` / `torch_dtype` the checkpoint declares (an extra key), e.g. "bfloat16"."""
+        extra = self.model_extra or {}
+        value = extra.get("dtype", extra.get("torch_dtype"))
+        return value if isinstance(value, str) else None
+
+    def compress_rate(self, layer_idx: int) -> int:
+        """Compression rate of layer `layer_idx` (0 for sliding-window-only layers)."""
+        layer_type = self.layer_types[layer_idx]
+        return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    def to_hf_dict(self, include_quantization: bool = False) -> dict[str, Any]:
+        """Keyword arguments for `transformers.DeepseekV4Config(**d)` (extra keys dropped)."""
+        data = self.model_dump(exclude={"model_type", "quantization_config"})
+        for key in list(data):
+            if key not in type(self).model_fields:
+                del data[key]
+        if include_quantization and self.quantization_config is not None:
+            data["quantization_config"] = self.quantization_config.model_dump(exclude_none=True)
+        return data
+
+
+def _fold_legacy_keys(data: dict[str, Any]) -> None:
+    """Fold legacy config keys into the modern fields in place, as `DeepseekV4Config.__post_init__`."""
+    n = data.get("num_hidden_layers", ModelConfig.model_fields["num_hidden_layers"].default)
+    n = n if isinstance(n, int) and n > 0 else 0  # a bad value is reported by field validation
+    compress_ratios = data.pop("compress_ratios", None)
+    rate_csa = data.pop("compress_rate_csa", None)
+    rate_hca = data.pop("compress_rate_hca", None)
+    num_hash_layers = data.pop("num_hash_layers", None)
+    qk_rope_head_dim = data.pop("qk_rope_head_dim", None)
+    expert_dtype = data.pop("expert_dtype", None)
+
+    quant = data.get("quantization_config")
+    if isinstance(quant, dict) and expert_dtype is not None and "expert_dtype" not in quant:
+        data["quantization_config"] = {**quant, "expert_dtype": expert_dtype}
+
+    rates = dict(data.get("compress_rates") or DEFAULT_COMPRESS_RATES)
+    if rate_csa is not None:
+        rates[CSA] = rate_csa
+    if rate_hca is not None:
+        rates[HCA] = rate_hca
+    data["compress_rates"] = rates
+
+    if data.get("layer_types") is None and compress_ratios is not None:
+        ratio_to_type = {0: SLIDING, rates.get(CSA): CSA, rates.get(HCA): HCA}
+        unknown = sorted({r for r in compress_ratios if r not in ratio_to_type})
+        if unknown:
+            raise ValueError(f"compress_ratios has values {unknown}; expected 0 or the CSA/HCA rates {rates}")
+        data["layer_types"] = [ratio_to_type[r] for r in compress_ratios]
+    if data.get("layer_types") is None:
+        interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        data["layer_types"] = [HCA] * min(n, 2) + interleave
+    if isinstance(data["layer_types"], list):  # extra trailing entries describe MTP layers
+        data["layer_types"] = data["layer_types"][:n]
+
+    if data.get("mlp_layer_types") is None:
+        n_hash = num_hash_layers if num_hash_layers is not None else DEFAULT_NUM_HASH_LAYERS
+        data["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    if isinstance(data["mlp_layer_types"], list):
+        data["mlp_layer_types"] = data["mlp_layer_types"][:n]
+
+    given_factor = data.get("partial_rotary_factor")
+    head_dim = data.get("head_dim", ModelConfig.model_fields["head_dim"].default)
+    if given_factor is None and isinstance(head_dim, int) and head_dim > 0:
+        data["partial_rotary_factor"] = (
+            qk_rope_head_dim / head_dim if qk_rope_head_dim is not None else DEFAULT_PARTIAL_ROTARY_FACTOR
+        )
+    data["rope_parameters"] = _nest_rope_parameters(data, given_factor)
+
+
+def _nest_rope_parameters(data: dict[str, Any], given_factor: float | None) -> dict[str, Any]:
+    """Build `{"main": ..., "compress": ...}` the way transformers' base config and V4 config do."""
+    rope = copy.deepcopy(data.pop("rope_scaling", None) or data.get("rope_parameters") or {})
+    rope_theta = data.get("rope_theta", ModelConfig.model_fields["rope_theta"].default)
+    max_pos = data.get("max_position_embeddings", ModelConfig.model_fields["max_position_embeddings"].default)
+    nested_keys = [key for key in rope if key in ("main", "compress")]
+    # transformers' generic standardisation: fill theta / factor / type into every (sub-)dict
+    for params in [rope[key] for key in nested_keys] or [rope]:
+        if not isinstance(params, dict):
+            continue
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", rope_theta)
+        if given_factor is not None:
+            params.setdefault("partial_rotary_factor", given_factor)
+        if params["rope_type"] in _SCALED_ROPE_TYPES:
+            params.setdefault("original_max_position_embeddings", max_pos)
+
+    factor = data.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
+    if isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict):
+        return {"main": rope["main"], "compress": rope["compress"]}
+    scaling = {key: value for key, value in rope.items() if key not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": factor}
+    compress_theta = data.get("compress_rope_theta", ModelConfig.model_fields["compress_rope_theta"].default)
+    compress = {**scaling, "rope_theta": compress_theta, "partial_rotary_factor": factor}
+    compress.setdefault("rope_type", "default")
+    if compress["rope_type"] == "yarn":
+        # the V4 reference does not scale cos/sin by YaRN's mscale on compressed branches
+        compress.setdefault("attention_factor", 1.0)
+    return {"main": main, "compress": compress}
+
+
+# ---------------------------------------------------------------------- engine
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """What the engine is asked to do; `resolve(model_config)` fills the model-dependent defaults.
+
+    Defaults: `max_model_len` = min(max_position_embeddings, 8192); `max_num_batched_tokens` (the
+    per-step token budget; prefill is chunked to fit it) = max(2048, min(max_model_len, 8192)), so one
+    step can take a whole default-length prompt but a long context does not blow up step memory.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = Field(description="Checkpoint directory (holds config.json and *.safetensors).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description='Compute dtype; "auto" takes the checkpoint\'s declared float dtype, else bfloat16.'
+    )
+    seed: int = Field(0, description="Seed for sampling and any random initialisation.")
+    max_model_len: PositiveInt | None = Field(None, description="Longest prompt + output, in tokens.")
+    max_num_seqs: PositiveInt = Field(256, description="Most requests in one step.")
+    max_num_batched_tokens: PositiveInt | None = Field(None, description="Token budget of one step.")
+    num_kv_blocks: PositiveInt | None = Field(None, description="KV blocks to allocate; None sizes from memory.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of device memory to use.")
+    enable_prefix_caching: bool = False
+    swa_replay: Literal["bounded", "exact"] = Field(
+        "bounded", description="How a prefix-cache hit rebuilds the sliding window (see DESIGN.md)."
+    )
+    device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model!r} is not a checkpoint directory (no config.json in it)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step; raise it or lower "
+                f"max_num_seqs"
+            )
+        return self
+
+    def load_model_config(self) -> ModelConfig:
+        """Read the checkpoint's config.json."""
+        return ModelConfig.from_dir(self.model)
+
+    def resolve(self, model_config: ModelConfig) -> EngineConfig:
+        """Return a copy with every None default made concrete for `model_config` (and checked)."""
+        max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
+        if max_model_len > model_config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings}); lower max_model_len"
+            )
+        budget = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192), self.max_num_seqs)
+        try:
+            return EngineConfig.model_validate(
+                {**self.model_dump(), "max_model_len": max_model_len, "max_num_batched_tokens": budget}
+            )
+        except ValidationError as err:  # pragma: no cover - inputs were validated already
+            raise ConfigError(str(err)) from err
+
+    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The compute dtype: explicit, or the checkpoint's declared float dtype, else bfloat16."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return _DTYPES.get(model_config.checkpoint_dtype or "", torch.bfloat16)

@@ -1,0 +1,166 @@
+import json
+
+import pytest
+import torch
+import transformers
+from pydantic import ValidationError
+
+from deepinfer_core.config import CSA, HCA, SLIDING, ConfigError, EngineConfig, ModelConfig
+
+transformers.logging.set_verbosity_error()
+
+YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+
+PARITY_CASES = {
+    "defaults": {},
+    "official_flash_style": {
+        "num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4, 0], "num_hash_layers": 2, "qk_rope_head_dim": 64,
+        "head_dim": 256, "rope_scaling": YARN, "rope_theta": 10000, "compress_rope_theta": 160000,
+    },
+    "scalar_rates_and_flat_yarn": {
+        "num_hidden_layers": 3, "compress_rate_csa": 8, "compress_rate_hca": 64,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0},
+    },
+    "already_nested": {
+        "num_hidden_layers": 3, "partial_rotary_factor": 0.25,
+        "rope_parameters": {"main": {"rope_theta": 5.0}, "compress": {"rope_type": "yarn", "factor": 2.0}},
+    },
+    "explicit_types_longer_than_layers": {
+        "num_hidden_layers": 3, "layer_types": [SLIDING, CSA, HCA, SLIDING], "mlp_layer_types": ["moe"] * 3,
+    },
+    "eos_list": {"num_hidden_layers": 1, "eos_token_id": [1, 2], "partial_rotary_factor": 0.5},
+}
+
+
+@pytest.mark.parametrize("case", PARITY_CASES.values(), ids=PARITY_CASES.keys())
+def test_normalisation_matches_transformers(case):
+    expected = transformers.DeepseekV4Config(**case).to_dict()
+    config = ModelConfig.from_dict(case)
+    for field, value in config.model_dump(exclude={"quantization_config"}).items():
+        assert value == expected[field], field
+    assert config.qk_rope_head_dim == expected["qk_rope_head_dim"]
+
+
+@pytest.mark.parametrize("case", PARITY_CASES.values(), ids=PARITY_CASES.keys())
+def test_to_hf_dict_round_trips_through_transformers(case):
+    config = ModelConfig.from_dict(case)
+    rebuilt = transformers.DeepseekV4Config(**config.to_hf_dict()).to_dict()
+    for field, value in config.model_dump(exclude={"quantization_config"}).items():
+        assert value == rebuilt[field], field
+
+
+def test_every_transformers_field_is_modelled():
+    hf_fields = set(transformers.DeepseekV4Config.__annotations__)
+    assert hf_fields <= set(ModelConfig.model_fields)
+
+
+def test_legacy_keys_fold_into_modern_fields():
+    config = ModelConfig.from_dict(PARITY_CASES["official_flash_style"])
+    assert config.layer_types == [SLIDING, SLIDING, CSA, HCA, CSA]
+    assert config.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe", "moe"]
+    assert config.qk_rope_head_dim == 64 and config.partial_rotary_factor == 0.25
+    assert config.rope_parameters["main"] == {"rope_type": "default", "rope_theta": 10000, "partial_rotary_factor": 0.25}
+    compress = config.rope_parameters["compress"]
+    assert compress["rope_type"] == "yarn" and compress["attention_factor"] == 1.0
+    assert compress["rope_theta"] == 160000 and compress["factor"] == 16
+    assert [config.compress_rate(i) for i in range(5)] == [0, 0, 4, 128, 4]
+    assert ModelConfig.from_dict(PARITY_CASES["scalar_rates_and_flat_yarn"]).compress_rates == {CSA: 8, HCA: 64}
+
+
+def test_quantization_config_is_typed_and_folds_top_level_expert_dtype():
+    config = ModelConfig.from_dict(
+        {"num_hidden_layers": 2, "expert_dtype": "fp4",
+         "quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+    )
+    assert config.expert_dtype == "fp4"
+    assert config.quantization_config.weight_block_size == (128, 128)
+    assert config.quantization_config.scale_fmt == "ue8m0"
+    assert ModelConfig.from_dict({}).expert_dtype is None
+
+
+def test_unknown_keys_are_kept_but_not_passed_to_transformers():
+    config = ModelConfig.from_dict({"num_hidden_layers": 2, "architectures": ["X"], "torch_dtype": "bfloat16"})
+    assert config.model_extra["architectures"] == ["X"]
+    assert config.checkpoint_dtype == "bfloat16"
+    assert "architectures" not in config.to_hf_dict()
+
+
+def test_convenience_properties():
+    config = ModelConfig.from_dict(PARITY_CASES["eos_list"])
+    assert config.eos_token_ids == [1, 2]
+    assert config.num_layers == 1
+    assert ModelConfig.from_dict({"eos_token_id": None}).eos_token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_hidden_layers": 3, "layer_types": [SLIDING, CSA]}, "layer_types has 2 entries"),
+        ({"num_hidden_layers": 1, "layer_types": ["full_attention"]}, "layer_types has unknown entries"),
+        ({"num_hidden_layers": 1, "mlp_layer_types": ["dense"]}, "mlp_layer_types has unknown entries"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"index_topk": 0}, "index_topk must be positive"),
+        ({"head_dim": 32, "qk_rope_head_dim": 64}, "qk_rope_head_dim"),
+        ({"o_groups": 7}, "o_groups (7) must divide num_attention_heads"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"num_experts_per_tok": 300}, "num_experts_per_tok"),
+        ({"scoring_func": "relu"}, "scoring_func"),
+        ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+        ({"compress_ratios": [0, 3], "num_hidden_layers": 2}, "compress_ratios has values [3]"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "needs factor >= 1"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        ModelConfig.from_dict(overrides)
+
+
+def test_index_topk_is_only_checked_when_a_csa_layer_exists():
+    config = ModelConfig.from_dict({"num_hidden_layers": 1, "layer_types": [SLIDING], "index_topk": 0})
+    assert config.index_topk == 0
+
+
+def test_from_dir(tmp_path):
+    with pytest.raises(ConfigError, match="config.json not found"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 2}))
+    assert ModelConfig.from_dir(tmp_path).num_hidden_layers == 2
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "max_position_embeddings": 4096,
+                                                       "torch_dtype": "float16"}))
+    return tmp_path
+
+
+def test_engine_config_resolves_defaults(model_dir):
+    engine = EngineConfig(model=str(model_dir))
+    model = engine.load_model_config()
+    resolved = engine.resolve(model)
+    assert resolved.max_model_len == 4096
+    assert resolved.max_num_batched_tokens == 4096
+    assert engine.max_model_len is None  # resolve returns a copy
+    assert EngineConfig(model=str(model_dir), max_model_len=100).resolve(model).max_num_batched_tokens == 2048
+    assert engine.torch_dtype(model) == torch.float16
+    assert EngineConfig(model=str(model_dir), dtype="float32").torch_dtype(model) == torch.float32
+    assert engine.torch_dtype(ModelConfig.from_dict({})) == torch.bfloat16
+
+
+def test_engine_config_errors_are_actionable(model_dir, tmp_path_factory):
+    with pytest.raises(ValidationError, match="not a checkpoint directory"):
+        EngineConfig(model=str(tmp_path_factory.mktemp("empty")))
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+        EngineConfig(model=str(model_dir), gpu_memory_utilization=1.5)
+    with pytest.raises(ValidationError, match="swa_replay"):
+        EngineConfig(model=str(model_dir), swa_replay="approximate")
+    with pytest.raises(ValidationError, match="must be >= max_num_seqs"):
+        EngineConfig(model=str(model_dir), max_num_batched_tokens=16, max_num_seqs=32)
+    with pytest.raises(ValidationError, match="max_num_sequences"):
+        EngineConfig(model=str(model_dir), max_num_sequences=4)
+    engine = EngineConfig(model=str(model_dir), max_model_len=10_000)
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
+        engine.resolve(engine.load_model_config())

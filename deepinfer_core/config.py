@@ -161,17 +161,23 @@ class ModelConfig(BaseModel):
             if layer_type not in self.compress_rates:
                 raise ValueError(f"compress_rates lacks a rate for {layer_type!r}, which layer_types uses")
         if CSA in self.layer_types and self.index_topk <= 0:
-            raise ValueError(f"index_topk must be positive for compressed_sparse_attention, got {self.index_topk}")
+            raise ValueError(
+                f"index_topk must be positive for compressed_sparse_attention, got {self.index_topk}"
+            )
         if self.num_attention_heads % self.o_groups:
             raise ValueError(
                 f"o_groups ({self.o_groups}) must divide num_attention_heads ({self.num_attention_heads})"
             )
         if self.num_key_value_heads != 1:
-            raise ValueError(f"num_key_value_heads must be 1 (DeepSeek-V4 shares one KV head), got "
-                             f"{self.num_key_value_heads}")
+            raise ValueError(
+                f"num_key_value_heads must be 1 (DeepSeek-V4 shares one KV head), got "
+                f"{self.num_key_value_heads}"
+            )
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
-                             f"({self.n_routed_experts})")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                f"({self.n_routed_experts})"
+            )
         rope_dim = self.qk_rope_head_dim
         if not 0 < rope_dim <= self.head_dim or rope_dim % 2:
             raise ValueError(
@@ -335,13 +341,16 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="Checkpoint directory (holds config.json and *.safetensors).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description='Compute dtype; "auto" takes the checkpoint\'s declared float dtype, else bfloat16.'
+        "auto",
+        description='Compute dtype; "auto" takes the checkpoint\'s declared float dtype, else bfloat16.',
     )
     seed: int = Field(0, description="Seed for sampling and any random initialisation.")
     max_model_len: PositiveInt | None = Field(None, description="Longest prompt + output, in tokens.")
     max_num_seqs: PositiveInt = Field(256, description="Most requests in one step.")
     max_num_batched_tokens: PositiveInt | None = Field(None, description="Token budget of one step.")
-    num_kv_blocks: PositiveInt | None = Field(None, description="KV blocks to allocate; None sizes from memory.")
+    num_kv_blocks: PositiveInt | None = Field(
+        None, description="KV blocks to allocate; None sizes from memory."
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of device memory to use.")
     enable_prefix_caching: bool = False
     swa_replay: Literal["bounded", "exact"] = Field(

@@ -1,0 +1,128 @@
+"""What a request returns, with vLLM's class and attribute names.
+
+`RequestOutput.outputs[i]` is the i-th completion (`SamplingParams.n` of them): its `text`, `token_ids`,
+per-step `logprobs` and `finish_reason`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a completion ended: a stop token or EOS, `max_tokens` or a full context, or an abort."""
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability at one position."""
+
+    logprob: float
+    """Natural-log probability under the model's raw (temperature 1, unfiltered) distribution."""
+    rank: int | None = None
+    """1 for the most likely token, 2 for the next, and so on."""
+    decoded_token: str | None = None
+    """The token as text, when a tokenizer was available."""
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request."""
+
+    index: int
+    """Which of the request's `n` completions this is."""
+    text: str
+    """Decoded text of `token_ids` (empty when the engine does not detokenize)."""
+    token_ids: list[int]
+    """Generated token ids."""
+    cumulative_logprob: float | None
+    """Sum of the generated tokens' logprobs, or None when logprobs were not requested."""
+    logprobs: list[dict[int, Logprob]] | None
+    """Per generated token: the sampled token and the top `logprobs` tokens; None when not requested."""
+    finish_reason: FinishReason | None = None
+    """None while generating."""
+    stop_reason: int | str | None = None
+    """The stop token id that ended the completion; None for EOS, length or abort."""
+
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={_summarise_logprobs(self.logprobs)}, finish_reason={self.finish_reason}, "
+            f"stop_reason={self.stop_reason})"
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (`time.time()`, seconds) of a request's life; None until reached."""
+
+    arrival_time: float
+    """When the request was added."""
+    first_scheduled_time: float | None = None
+    """When it was first put in a batch."""
+    first_token_time: float | None = None
+    """When its first token was sampled."""
+    last_token_time: float | None = None
+    """When its latest token was sampled."""
+    finished_time: float | None = None
+    """When it finished."""
+    num_generation_tokens: int = 0
+    """Tokens generated so far, over all completions."""
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds between arrival and first scheduling."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds between arrival and the first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """Everything a request has produced so far (or in total, once `finished`)."""
+
+    request_id: str
+    prompt: str | None
+    """The prompt text, or None when the request was given as token ids."""
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    """One entry per completion (`SamplingParams.n`)."""
+    finished: bool
+    """True when every completion has finished."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache instead of being computed."""
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """Per prompt token (None for the first, which has no context), when requested."""
+
+    def __repr__(self) -> str:
+        prompt_ids = _summarise_ids(self.prompt_token_ids)
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={prompt_ids}, outputs={self.outputs}, finished={self.finished}, "
+            f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics})"
+        )
+
+
+def _summarise_ids(token_ids: list[int], limit: int = 16) -> str:
+    if len(token_ids) <= limit:
+        return str(token_ids)
+    return f"[{', '.join(map(str, token_ids[:limit]))}, ... ({len(token_ids)} tokens)]"
+
+
+def _summarise_logprobs(logprobs: list[dict[int, Logprob]] | None) -> str:
+    if logprobs is None:
+        return "None"
+    return f"<{len(logprobs)} steps>"

@@ -1,0 +1,178 @@
+"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`.
+
+DeepInfer 0.1's spellings are accepted too, so its users switch without edits: `seq_seed` (alias of
+`seed`), `top_logprobs` (sets `logprobs`), `logprobs=True/False` and `prompt_logprobs=True/False`, and
+`first_n_token_no_eos` (raises `min_tokens` to at least that count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+MAX_LOGPROBS = 20
+"""Largest number of top logprobs a request may ask for, per generated (or prompt) token."""
+
+MAX_SEED = 2**64 - 1
+"""Largest seed; seeds are unsigned 64-bit integers, as in DeepInfer 0.1."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (argmax), as in vLLM; DeepInfer 0.1 clamped them to this value."""
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    Validated on construction; an invalid value raises `ValueError` saying what is allowed.
+    `SamplingParams()` samples at temperature 1 for at most 16 tokens; `temperature=0` is greedy.
+    """
+
+    n: int = 1
+    """Completions to return for the prompt. Each gets its own seed (derived from `seed` when set)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 (or anything below `GREEDY_TEMPERATURE`) means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches `top_p`; in (0, 1]."""
+    top_k: int = 0
+    """Keep only the `top_k` most likely tokens; 0 or -1 turns the filter off."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below `min_p` times the most likely token's; in [0, 1]."""
+    seed: int | None = None
+    """Seed of this request's draws, in [0, 2**64). Draws depend only on (seed, token index), never on
+    the batch. None: the engine picks a random seed."""
+    stop: str | list[str] | None = None
+    """Stop strings. Not supported yet: any non-empty value raises `NotImplementedError('stop strings')`."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the completion (finish reason "stop", `stop_reason` the id)."""
+    ignore_eos: bool = False
+    """Keep generating after the end-of-sequence token."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None generates until the context is full."""
+    min_tokens: int = 0
+    """End-of-sequence and `stop_token_ids` are banned until this many tokens are generated."""
+    logprobs: int | bool | None = None
+    """None: no logprobs. k >= 0: the sampled token's logprob plus the top k, per step. DeepInfer 0.1's
+    `True` means k = 0 and `False` means None."""
+    prompt_logprobs: int | bool | None = None
+    """Like `logprobs`, for each prompt token. Stored here; an engine that cannot compute prompt
+    logprobs raises `NotImplementedError` naming `prompt_logprobs` when the request is added."""
+
+    # DeepInfer 0.1 spellings, folded into the fields above by __post_init__.
+    seq_seed: int | None = None
+    """DeepInfer 0.1's name for `seed`; kept equal to it."""
+    top_logprobs: int | None = None
+    """DeepInfer 0.1's name for the top-logprob count; `top_logprobs=k` (k > 0) sets `logprobs=k`."""
+    first_n_token_no_eos: int = 0
+    """DeepInfer 0.1: ban end-of-sequence for this many first tokens; raises `min_tokens` to it."""
+
+    def __post_init__(self) -> None:
+        self._fold_aliases()
+        self._validate_sampling()
+        self._validate_lengths()
+        self._validate_stops()
+        self._validate_logprobs()
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when every token is the argmax (temperature below `GREEDY_TEMPERATURE`)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def clone(self) -> SamplingParams:
+        """Return an independent copy (lists are copied, the copy is validated again)."""
+        stop = list(self.stop) if isinstance(self.stop, list) else self.stop
+        return dataclasses.replace(self, stop=stop, stop_token_ids=list(self.stop_token_ids))
+
+    # -- phases of __post_init__ ----------------------------------------------------------------
+
+    def _fold_aliases(self) -> None:
+        if self.seq_seed is not None and self.seed is not None and self.seq_seed != self.seed:
+            raise ValueError(
+                f"seed={self.seed} and seq_seed={self.seq_seed} disagree; "
+                "seq_seed is an alias of seed, give one"
+            )
+        self.seed = self.seq_seed = self.seed if self.seed is not None else self.seq_seed
+        if self.top_logprobs is not None:
+            _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_LOGPROBS)
+            if self.top_logprobs > 0:
+                if _is_int(self.logprobs) and self.logprobs != self.top_logprobs:
+                    raise ValueError(
+                        f"logprobs={self.logprobs} and top_logprobs={self.top_logprobs} disagree; "
+                        "top_logprobs is an alias of logprobs, give one"
+                    )
+                self.logprobs = self.top_logprobs
+        self.logprobs = _bool_to_count(self.logprobs)
+        self.prompt_logprobs = _bool_to_count(self.prompt_logprobs)
+        self.top_logprobs = self.logprobs if self.logprobs is not None else 0
+
+    def _validate_sampling(self) -> None:
+        if (
+            not isinstance(self.temperature, Real)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
+            )
+        if not isinstance(self.top_p, Real) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
+        _check_int("top_k", self.top_k, low=-1, hint=" (0 or -1 turns it off)")
+        if not isinstance(self.min_p, Real) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        _check_int("n", self.n, low=1)
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
+
+    def _validate_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _check_int(
+                "max_tokens", self.max_tokens, low=1, hint=" (None generates until the context is full)"
+            )
+        _check_int("min_tokens", self.min_tokens, low=0)
+        _check_int("first_n_token_no_eos", self.first_n_token_no_eos, low=0)
+        self.min_tokens = max(self.min_tokens, self.first_n_token_no_eos)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens"
+            )
+
+    def _validate_stops(self) -> None:
+        if self.stop:
+            raise NotImplementedError("stop strings: use stop_token_ids to stop on token ids")
+        self.stop = None
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("every stop_token_ids entry", token_id, low=0)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    def _validate_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, low=0, high=MAX_LOGPROBS, hint=" (None for no logprobs)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _bool_to_count(value: int | bool | None) -> int | None:
+    """DeepInfer 0.1 passes booleans: True asks for the token's own logprob (k = 0), False for none."""
+    if isinstance(value, bool):
+        return 0 if value else None
+    return value
+
+
+def _check_int(name: str, value: object, *, low: int, high: int | None = None, hint: str = "") -> None:
+    in_range = _is_int(value) and value >= low and (high is None or value <= high)
+    if not in_range:
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {bounds}{hint}, got {value!r}")

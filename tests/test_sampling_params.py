@@ -1,0 +1,124 @@
+"""SamplingParams: vLLM defaults, DeepInfer 0.1 spellings, validation and clone."""
+
+import math
+
+import pytest
+
+from deepinfer_core.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+
+
+def test_defaults_match_vllm():
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (params.seed, params.max_tokens, params.min_tokens, params.logprobs) == (None, 16, 0, None)
+    assert params.stop_token_ids == [] and params.ignore_eos is False
+    assert not params.is_greedy
+
+
+@pytest.mark.parametrize(("temperature", "is_greedy"), [(0, True), (1e-6, True), (1e-5, False), (0.7, False)])
+def test_greedy_below_threshold(temperature, is_greedy):
+    assert SamplingParams(temperature=temperature).is_greedy is is_greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens=17 exceeds max_tokens=16"),
+        ({"n": 0}, "n must"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+        ({"top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
+        ({"seed": -1}, "seed"),
+        ({"seed": MAX_SEED + 1}, "seed"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"seed": 1, "seq_seed": 2}, "alias of seed"),
+        ({"logprobs": 3, "top_logprobs": 5}, "alias of logprobs"),
+    ],
+)
+def test_invalid_values_raise_with_the_field_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_wrong_types_raise_type_error():
+    with pytest.raises(TypeError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=5)
+    with pytest.raises(TypeError, match="ignore_eos"):
+        SamplingParams(ignore_eos="yes")
+
+
+def test_stop_strings_are_not_implemented():
+    with pytest.raises(NotImplementedError, match="stop strings"):
+        SamplingParams(stop=["\n\n"])
+    assert SamplingParams(stop=[]).stop is None
+
+
+def test_edges_of_the_ranges_are_accepted():
+    params = SamplingParams(
+        top_p=1.0, top_k=-1, min_p=1.0, seed=MAX_SEED, logprobs=MAX_LOGPROBS, min_tokens=16, max_tokens=16
+    )
+    assert params.seed == MAX_SEED and params.logprobs == MAX_LOGPROBS
+    assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
+
+
+def test_seq_seed_is_an_alias_of_seed():
+    assert SamplingParams(seq_seed=7).seed == 7
+    assert SamplingParams(seed=7).seq_seed == 7
+    assert SamplingParams(seed=7, seq_seed=7).seed == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "logprobs"),
+    [
+        ({"logprobs": True}, 0),
+        ({"logprobs": False}, None),
+        ({"top_logprobs": 5}, 5),
+        ({"logprobs": True, "top_logprobs": 5}, 5),
+        ({"logprobs": False, "top_logprobs": 5}, 5),
+        ({"logprobs": 5, "top_logprobs": 5}, 5),
+        ({"logprobs": 2, "top_logprobs": 0}, 2),
+        ({"top_logprobs": 0}, None),
+    ],
+)
+def test_deepinfer_01_logprob_spellings(kwargs, logprobs):
+    params = SamplingParams(**kwargs)
+    assert params.logprobs == logprobs
+    assert params.top_logprobs == (logprobs or 0)
+
+
+def test_prompt_logprobs_bool_becomes_a_count():
+    assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 0
+    assert SamplingParams(prompt_logprobs=False).prompt_logprobs is None
+    assert SamplingParams(prompt_logprobs=3).prompt_logprobs == 3
+
+
+def test_first_n_token_no_eos_raises_min_tokens():
+    assert SamplingParams(first_n_token_no_eos=1).min_tokens == 1
+    assert SamplingParams(first_n_token_no_eos=1, min_tokens=4).min_tokens == 4
+
+
+def test_clone_is_independent_and_equal():
+    params = SamplingParams(temperature=0.5, seq_seed=3, top_logprobs=4, stop_token_ids=[9])
+    copy = params.clone()
+    assert copy == params
+    copy.stop_token_ids.append(10)
+    assert params.stop_token_ids == [9]
+
+
+def test_integer_like_floats_are_normalised():
+    params = SamplingParams(temperature=1, top_p=1, min_p=0)
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    assert isinstance(params.min_p, float)

@@ -1,0 +1,93 @@
+"""Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
+
+Counters and histograms are updated on the event loop; gauges (running and waiting requests, prefix
+cache hit rate) are read from the engine's latest `stats()` when `/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "deepinfer"
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class Histogram:
+    """A cumulative-bucket histogram of seconds."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        """Record one observation."""
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        """The `_bucket`, `_sum` and `_count` sample lines."""
+        out, running = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            running += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{le="{le}"}} {running}')
+        out += [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+        return out
+
+
+@dataclass
+class ServerMetrics:
+    """Everything `/metrics` reports besides the engine gauges."""
+
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(api, outcome) -> count; outcome is `ok`, `error` or `aborted`."""
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    e2e_latency: Histogram = field(default_factory=Histogram)
+
+    def count_request(self, api: str, outcome: str) -> None:
+        """Count one finished request of `api` with `outcome`."""
+        self.requests[(api, outcome)] = self.requests.get((api, outcome), 0) + 1
+
+    def render(self, engine_stats: dict[str, Any]) -> str:
+        """The whole exposition text."""
+        lines = [f"# HELP {PREFIX}_requests_total Requests served, by API and outcome.",
+                 f"# TYPE {PREFIX}_requests_total counter"]
+        lines += [f'{PREFIX}_requests_total{{api="{api}",outcome="{outcome}"}} {n}'
+                  for (api, outcome), n in sorted(self.requests.items())]
+        for name, value, text in (
+            ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of served requests."),
+            ("prompt_cached_tokens_total", self.cached_prompt_tokens, "Prompt tokens served from the prefix cache."),
+            ("generation_tokens_total", self.generation_tokens, "Generated tokens."),
+        ):
+            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {value}"]
+        for name, value, text in self._gauges(engine_stats):
+            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"]
+        for name, histogram, text in (
+            ("time_to_first_token_seconds", self.time_to_first_token, "Seconds from arrival to the first token."),
+            ("e2e_request_latency_seconds", self.e2e_latency, "Seconds from arrival to the last token."),
+        ):
+            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} histogram"]
+            lines += histogram.lines(f"{PREFIX}_{name}")
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _gauges(stats: dict[str, Any]) -> list[tuple[str, float, str]]:
+        hits = stats.get("prefix_cache_hit_tokens", 0) or 0
+        queries = stats.get("prefix_cache_queried_tokens", 0) or 0
+        return [
+            ("num_requests_running", stats.get("num_running", 0), "Requests in the running batch."),
+            ("num_requests_waiting", stats.get("num_waiting", 0), "Requests waiting to be scheduled."),
+            ("prefix_cache_hit_rate", hits / queries if queries else 0.0,
+             "Prompt tokens found in the prefix cache / prompt tokens looked up, since start."),
+        ]

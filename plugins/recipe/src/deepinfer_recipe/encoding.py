@@ -1,0 +1,131 @@
+"""Chat encodings: API request -> conversation -> prompt ids, through deepseek-recipe."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import deepseek_recipe as dr
+
+from deepinfer_core.entrypoints.protocol import Api, ApiError, PreparedRequest, error_body
+from deepinfer_recipe.stream import PROTOCOLS, RecipeOutputStream
+from deepinfer_recipe.tokenizer import V41_MODEL_TYPE, DeepseekTokenizer
+
+# Names requests may use for each checkpoint family, besides the name the model is served under.
+# Recipe matches names case-sensitively; the lower-case spellings are accepted too.
+DEFAULT_MODEL_NAMES = {
+    "deepseek_v4": ["DeepSeek-V4-Flash", "DeepSeek-V4-Pro"],
+    "deepseek_v41": ["DeepSeek-V4.1-Flash"],
+}
+
+
+@dataclass
+class RecipeRequestState:
+    """What the output side needs from a converted request (kept in `PreparedRequest.state`)."""
+
+    conversation_request: dr.ConversationRequest
+    responses_echo: dr.ResponsesEcho | None = None
+    namespace_tool_map: dict[str, tuple[str, str]] | None = None
+
+
+def _with_lower_case(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        for spelling in (name, name.lower()):
+            if spelling not in out:
+                out.append(spelling)
+    return out
+
+
+class RecipeChatEncoding:
+    """DeepSeek-V4 (`DeepseekV4Encoding`) or V4.1 (`DeepseekV41Encoding`) chat encoding of one checkpoint.
+
+    :param tokenizer: the checkpoint's tokenizer.
+    :param model_type: `deepseek_v4` or `deepseek_v41`.
+    :param model_names: names requests may use; the first is the served name. Defaults to the
+        family's official names.
+    """
+
+    def __init__(self, tokenizer: DeepseekTokenizer, model_type: str, model_names: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model_type = model_type
+        is_v41 = model_type == V41_MODEL_TYPE
+        self.model_version = dr.ModelVersion.DeepseekV41Flash if is_v41 else dr.ModelVersion.DeepseekV4Pro
+        encoding_cls = dr.DeepseekV41Encoding if is_v41 else dr.DeepseekV4Encoding
+        self.encoding = encoding_cls().with_tokenizer(tokenizer.recipe)
+        self.model_names = _with_lower_case(list(model_names or []) + DEFAULT_MODEL_NAMES[model_type])
+        self.options = dr.ConversionOptions().with_model_versions_by_name(
+            {name: self.model_version for name in self.model_names}
+        )
+
+    def with_model_names(self, model_names: list[str]) -> RecipeChatEncoding:
+        """The same encoding, serving under `model_names[0]` and accepting every name in `model_names`."""
+        return RecipeChatEncoding(self.tokenizer, self.model_type, model_names)
+
+    def encode(self, conversation: dr.Conversation) -> list[int]:
+        """Prompt ids of `conversation`; special-token spellings inside message text stay plain text."""
+        return self.encoding.encode(conversation)
+
+    def prepare(self, api: Api, body: bytes | dict[str, Any], context_limit: int) -> PreparedRequest:
+        """Parse, validate and encode one request body of `api`.
+
+        :raises ApiError: with `api`'s status and error shape when the request is invalid.
+        """
+        if api not in PROTOCOLS:
+            raise ValueError(f"unknown API {api!r}; expected one of {sorted(PROTOCOLS)}")
+        request_cls = PROTOCOLS[api][0]
+        try:
+            request = request_cls(body)
+            model = request.model
+            state = self._read_state(api, request)
+            conversation_request = request.convert(self.options)
+            self._reject_images(conversation_request.conversation, api)
+            prompt_token_ids = self.encode(conversation_request.conversation)
+            max_tokens = conversation_request.resolve_max_tokens(len(prompt_token_ids), context_limit)
+        except dr.ConversionError as exc:
+            raise ApiError(exc.status_code, _reshape_error_body(exc.status_code, exc.body, api)) from exc
+        except ValueError as exc:
+            raise ApiError.from_message(400, str(exc), api) from exc
+        state.conversation_request = conversation_request
+        options = conversation_request.inference_options
+        return PreparedRequest(
+            api=api,
+            model=model,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=max_tokens,
+            stream=conversation_request.stream,
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_p=1.0 if options.top_p is None else options.top_p,
+            seed=options.seed,
+            logprobs=(options.top_logprobs or 0) if options.logprobs else None,
+            state=state,
+        )
+
+    def open_stream(self, prepared: PreparedRequest, response_id: str, stop_token_ids: list[int]) -> RecipeOutputStream:
+        """Start the response of `prepared` (streamed as SSE frames, or accumulated into one body)."""
+        return RecipeOutputStream(prepared, response_id, self.tokenizer, stop_token_ids)
+
+    def _read_state(self, api: Api, request: Any) -> RecipeRequestState:
+        # Responses settings must be read before `convert` consumes the request.
+        state = RecipeRequestState(conversation_request=None)  # type: ignore[arg-type]
+        if api == "responses":
+            state.responses_echo = request.echo()
+            state.namespace_tool_map = request.namespace_tool_map(self.options)
+        return state
+
+    @staticmethod
+    def _reject_images(conversation: dr.Conversation, api: Api) -> None:
+        if any(message.image_sources for message in conversation.messages):
+            raise ApiError.from_message(400, "Image inputs are not supported by this server yet.", api)
+
+
+def _reshape_error_body(status_code: int, body: str, api: Api) -> str:
+    """Recipe's error bodies are OpenAI-shaped; Anthropic clients expect `{"type": "error", ...}`."""
+    if api != "messages":
+        return body
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body
+    return json.dumps(error_body(status_code, message, api))

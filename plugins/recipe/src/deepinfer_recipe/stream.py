@@ -1,0 +1,152 @@
+"""Engine outputs -> API response events, through deepseek-recipe's `StreamProcessor`.
+
+The engine's generated ids are pushed as they arrive, minus stop-token ids (recipe would show the EOS
+id as literal text); the engine's finish reason is pushed as recipe's finish chunk. Recipe applies stop
+sequences itself: once `finished` turns true the caller must stop the engine's request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import deepseek_recipe as dr
+
+from deepinfer_core.entrypoints.protocol import PreparedRequest
+
+if TYPE_CHECKING:
+    from deepinfer_recipe.tokenizer import DeepseekTokenizer
+
+PROTOCOLS: dict[str, tuple[Any, Any]] = {
+    "chat": (dr.ChatCompletionRequest, dr.ChatCompletionResponse),
+    "responses": (dr.ResponsesRequest, dr.ResponsesResponse),
+    "messages": (dr.MessagesRequest, dr.MessagesResponse),
+}
+
+FINISH_REASONS = {
+    "stop": dr.InferenceFinishReason.Stop,
+    "length": dr.InferenceFinishReason.Length,
+    "content_filter": dr.InferenceFinishReason.ContentFilter,
+}
+
+
+def sse_frame(event_name: str | None, data: str) -> str:
+    """One server-sent event: an `event:` line only when the API names its events."""
+    head = f"event: {event_name}\n" if event_name else ""
+    return f"{head}data: {data}\n\n"
+
+
+def _logprob_value(entry: Any) -> float:
+    return float(getattr(entry, "logprob", entry))
+
+
+def _recipe_logprobs(
+    token_ids: list[int], logprobs: list[Any], num_top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """vLLM-shaped logprobs (one `{token_id: logprob}` dict per token) -> recipe's `(logprob, top)` pairs."""
+    pairs = []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        ranked = sorted(((int(t), _logprob_value(v)) for t, v in entry.items()), key=lambda tv: -tv[1])
+        chosen = _logprob_value(entry[token_id]) if token_id in entry else float("-inf")
+        pairs.append((chosen, ranked[:num_top]))
+    return pairs
+
+
+class RecipeOutputStream:
+    """One request's response: feed it the engine's `RequestOutput`s, get SSE frames (or one body).
+
+    :param prepared: the request as `RecipeChatEncoding.prepare` returned it.
+    :param response_id: the response id (`chatcmpl-…`, `resp_…`, `msg_…`).
+    :param tokenizer: decodes the generated ids.
+    :param stop_token_ids: ids that end generation and are never shown to the parser (EOS).
+    """
+
+    def __init__(
+        self, prepared: PreparedRequest, response_id: str, tokenizer: DeepseekTokenizer, stop_token_ids: list[int]
+    ) -> None:
+        request_cls, self._response_cls = PROTOCOLS[prepared.api]
+        state = prepared.state
+        generator = request_cls.chunk_generator(state.conversation_request, response_id, prepared.model)
+        if prepared.api == "responses":
+            generator = generator.with_echo(state.responses_echo)
+            if state.namespace_tool_map:
+                generator = generator.with_namespace_tool_map(state.namespace_tool_map)
+        self._processor = dr.StreamProcessor(generator, state.conversation_request.parsing_options, tokenizer.recipe)
+        self._prepared = prepared
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._num_seen = 0
+        self._is_ready = False
+        self._is_closed = False
+        self._response = None
+        if not prepared.stream:
+            self._response = self._response_cls(response_id, prepared.model, int(time.time()), 0, 0)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the response is complete (engine finish, or a stop sequence matched)."""
+        return self._processor.finished
+
+    def push(self, output: Any) -> list[str]:
+        """Feed one `RequestOutput` (cumulative ids); return the new SSE frames (empty when accumulating)."""
+        if self.finished or self._is_closed:
+            return []
+        events = []
+        if not self._is_ready:
+            self._is_ready = True
+            usage = dr.PromptUsage(
+                prompt_tokens=len(self._prepared.prompt_token_ids),
+                prompt_cache_hit_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
+            )
+            events += self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage))
+        completion = output.outputs[0]
+        events += self._push_new_tokens(list(completion.token_ids), getattr(completion, "logprobs", None))
+        if output.finished and not self._processor.finished:
+            reason = FINISH_REASONS.get(completion.finish_reason or "stop", dr.InferenceFinishReason.Stop)
+            events += self._processor.push(dr.InferenceChunk.finish(reason))
+        return self._emit(events)
+
+    def finish(self) -> list[str]:
+        """End the response as a normal stop if it has not ended; return the last frames (with `[DONE]`)."""
+        frames = [] if self._is_closed else self._emit(self._processor.finish())
+        done = self._response_cls.sse_done_data()
+        if done is not None and self._response is None:
+            frames.append(sse_frame(None, done))
+        return frames
+
+    def response_json(self) -> str:
+        """The accumulated response body (non-streaming requests only)."""
+        if self._response is None:
+            raise RuntimeError("response_json() is only available for non-streaming requests")
+        return self._response.to_json()
+
+    def close(self) -> None:
+        """Release the parser without a successful completion."""
+        if not self._is_closed:
+            self._is_closed = True
+            self._processor.close()
+
+    def _push_new_tokens(self, token_ids: list[int], logprobs: list[Any] | None) -> list[Any]:
+        new_ids = token_ids[self._num_seen:]
+        new_logprobs = logprobs[self._num_seen:len(token_ids)] if logprobs and self._prepared.logprobs is not None else None
+        self._num_seen = len(token_ids)
+        keep = [i for i, token_id in enumerate(new_ids) if token_id not in self._stop_token_ids]
+        events = []
+        if keep:
+            ids = [new_ids[i] for i in keep]
+            pairs = None
+            if new_logprobs:
+                pairs = _recipe_logprobs(ids, [new_logprobs[i] for i in keep], self._prepared.logprobs or 0)
+            events += self._processor.push(dr.InferenceChunk.tokens(ids, pairs))
+        num_stop = len(new_ids) - len(keep)
+        if num_stop and not self._processor.finished:
+            # Stop tokens count as generated (usage matches the engine) but carry no text.
+            events += self._processor.push(dr.InferenceChunk.text("", num_stop))
+        return events
+
+    def _emit(self, events: list[Any]) -> list[str]:
+        if self._response is not None:
+            for event in events:
+                self._response.accumulate(event)
+            return []
+        name_of = self._response_cls.sse_event_name
+        return [sse_frame(name_of(event), event.to_json()) for event in events]

@@ -1,0 +1,208 @@
+"""ReferenceSampler: greedy, filters, batch-invariant seeded draws, distribution, logprobs, bans."""
+
+import pytest
+import torch
+
+from deepinfer_core.backends.sampling import SamplingBackend, SamplingSpec, SamplingTensors
+from deepinfer_core.reference.sampling import ReferenceSampler, seeded_uniforms
+
+VOCAB = 8
+MASK_64 = (1 << 64) - 1
+
+
+def make_params(
+    num_rows,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    seeds=None,
+    steps=None,
+    num_logprobs=0,
+    banned=None,
+):
+    def column(value, dtype):
+        if isinstance(value, (list, tuple)):
+            return torch.tensor(value, dtype=dtype)
+        return torch.full((num_rows,), value, dtype=dtype)
+
+    return SamplingTensors(
+        temperature=column(temperature, torch.float32),
+        top_k=column(top_k, torch.int64),
+        top_p=column(top_p, torch.float32),
+        min_p=column(min_p, torch.float32),
+        seeds=column(list(range(num_rows)) if seeds is None else seeds, torch.int64),
+        steps=column(0 if steps is None else steps, torch.int64),
+        num_logprobs=num_logprobs,
+        banned_token_ids=banned,
+    )
+
+
+@pytest.fixture
+def sampler():
+    return ReferenceSampler(SamplingSpec(vocab_size=VOCAB), torch.device("cpu"))
+
+
+def random_logits(num_rows, seed=0):
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def frequencies(token_ids):
+    return torch.bincount(token_ids, minlength=VOCAB).double() / token_ids.numel()
+
+
+def test_satisfies_the_protocol(sampler):
+    assert isinstance(sampler, SamplingBackend)
+
+
+def test_greedy_rows_take_the_argmax(sampler):
+    logits = random_logits(16)
+    out = sampler.sample(logits, make_params(16, temperature=0.0))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_top_k_one_equals_greedy_for_any_seed(sampler):
+    logits = random_logits(64)
+    out = sampler.sample(logits, make_params(64, temperature=1.3, top_k=1))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_tiny_top_p_keeps_only_the_top_token(sampler):
+    logits = random_logits(64)
+    out = sampler.sample(logits, make_params(64, temperature=2.0, top_p=1e-6))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_top_k_draws_only_from_the_k_most_likely(sampler):
+    logits = random_logits(1).repeat(2000, 1)
+    out = sampler.sample(logits, make_params(2000, temperature=5.0, top_k=3))
+    allowed = set(logits[0].topk(3).indices.tolist())
+    assert set(out.token_ids.tolist()) == allowed
+
+
+def test_top_p_keeps_the_nucleus_renormalised(sampler):
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0], dtype=torch.float64)
+    logits = probs.clamp(min=1e-9).log().float().repeat(20000, 1)
+    out = sampler.sample(logits, make_params(20000, top_p=0.75))
+    observed = frequencies(out.token_ids)
+    assert observed[2:].sum() == 0
+    assert abs(observed[0] - 0.5 / 0.8) < 0.02 and abs(observed[1] - 0.3 / 0.8) < 0.02
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top(sampler):
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.01], dtype=torch.float64)
+    logits = probs.log().float().repeat(20000, 1)
+    out = sampler.sample(logits, make_params(20000, min_p=0.3))  # keeps p >= 0.12
+    observed = frequencies(out.token_ids)
+    assert observed[3:].sum() == 0
+    expected = probs[:3] / probs[:3].sum()
+    assert torch.allclose(observed[:3], expected, atol=0.02)
+
+
+def test_seeded_draws_do_not_depend_on_batch_composition_or_order(sampler):
+    logits = random_logits(6)
+    params = make_params(
+        6, temperature=1.0, top_p=0.9, seeds=[11, 12, 13, 14, 15, 16], steps=[0, 3, 5, 7, 9, 2]
+    )
+    full = sampler.sample(logits, params).token_ids
+    order = torch.tensor([4, 1, 5])
+    subset = make_params(
+        3,
+        temperature=1.0,
+        top_p=[0.9, 0.9, 0.9],
+        seeds=params.seeds[order].tolist(),
+        steps=params.steps[order].tolist(),
+    )
+    alone = sampler.sample(logits[order], subset).token_ids
+    assert torch.equal(alone, full[order])
+    again = sampler.sample(logits, params).token_ids
+    assert torch.equal(again, full)
+
+
+def test_draws_change_with_seed_and_step(sampler):
+    logits = torch.zeros(400, VOCAB)
+    by_seed = sampler.sample(logits, make_params(400, seeds=list(range(400)))).token_ids
+    by_step = sampler.sample(logits, make_params(400, seeds=7, steps=list(range(400)))).token_ids
+    assert len(set(by_seed.tolist())) == VOCAB and len(set(by_step.tolist())) == VOCAB
+    assert not torch.equal(by_seed, by_step)
+
+
+@pytest.mark.parametrize("vary", ["seed", "step"])
+def test_empirical_distribution_matches_softmax_over_temperature(sampler, vary):
+    num_draws, temperature = 40000, 0.7
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2])
+    seeds = list(range(num_draws)) if vary == "seed" else 12345
+    steps = list(range(num_draws)) if vary == "step" else 0
+    params = make_params(num_draws, temperature=temperature, seeds=seeds, steps=steps)
+    observed = frequencies(sampler.sample(logits.repeat(num_draws, 1), params).token_ids)
+    expected = torch.softmax(logits.double() / temperature, dim=-1)
+    tolerance = 5 * (expected * (1 - expected) / num_draws).sqrt() + 1e-4
+    assert ((observed - expected).abs() < tolerance).all(), (observed, expected)
+
+
+def test_logprobs_and_ranks_are_those_of_the_raw_log_softmax(sampler):
+    logits = random_logits(12)
+    banned = [[int(logits[i].argmax())] if i % 2 else [] for i in range(12)]
+    params = make_params(12, temperature=[0.0] * 6 + [0.8] * 6, top_k=2, num_logprobs=3, banned=banned)
+    out = sampler.sample(logits, params)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+    expected_ranks = (raw > out.logprobs[:, None]).sum(-1) + 1
+    assert torch.equal(out.ranks, expected_ranks)
+    # A banned argmax pushes the chosen token to rank >= 2.
+    assert (out.ranks[1::2] >= 2).all()
+    top_values, top_ids = raw.topk(3, dim=-1)
+    assert torch.equal(out.top_token_ids, top_ids) and torch.allclose(out.top_logprobs, top_values)
+
+
+def test_no_top_logprobs_when_none_requested(sampler):
+    out = sampler.sample(random_logits(2), make_params(2))
+    assert out.top_token_ids is None and out.top_logprobs is None
+
+
+def test_banned_ids_are_never_chosen(sampler):
+    logits = torch.zeros(3000, VOCAB)
+    logits[:, 5] = 10.0
+    banned = [[5, 0, 1] for _ in range(3000)]
+    greedy = sampler.sample(logits, make_params(3000, temperature=0.0, banned=banned)).token_ids
+    sampled = sampler.sample(logits, make_params(3000, temperature=1.0, banned=banned)).token_ids
+    assert not set(greedy.tolist()) & {5, 0, 1}
+    assert not set(sampled.tolist()) & {5, 0, 1}
+    assert len(set(sampled.tolist())) == VOCAB - 3
+    assert logits[0, 5] == 10.0  # the caller's logits are left untouched
+
+
+def test_mixed_batch_rows_follow_their_own_parameters(sampler):
+    logits = random_logits(4)
+    params = make_params(4, temperature=[0.0, 1.0, 0.0, 1.0], top_k=[0, 1, 0, 0], seeds=[1, 2, 3, 4])
+    out = sampler.sample(logits, params).token_ids
+    assert out[0] == logits[0].argmax() and out[1] == logits[1].argmax() and out[2] == logits[2].argmax()
+    alone = sampler.sample(logits[3:], make_params(1, seeds=[4])).token_ids
+    assert out[3] == alone[0]
+
+
+def test_rejects_wrong_width_and_too_many_logprobs(sampler):
+    with pytest.raises(ValueError, match="logits must be"):
+        sampler.sample(torch.zeros(2, VOCAB + 1), make_params(2))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        sampler.sample(torch.zeros(2, VOCAB), make_params(2, num_logprobs=21))
+
+
+def _splitmix_finaliser(z):
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return z ^ (z >> 31)
+
+
+def test_seeded_uniforms_follow_the_documented_function():
+    """Plugins reproduce this function to draw the reference's tokens; it must not drift."""
+    seed, step = 2**64 - 12345, 41
+    key = _splitmix_finaliser(_splitmix_finaliser(seed) ^ step)
+    expected = [
+        ((_splitmix_finaliser((key + 0x9E3779B97F4A7C15 * (v + 1)) & MASK_64) >> 11) + 0.5) / 2**53
+        for v in range(VOCAB)
+    ]
+    got = seeded_uniforms(torch.tensor([seed - 2**64]), torch.tensor([step]), VOCAB)[0].tolist()
+    assert got == expected
+    assert all(0 < u < 1 for u in got)

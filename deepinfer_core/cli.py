@@ -1,0 +1,116 @@
+"""The `deepinfer` command.
+
+Subcommands register themselves through an `add_<name>_parser(subparsers)` function that adds a parser
+and sets its `handler` default (a function taking the parsed arguments and returning an exit code).
+`deepinfer serve` comes from `deepinfer_core.entrypoints.serve.add_serve_parser` when that module is
+installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from collections.abc import Sequence
+
+
+def add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`deepinfer plugins [--model DIR]`."""
+    parser = subparsers.add_parser(
+        "plugins", help="list installed plugins and which one serves each hook on this machine",
+        description="List installed plugins, their versions, and which plugin builds each backend on the "
+                    "current device (with every decline reason).")
+    parser.add_argument("--model", metavar="DIR",
+                        help="checkpoint directory whose config.json gives the layer kinds to check "
+                             "(default: DeepSeek-V4-Flash's)")
+    parser.set_defaults(handler=run_plugins)
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    """Print the plugin report for the selected device."""
+    from deepinfer_core import plugins
+
+    config = None
+    if args.model:
+        from deepinfer_core.config import ModelConfig
+
+        config = ModelConfig.from_dir(args.model)
+    device = plugins.select_device()
+    print(format_report(plugins.plugin_report(device, config)))
+    return 0
+
+
+def format_report(report) -> str:
+    """The plugin report as two plain-text tables."""
+    lines = [f"device: {report.device}", "", "plugins:"]
+    plugin_rows = [(p.name, p.version, ",".join(p.platforms) or "-", ",".join(p.hooks)) for p in report.plugins]
+    lines += _table(("name", "version", "platforms", "hooks"), plugin_rows)
+    lines += ["", "backends:"]
+    choice_rows = []
+    for choice in report.choices:
+        served_by = choice.winner or f"NONE ({choice.error})"
+        declined = "; ".join(f"{plugin}: {reason}" for plugin, reason in choice.declines.items()) or "-"
+        choice_rows.append((choice.hook, _describe_spec(choice.spec), served_by, declined))
+    lines += _table(("hook", "spec", "served by", "declined"), choice_rows)
+    return "\n".join(lines)
+
+
+def _describe_spec(spec) -> str:
+    """`Name(field=value, ...)` listing only fields that differ from their defaults."""
+    if spec is None:
+        return "-"
+    fields = ", ".join(f"{f.name}={str(getattr(spec, f.name)).removeprefix('torch.')}"
+                       for f in dataclasses.fields(spec)
+                       if f.default is dataclasses.MISSING or getattr(spec, f.name) != f.default)
+    return f"{type(spec).__name__}({fields})"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    # the last column is left unpadded so long decline reasons do not widen every line
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(cell).ljust(w) for cell, w in zip(cells[:-1], widths)) + "  " + str(cells[-1])
+    return [line(header)] + [line(row) for row in rows]
+
+
+def add_serve_parser_or_hint(subparsers: argparse._SubParsersAction) -> None:
+    """`deepinfer serve`, from the serving module when it imports, else a parser that says what to install."""
+    try:
+        from deepinfer_core.entrypoints.serve import add_serve_parser
+    except ModuleNotFoundError as err:
+        parser = subparsers.add_parser("serve", help="serve a model over HTTP (needs the recipe extra)")
+        parser.set_defaults(handler=functools.partial(_serve_unavailable, missing=err.name))
+        return
+    add_serve_parser(subparsers)
+
+
+def _serve_unavailable(args: argparse.Namespace, missing: str | None) -> int:
+    print(f'deepinfer serve is not available ({missing} is not installed): pip install "deepinfer[recipe]"',
+          file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `deepinfer` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_plugins_parser(subparsers)
+    add_serve_parser_or_hint(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `deepinfer` console script."""
+    from deepinfer_core.plugins import PluginError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (PluginError, ValueError) as err:  # ValueError covers config errors
+        print(f"deepinfer {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The built-in reference plugin: pure-PyTorch backends for every factory hook, on any device.
+
+Every implementation is `trylast`, so an installed hardware plugin is always asked first and the
+reference serves only what the others decline. Backend modules are imported when a backend is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.backends import AttentionSpec, EplbSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.hookspecs import hookimpl
+
+
+@hookimpl(trylast=True)
+def platforms() -> list[str]:
+    return ["cpu"]
+
+
+@hookimpl(trylast=True)
+def detect_device() -> torch.device:
+    return torch.device("cpu")
+
+
+@hookimpl(trylast=True)
+def make_attention(spec: AttentionSpec, device: torch.device):
+    from deepinfer_core.reference.attention import ReferenceAttention
+
+    return ReferenceAttention(spec, device)
+
+
+@hookimpl(trylast=True)
+def make_moe(spec: MoESpec, device: torch.device):
+    from deepinfer_core.reference.moe import ReferenceMoE
+
+    return ReferenceMoE(spec, device)
+
+
+@hookimpl(trylast=True)
+def make_eplb(spec: EplbSpec, device: torch.device):
+    from deepinfer_core.reference.eplb import ReferenceEplb
+
+    return ReferenceEplb(spec, device)
+
+
+@hookimpl(trylast=True)
+def make_sampler(spec: SamplingSpec, device: torch.device):
+    from deepinfer_core.reference.sampling import ReferenceSampler
+
+    return ReferenceSampler(spec, device)
+
+
+@hookimpl(trylast=True)
+def make_verifier(spec: VerifySpec, device: torch.device):
+    from deepinfer_core.reference.verify import ReferenceVerifier
+
+    return ReferenceVerifier(spec, device)

@@ -1,0 +1,333 @@
+"""Decides, each step, which tokens of which requests the model computes.
+
+Policy, in order, under a token budget and a sequence cap:
+1. decodes: every running sequence with one uncomputed token gets that token;
+2. prefill chunks: running sequences with more to compute get what budget is left, cut at any token;
+3. admission: waiting sequences, first come first served, get a state slot, a prefix-cache match
+   and a first chunk. Skipped in a step that preempted or ran short of blocks, so new work never
+   overtakes older work starved of memory.
+
+Memory pressure: when a running sequence's next tokens do not fit, the newest running sequence not
+yet scheduled this step is preempted (blocks and slot freed, back to the waiting queue ahead of every
+later arrival, recomputed later from its prompt + generated tokens). A decode that is itself the
+newest preempts itself; a prefill chunk instead shrinks to the free blocks or waits a step.
+A sequence whose tokens need more blocks than the whole pool finishes with FINISHED_LENGTH
+(`pop_finished` hands it to the engine). `add` rejects a prompt that alone cannot fit.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+
+_SWA_REPLAY_MODES = ("bounded", "exact")
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits and cache policy of the scheduler."""
+
+    max_num_seqs: int
+    """Most sequences running (and scheduled in one step)."""
+    max_num_batched_tokens: int
+    """Token budget of one step; must be >= max_num_seqs so every running sequence can decode."""
+    max_model_len: int
+    """Longest prompt accepted, in tokens (the engine stops generation at this length)."""
+    block_size: int = 128
+    """Positions per cache block; must equal the block manager's."""
+    sliding_window: int = 128
+    """Window of the sliding-window attention; bounded replay recomputes this many tokens."""
+    enable_prefix_caching: bool = False
+    """Reuse cached full blocks; must equal the block manager's setting."""
+    swa_replay: str = "bounded"
+    """How a prefix hit rebuilds the window: "bounded" (last `sliding_window` tokens) or "exact"."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.swa_replay not in _SWA_REPLAY_MODES:
+            raise ValueError(f"swa_replay must be one of {_SWA_REPLAY_MODES}, got {self.swa_replay!r}")
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: the runner computes `seq.token_ids[c : c + n]` at positions `c .. c+n-1`
+    (`c = seq.num_computed_tokens`, `n = num_new_tokens[i]`) and samples for each sequence where
+    `c + n == seq.num_tokens`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals since the scheduler was built."""
+
+    num_preemptions: int = 0
+    num_queried_tokens: int = 0
+    """Tokens looked up in the prefix cache at admission (prompt + generated after a preemption)."""
+    num_hit_tokens: int = 0
+    """Of those, tokens served by cached blocks."""
+    num_prefill_tokens: int = 0
+    """Tokens computed in prefill chunks, replays and recomputes included."""
+    num_decode_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit tokens / queried tokens (0 when nothing was queried)."""
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+@dataclass
+class _Step:
+    budget: int
+    batch: ScheduledBatch = field(default_factory=ScheduledBatch)
+    scheduled: set[str] = field(default_factory=set)
+    is_memory_short: bool = False
+    """Something was preempted, or a chunk shrank or waited, for lack of blocks."""
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.batch.seqs.append(seq)
+        self.batch.num_new_tokens.append(num_new_tokens)
+        self.scheduled.add(seq.request_id)
+        self.budget -= num_new_tokens
+
+
+class Scheduler:
+    """Waiting and running queues, state slots, and the per-step batch decision.
+
+    :param config: limits and cache policy.
+    :param block_manager: the block pool (its block size and prefix-caching flag must match `config`).
+    :param num_slots: per-request state slots (sliding window + compressor tails) in the cache.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_slots: int) -> None:
+        if block_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block manager block_size {block_manager.block_size} != scheduler block_size {config.block_size}"
+            )
+        if block_manager.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching differs between the scheduler and the block manager")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order, oldest first
+        self.stats = SchedulerStats()
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival: dict[str, int] = {}
+        self._arrivals = count()
+        self._finished_here: list[Sequence] = []
+
+    # -- queues --------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of the waiting queue.
+
+        :raises ValueError: duplicate request id, a sequence that is not fresh, a prompt longer than
+            `max_model_len`, or a prompt needing more blocks than the whole pool.
+        """
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled; request ids must be unique")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"{seq!r} is not a fresh sequence; create a new Sequence for each request")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r} has {seq.num_tokens} tokens but max_model_len is "
+                f"{self.config.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        if self._exceeds_pool(seq):
+            raise ValueError(
+                f"request {seq.request_id!r} needs {self.block_manager.blocks_for(seq.num_tokens)} cache blocks "
+                f"but the cache has {self.block_manager.num_blocks}; shorten the prompt or give the cache "
+                "more memory"
+            )
+        self._seqs[seq.request_id] = seq
+        self._arrival[seq.request_id] = next(self._arrivals)
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End `seq` with a FINISHED_* `status`: free its blocks and slot and drop it from the queues."""
+        if not status.is_finished:
+            raise ValueError(f"finish needs a FINISHED_* status, got {status}")
+        if self._seqs.get(seq.request_id) is not seq:
+            raise ValueError(f"{seq!r} is not scheduled here (finished already, or never added)")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release_resources(seq)
+        seq.status = status  # counts such as num_cached_tokens stay for the final output
+        del self._seqs[seq.request_id], self._arrival[seq.request_id]
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting or running request as FINISHED_ABORTED; None if it is unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def pop_finished(self) -> list[Sequence]:
+        """Sequences the scheduler finished itself (FINISHED_LENGTH: too long for the whole cache)
+        since the last call. The engine must emit their final outputs; call after every `schedule`."""
+        finished, self._finished_here = self._finished_here, []
+        return finished
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick this step's batch (see the module docstring); None when nothing can run."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_decodes(step)
+        self._schedule_prefill_chunks(step)
+        if not step.is_memory_short:
+            self._admit_waiting(step)
+        return step.batch if step.batch.seqs else None
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """Record that the batch ran: advance each sequence and cache its newly full blocks."""
+        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule and postprocess
+            seq.num_computed_tokens += num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+
+    def _has_room(self, step: _Step) -> bool:
+        return step.budget > 0 and len(step.batch) < self.config.max_num_seqs
+
+    def _schedule_decodes(self, step: _Step) -> None:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
+                continue  # preempted by an older sequence this step, or prefilling
+            if not self._has_room(step):
+                return
+            if self._make_room(seq, 1, step):
+                step.add(seq, 1)
+                self.stats.num_decode_tokens += 1
+            elif seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq)
+                step.is_memory_short = True
+
+    def _schedule_prefill_chunks(self, step: _Step) -> None:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
+                continue
+            if not self._has_room(step):
+                return
+            num_new_tokens = min(seq.num_uncomputed_tokens, step.budget)
+            if not self._make_room(seq, num_new_tokens, step):
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                step.is_memory_short = True
+                free_positions = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.config.block_size
+                num_new_tokens = min(num_new_tokens, free_positions - seq.num_computed_tokens)
+                if num_new_tokens < 1:
+                    continue  # waits for older or already scheduled sequences to release blocks
+                self.block_manager.allocate(seq, num_new_tokens)
+            step.add(seq, num_new_tokens)
+            self.stats.num_prefill_tokens += num_new_tokens
+
+    def _admit_waiting(self, step: _Step) -> None:
+        while self.waiting and self._free_slots and self._has_room(step):
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            seq = self.waiting[0]
+            if self._exceeds_pool(seq):
+                self._finish_here(seq)
+                continue
+            if self.config.enable_prefix_caching:
+                self.block_manager.match_prefix(seq, self.config.sliding_window, self.config.swa_replay)
+            num_new_tokens = min(seq.num_uncomputed_tokens, step.budget)
+            if not self.block_manager.can_allocate(seq, num_new_tokens):
+                self._release(seq)  # undo the prefix match; retried next step
+                return
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new_tokens)
+            seq.slot = self._free_slots.pop()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: self._arrival[s.request_id])
+            if self.config.enable_prefix_caching:
+                self.stats.num_queried_tokens += seq.num_tokens
+                self.stats.num_hit_tokens += seq.num_cached_tokens
+            step.add(seq, num_new_tokens)
+            self.stats.num_prefill_tokens += num_new_tokens
+
+    # -- memory pressure -----------------------------------------------------------------------
+
+    def _exceeds_pool(self, seq: Sequence) -> bool:
+        return self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks
+
+    def _make_room(self, seq: Sequence, num_new_tokens: int, step: _Step) -> bool:
+        """Allocate blocks for `seq`'s next tokens, preempting newer unscheduled sequences as needed.
+
+        False, with nothing allocated, when `seq` is the newest unscheduled sequence and still does not
+        fit, or when it can never fit (then it is finished with FINISHED_LENGTH).
+        """
+        if self._exceeds_pool(seq):
+            self._finish_here(seq)
+            return False
+        while not self.block_manager.can_allocate(seq, num_new_tokens):
+            victim = next(s for s in reversed(self.running) if s.request_id not in step.scheduled)
+            if victim is seq:
+                return False
+            self._preempt(victim)
+            step.is_memory_short = True
+        self.block_manager.allocate(seq, num_new_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to waiting for recompute, ahead of every later arrival."""
+        self.running.remove(seq)
+        self._release(seq)
+        arrival = self._arrival[seq.request_id]
+        index = next((i for i, s in enumerate(self.waiting) if self._arrival[s.request_id] > arrival), None)
+        self.waiting.insert(len(self.waiting) if index is None else index, seq)
+        self.stats.num_preemptions += 1
+
+    def _release_resources(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq.slot is not None:
+            self._free_slots.append(seq.slot)
+            seq.slot = None
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back blocks and slot and forget the cache state (tokens are kept)."""
+        self._release_resources(seq)
+        seq.reset_cache_state()
+
+    def _finish_here(self, seq: Sequence) -> None:
+        self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        self._finished_here.append(seq)

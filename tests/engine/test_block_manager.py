@@ -1,0 +1,327 @@
+"""BlockManager: allocation, reference counts, the prefix cache, collision safety, LRU eviction."""
+
+import pytest
+
+from deepinfer_core.engine import block_manager as bm_module
+from deepinfer_core.engine.block_manager import BlockManager, NoFreeBlocksError, blocks_for
+from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_seq(tokens, request_id="r") -> Sequence:
+    return Sequence(request_id, list(tokens), SamplingParams())
+
+
+def compute_all(manager: BlockManager, seq: Sequence) -> None:
+    """Allocate and 'compute' every token of seq, then register its full blocks."""
+    manager.allocate(seq, seq.num_uncomputed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_full_blocks(seq)
+
+
+def snapshot(manager: BlockManager) -> tuple[int, list[int]]:
+    return manager.num_free_blocks, [manager.ref_count(i) for i in range(manager.num_blocks)]
+
+
+# -- allocation ---------------------------------------------------------------------------------
+
+
+def test_blocks_for_rounds_up():
+    assert [blocks_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("kwargs", [{"num_blocks": 0}, {"num_blocks": 4, "block_size": 0}])
+def test_rejects_empty_pool(kwargs):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        BlockManager(**kwargs)
+
+
+def test_allocate_covers_computed_plus_new_tokens():
+    manager = BlockManager(num_blocks=8, block_size=BS)
+    seq = make_seq(range(10))
+    manager.allocate(seq, 5)  # positions 0..4 -> 2 blocks
+    assert seq.block_table == [0, 1]
+    seq.num_computed_tokens = 5
+    assert manager.can_allocate(seq, 3)
+    manager.allocate(seq, 3)  # positions < 8: still 2 blocks
+    assert seq.block_table == [0, 1]
+    manager.allocate(seq, 5)  # positions < 10: 3 blocks
+    assert seq.block_table == [0, 1, 2]
+    assert manager.num_free_blocks == 5
+    assert [manager.ref_count(i) for i in range(3)] == [1, 1, 1]
+
+
+def test_can_allocate_counts_free_blocks_exactly():
+    manager = BlockManager(num_blocks=3, block_size=BS)
+    seq = make_seq(range(20))
+    assert manager.can_allocate(seq, 12)
+    assert not manager.can_allocate(seq, 13)
+    with pytest.raises(NoFreeBlocksError, match="can_allocate"):
+        manager.allocate(seq, 13)
+    assert seq.block_table == [] and manager.num_free_blocks == 3
+
+
+def test_free_restores_pool_and_clears_table():
+    manager = BlockManager(num_blocks=6, block_size=BS)
+    a, b = make_seq(range(9), "a"), make_seq(range(5), "b")
+    manager.allocate(a, 9)
+    manager.allocate(b, 5)
+    assert manager.num_free_blocks == 1
+    manager.free(a)
+    assert a.block_table == [] and manager.num_free_blocks == 4
+    assert manager.ref_count(b.block_table[0]) == 1
+    manager.free(b)
+    assert snapshot(manager) == (6, [0] * 6)
+
+
+# -- prefix cache: registration and hits ---------------------------------------------------------
+
+
+def test_cache_full_blocks_registers_only_computed_full_blocks():
+    manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(11))
+    manager.allocate(seq, 11)
+    seq.num_computed_tokens = 7  # block 0 full, block 1 half computed
+    manager.cache_full_blocks(seq)
+    assert manager.num_cached_blocks == 1
+    seq.num_computed_tokens = 11
+    manager.cache_full_blocks(seq)
+    assert manager.num_cached_blocks == 2  # the partial third block is never cached
+    manager.cache_full_blocks(seq)  # idempotent
+    assert manager.num_cached_blocks == 2
+
+
+def test_no_caching_when_disabled():
+    manager = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq(range(9), "a")
+    compute_all(manager, a)
+    assert manager.num_cached_blocks == 0
+    b = make_seq(range(9), "b")
+    manager.match_prefix(b, sliding_window=4, replay="bounded")
+    assert (b.block_table, b.num_computed_tokens, b.num_cached_tokens) == ([], 0, 0)
+
+
+def test_hit_shares_blocks_and_sets_bounded_replay_fields():
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    a = make_seq(range(14), "a")
+    compute_all(manager, a)  # 3 full blocks cached
+    b = make_seq(list(range(13)) + [99, 100], "b")
+    manager.match_prefix(b, sliding_window=BS, replay="bounded")
+    assert b.block_table == a.block_table[:3]
+    assert [manager.ref_count(i) for i in a.block_table] == [2, 2, 2, 1]
+    assert (b.num_cached_tokens, b.no_write_before) == (12, 12)
+    assert b.replay_start == b.num_computed_tokens == 8  # H - sliding_window
+
+
+def test_exact_replay_recomputes_from_zero():
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    compute_all(manager, make_seq(range(13), "a"))
+    b = make_seq(range(13), "b")
+    manager.match_prefix(b, sliding_window=BS, replay="exact")
+    assert (b.num_cached_tokens, b.no_write_before, b.replay_start, b.num_computed_tokens) == (12, 12, 0, 0)
+    assert len(b.block_table) == 3
+
+
+def test_replay_start_clamps_at_zero_when_window_exceeds_hit():
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    compute_all(manager, make_seq(range(9), "a"))
+    b = make_seq(range(9), "b")
+    manager.match_prefix(b, sliding_window=3 * BS, replay="bounded")
+    assert (b.num_cached_tokens, b.replay_start, b.num_computed_tokens) == (8, 0, 0)
+
+
+@pytest.mark.parametrize(("query_len", "hit"), [(12, 8), (13, 12), (4, 0), (5, 4)])
+def test_hit_leaves_at_least_one_token_to_compute(query_len, hit):
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    compute_all(manager, make_seq(range(16), "a"))
+    b = make_seq(range(query_len), "b")
+    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    assert b.num_cached_tokens == hit and b.num_computed_tokens == hit
+    assert len(b.block_table) == hit // BS
+
+
+def test_chained_hash_needs_the_whole_prefix():
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    compute_all(manager, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 3], "a"))
+    b = make_seq([9, 9, 9, 9, 2, 2, 2, 2, 3], "b")  # same second block, different first
+    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    assert b.block_table == [] and b.num_cached_tokens == 0
+
+
+def test_match_prefix_validates_arguments():
+    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    seq = make_seq(range(6))
+    with pytest.raises(ValueError, match="swa_replay"):
+        manager.match_prefix(seq, sliding_window=4, replay="full")
+    manager.allocate(seq, 2)
+    with pytest.raises(ValueError, match="fresh"):
+        manager.match_prefix(seq, sliding_window=4, replay="bounded")
+
+
+def test_generated_tokens_are_cached_too():
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    a = make_seq(range(6), "a")
+    for token in (50, 51, 52):
+        a.append_token(token)
+    compute_all(manager, a)  # 9 tokens: 2 full blocks, the second half generated
+    b = make_seq(list(range(6)) + [50, 51, 7], "b")
+    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    assert b.num_cached_tokens == 8
+
+
+def test_duplicate_block_is_not_registered_twice():
+    manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    a, b = make_seq(range(9), "a"), make_seq(range(9), "b")
+    manager.allocate(a, 9)
+    manager.allocate(b, 9)  # both computed the same prefix before either cached it
+    for seq in (a, b):
+        seq.num_computed_tokens = 9
+        manager.cache_full_blocks(seq)
+    assert manager.num_cached_blocks == 2
+    a_blocks = list(a.block_table)
+    manager.free(b)  # b's copies were never registered: they come back as plain free blocks
+    manager.free(a)
+    assert manager.num_free_blocks == 8
+    c = make_seq(range(9), "c")
+    manager.match_prefix(c, sliding_window=0, replay="bounded")
+    assert c.block_table == a_blocks[:2]
+
+
+# -- collision safety ----------------------------------------------------------------------------
+
+
+def test_forced_hash_collision_never_serves_a_wrong_block(monkeypatch):
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: 7)
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    a = make_seq([1, 1, 1, 1, 2, 2, 2, 2, 3], "a")
+    compute_all(manager, a)
+    # block 1 collides with block 0 (same hash, held by a): caching stops after block 0
+    assert manager.num_cached_blocks == 1
+    b = make_seq([5, 5, 5, 5, 2, 2, 2, 2, 3], "b")
+    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    assert b.block_table == [] and b.num_cached_tokens == 0
+    c = make_seq([1, 1, 1, 1, 9, 9, 9, 9, 3], "c")
+    manager.match_prefix(c, sliding_window=0, replay="bounded")
+    assert c.block_table == a.block_table[:1] and c.num_cached_tokens == 4
+
+
+def test_parent_is_verified_not_only_the_block_tokens(monkeypatch):
+    # A hash that ignores the parent: block tokens alone would match a block of another chain.
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: hash(tuple(tokens)))
+    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    compute_all(manager, make_seq([1] * 4 + [2] * 4 + [0], "a"))  # chain X -> Y
+    compute_all(manager, make_seq([3] * 4 + [4] * 4 + [0], "c"))  # chain Z -> W
+    b = make_seq([3] * 4 + [2] * 4 + [0], "b")  # Z then Y's tokens, but Y's parent is X
+    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    assert b.num_cached_tokens == 4 and len(b.block_table) == 1
+
+
+def test_collision_with_unreferenced_block_replaces_it(monkeypatch):
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: 7)
+    manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    a = make_seq([1] * 4 + [0], "a")
+    compute_all(manager, a)
+    manager.free(a)
+    b = make_seq([2] * 4 + [0], "b")
+    compute_all(manager, b)  # a's cached block is unreferenced: b's block takes the hash
+    assert manager.num_cached_blocks == 1 and manager.num_free_blocks == 6
+    again_a = make_seq([1] * 4 + [0], "a2")
+    manager.match_prefix(again_a, sliding_window=0, replay="bounded")
+    assert again_a.block_table == []
+    again_b = make_seq([2] * 4 + [0], "b2")
+    manager.match_prefix(again_b, sliding_window=0, replay="bounded")
+    assert again_b.block_table == b.block_table[:1]
+
+
+# -- eviction and the free-pool invariant --------------------------------------------------------
+
+
+def test_free_keeps_cached_blocks_reusable_and_counted_free():
+    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = make_seq(range(9), "a")
+    compute_all(manager, a)
+    manager.free(a)
+    assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 2
+    b = make_seq(range(9), "b")
+    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    assert b.block_table == [0, 1] and manager.num_free_blocks == 2
+
+
+def test_plain_free_blocks_are_used_before_cached_ones():
+    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = make_seq(range(9), "a")  # 2 cached blocks + 1 partial
+    compute_all(manager, a)
+    manager.free(a)
+    b = make_seq([7] * 5, "b")
+    manager.allocate(b, 5)  # 2 blocks: the never-used block 3 and a's uncached partial block 2
+    assert sorted(b.block_table) == [2, 3]
+    assert manager.num_cached_blocks == 2
+
+
+def test_lru_eviction_order_oldest_release_first_tail_before_head():
+    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = make_seq([1] * 8 + [0], "a")
+    manager.allocate(a, 8)
+    a.num_computed_tokens = 8
+    manager.cache_full_blocks(a)
+    a_blocks = list(a.block_table)
+    b = make_seq([2] * 8 + [0], "b")
+    manager.allocate(b, 8)
+    b.num_computed_tokens = 8
+    manager.cache_full_blocks(b)
+    b_blocks = list(b.block_table)
+    manager.free(a)  # released first: evicted first, its tail before its head
+    manager.free(b)
+    assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 4
+    c = make_seq([3] * 5, "c")
+    manager.allocate(c, 1)
+    assert c.block_table == [a_blocks[1]]
+    manager.allocate(c, 5)
+    assert c.block_table == [a_blocks[1], a_blocks[0]]
+    assert manager.num_cached_blocks == 2
+    probe_b = make_seq([2] * 8 + [0], "pb")
+    manager.match_prefix(probe_b, sliding_window=0, replay="bounded")
+    assert probe_b.block_table == b_blocks
+    probe_a = make_seq([1] * 8 + [0], "pa")
+    manager.match_prefix(probe_a, sliding_window=0, replay="bounded")
+    assert probe_a.block_table == []
+
+
+def test_hit_refreshes_lru_position():
+    manager = BlockManager(num_blocks=2, block_size=BS, enable_prefix_caching=True)
+    a, b = make_seq([1] * 4 + [0], "a"), make_seq([2] * 4 + [0], "b")
+    for seq in (a, b):
+        manager.allocate(seq, 4)
+        seq.num_computed_tokens = 4
+        manager.cache_full_blocks(seq)
+    manager.free(a)
+    manager.free(b)
+    again = make_seq([1] * 4 + [0], "a2")
+    manager.match_prefix(again, sliding_window=0, replay="bounded")
+    manager.free(again)  # a's block is now the most recently released
+    c = make_seq([3] * 2, "c")
+    manager.allocate(c, 2)
+    assert c.block_table == [1]  # b's block, released after a's but not touched since
+    probe_a = make_seq([1] * 4 + [0], "pa")
+    manager.match_prefix(probe_a, sliding_window=0, replay="bounded")
+    assert probe_a.block_table == [0]
+    probe_b = make_seq([2] * 4 + [0], "pb")
+    manager.match_prefix(probe_b, sliding_window=0, replay="bounded")
+    assert probe_b.block_table == []
+
+
+def test_allocate_then_free_restores_pool_with_shared_blocks():
+    manager = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=True)
+    base = make_seq(range(13), "base")
+    compute_all(manager, base)
+    before = snapshot(manager)
+    seq = make_seq(list(range(12)) + [50, 51, 52, 53, 54, 55], "x")
+    manager.match_prefix(seq, sliding_window=BS, replay="bounded")
+    manager.allocate(seq, seq.num_uncomputed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_full_blocks(seq)
+    assert manager.num_free_blocks < before[0]
+    manager.free(seq)
+    assert snapshot(manager) == before

@@ -1,0 +1,104 @@
+"""The output side: engine RequestOutputs -> API responses, driven by hand-built outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepinfer_core.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer_recipe.encoding import RecipeChatEncoding
+from deepinfer_recipe.tokenizer import DeepseekTokenizer
+
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def encoding(v4_tokenizer: DeepseekTokenizer) -> RecipeChatEncoding:
+    return RecipeChatEncoding(v4_tokenizer, "deepseek_v4", ["tiny-v4"])
+
+
+def outputs_for(prompt: list[int], generated: list[int], finish_reason: str = "stop", cached: int = 0,
+                logprobs: bool = False) -> list[RequestOutput]:
+    """One RequestOutput per generated token, cumulative, the last one finished."""
+    steps = []
+    for n in range(1, len(generated) + 1):
+        done = n == len(generated)
+        lps = [{t: Logprob(-0.5), 7: Logprob(-1.5)} for t in generated[:n]] if logprobs else None
+        completion = CompletionOutput(0, "", generated[:n], None, lps, finish_reason if done else None)
+        steps.append(RequestOutput("r", None, prompt, [completion], done, num_cached_tokens=cached))
+    return steps
+
+
+def run(encoding: RecipeChatEncoding, api: str, body: dict, generated: list[int], **kw: object) -> tuple[list[str], object]:
+    prepared = encoding.prepare(api, body, 4096)
+    stream = encoding.open_stream(prepared, {"chat": "chatcmpl-1", "responses": "resp_1", "messages": "msg_1"}[api],
+                                  [EOS])
+    frames = []
+    for output in outputs_for(prepared.prompt_token_ids, generated, **kw):
+        frames += stream.push(output)
+        if stream.finished:
+            break
+    frames += stream.finish()
+    return frames, stream
+
+
+def test_eos_never_reaches_the_text_but_counts_as_generated(encoding, v4_tokenizer) -> None:
+    generated = v4_tokenizer.encode("Hello there") + [EOS]
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "disabled"}}
+    _, stream = run(encoding, "chat", body, generated, cached=4)
+    response = json.loads(stream.response_json())
+    assert response["choices"][0]["message"]["content"] == "Hello there"
+    assert response["choices"][0]["finish_reason"] == "stop"
+    assert response["usage"]["completion_tokens"] == len(generated)
+    assert response["usage"]["prompt_cache_hit_tokens"] == 4
+
+
+def test_reasoning_and_tool_calls_are_parsed(encoding, v4_tokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    answer = ("Need weather.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n"
+              "<｜DSML｜ parameter name=\"city\" string=\"true\">Paris</｜DSML｜ parameter>\n"
+              "</｜DSML｜ invoke>\n</｜DSML｜ calls>")
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "weather?"}], "tools": tools}
+    _, stream = run(encoding, "chat", body, v4_tokenizer.encode(answer) + [EOS])
+    message = json.loads(stream.response_json())["choices"][0]["message"]
+    assert message["reasoning_content"] == "Need weather."
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_stop_sequence_finishes_before_the_engine(encoding, v4_tokenizer) -> None:
+    generated = v4_tokenizer.encode("one two STOP three four five") + [EOS]
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "count"}],
+            "thinking": {"type": "disabled"}, "stop": ["STOP"], "stream": True}
+    frames, stream = run(encoding, "chat", body, generated)
+    text = "".join(json.loads(f[6:])["choices"][0]["delta"].get("content") or ""
+                   for f in frames if f.startswith("data: {"))
+    assert stream.finished and text == "one two " and frames[-1] == "data: [DONE]\n\n"
+
+
+def test_length_finish_maps_to_each_api(encoding, v4_tokenizer) -> None:
+    generated = v4_tokenizer.encode("abc def")
+    body = {"model": "tiny-v4", "max_tokens": 64, "messages": [{"role": "user", "content": "x"}],
+            "thinking": {"type": "disabled"}}
+    _, stream = run(encoding, "messages", body, generated, finish_reason="length")
+    response = json.loads(stream.response_json())
+    assert response["stop_reason"] == "max_tokens" and response["id"] == "msg_1"
+
+
+def test_streamed_event_names_follow_each_api(encoding, v4_tokenizer) -> None:
+    body = {"model": "tiny-v4", "input": "x", "stream": True, "reasoning": {"effort": "none"}}
+    frames, _ = run(encoding, "responses", body, v4_tokenizer.encode("ok") + [EOS])
+    names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
+    assert names[0] == "response.created" and names[-1] == "response.completed"
+    assert all(f.startswith("event: ") for f in frames)
+
+
+def test_logprobs_are_passed_through(encoding, v4_tokenizer) -> None:
+    generated = v4_tokenizer.encode("Hi") + [EOS]
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled"},
+            "logprobs": True, "top_logprobs": 2}
+    _, stream = run(encoding, "chat", body, generated, logprobs=True)
+    content = json.loads(stream.response_json())["choices"][0]["logprobs"]["content"]
+    assert [entry["logprob"] for entry in content] == [-0.5] * (len(generated) - 1)
+    assert len(content[0]["top_logprobs"]) == 2

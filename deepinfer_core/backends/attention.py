@@ -143,5 +143,6 @@ class AttentionBackend(Protocol):
         :param metadata: the step's `AttentionMetadata`.
         :param num_entries: `[num_seqs]` entries each request has after this step.
         :returns: `[num_tokens, index_topk]` int64 entry numbers; -1 where fewer entries are visible.
+            On equal scores the lower entry number wins (ReLU makes exact ties common).
         """
         ...

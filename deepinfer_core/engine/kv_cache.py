@@ -1,0 +1,76 @@
+"""The V4 cache: a paged pool for compressed entries, fixed per-request state for the rest.
+
+Per layer (see `deepinfer_core.backends.attention` for how backends read it):
+- `window` `[num_slots, sliding_window, head_dim]`: the sliding-window ring of every layer;
+- CSA/HCA: `compressed` `[num_blocks * 128 / rate, head_dim]`, paged by 128-token blocks, plus the
+  compressor tail rings `kv_tail` / `gate_tail` `[num_slots, tail_rows, proj]` (gate in fp32);
+- CSA: `index_keys` `[num_blocks * 32, index_head_dim]` and the indexer's own tail rings.
+Blocks are per request (block tables); slots are per running request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.models.deepseek_v4 import LayerCache
+from deepinfer_core.models.layer_plan import LayerPlan
+
+BLOCK_SIZE = 128
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_per_block(plans: list[LayerPlan], dtype: torch.dtype) -> int:
+    """Bytes one 128-token block takes across all layers (compressed entries + indexer keys)."""
+    total = 0
+    for plan in plans:
+        if plan.has_compressor:
+            total += plan.attention.entries_per_block * plan.attention.head_dim
+        if plan.has_indexer:
+            total += plan.attention.entries_per_block * plan.attention.index_head_dim
+    return total * _dtype_bytes(dtype)
+
+
+def bytes_per_slot(plans: list[LayerPlan], dtype: torch.dtype) -> int:
+    """Bytes of fixed per-request state (windows and compressor tails) across all layers."""
+    item, total = _dtype_bytes(dtype), 0
+    for plan in plans:
+        spec = plan.attention
+        total += spec.sliding_window * spec.head_dim * item
+        if plan.has_compressor:
+            proj = spec.head_dim * (2 if plan.has_indexer else 1)
+            total += plan.tail_rows * proj * (item + 4)
+        if plan.has_indexer:
+            total += plan.tail_rows * 2 * spec.index_head_dim * (item + 4)
+    return total
+
+
+class KVCache:
+    """Allocates and holds every layer's cache tensors."""
+
+    def __init__(self, plans: list[LayerPlan], num_blocks: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.layers = [self._allocate(plan, num_blocks, num_slots, dtype, device) for plan in plans]
+
+    @staticmethod
+    def _allocate(plan: LayerPlan, num_blocks: int, num_slots: int, dtype, device) -> LayerCache:
+        spec = plan.attention
+
+        def zeros(*shape, dt=dtype):
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        cache = LayerCache(window=zeros(num_slots, spec.sliding_window, spec.head_dim))
+        if plan.has_compressor:
+            rows = num_blocks * spec.entries_per_block
+            proj = spec.head_dim * (2 if plan.has_indexer else 1)
+            cache.compressed = zeros(rows, spec.head_dim)
+            cache.kv_tail = zeros(num_slots, plan.tail_rows, proj)
+            cache.gate_tail = zeros(num_slots, plan.tail_rows, proj, dt=torch.float32)
+        if plan.has_indexer:
+            cache.index_keys = zeros(num_blocks * spec.entries_per_block, spec.index_head_dim)
+            cache.index_kv_tail = zeros(num_slots, plan.tail_rows, 2 * spec.index_head_dim)
+            cache.index_gate_tail = zeros(num_slots, plan.tail_rows, 2 * spec.index_head_dim, dt=torch.float32)
+        return cache

@@ -1,0 +1,153 @@
+"""The model runner: owns the device, the weights, the backends and the cache; runs one step.
+
+It turns a `ScheduledBatch` into flat tensors (`prepare_*`), runs the model, and samples the requests
+whose last known token was computed this step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deepinfer_core import plugins
+from deepinfer_core.backends import AttentionMetadata, SamplerOutput, SamplingSpec
+from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.engine.sampling import prepare_sampling_tensors
+from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
+from deepinfer_core.models.layer_plan import build_layer_plan
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        """`weights` (internal names) replaces loading from `engine_config.model` when given."""
+        self.config, self.engine_config, self.device = model_config, engine_config, device
+        self.dtype = engine_config.torch_dtype(model_config)
+        self.plans = build_layer_plan(model_config, self.dtype)
+        self.model = self._load_model(weights)
+        self._bind_backends()
+        self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
+        self.num_slots = engine_config.max_num_seqs
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
+
+    # -- build phases -------------------------------------------------------------------------------
+
+    def _load_model(self, weights: dict[str, torch.Tensor] | None) -> DeepseekV4ForCausalLM:
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(self.config, self.plans, self.dtype)
+        if weights is None:
+            from deepinfer_core.models.weights import load_weights
+
+            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device)
+        weights = {name: t.to(self.device) for name, t in weights.items()}
+        model.load_state_dict(_match_param_dtypes(model, weights), strict=True, assign=True)
+        return model.eval()
+
+    def _bind_backends(self) -> None:
+        attention, moe = {}, {}
+        for plan in self.plans:
+            if plan.attention not in attention:
+                attention[plan.attention] = plugins.make_attention(plan.attention, self.device)
+            if plan.moe not in moe:
+                moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
+        self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans], self.device)
+
+    def _num_blocks(self) -> int:
+        cfg = self.engine_config
+        per_block = max(bytes_per_block(self.plans, self.dtype), 1)
+        per_slot = bytes_per_slot(self.plans, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.gpu_memory_utilization - per_slot * self.num_slots
+            blocks = int(budget // per_block)
+        else:  # host memory: enough for every slot at full length, capped by the utilisation fraction
+            wanted = self.num_slots * -(-cfg.max_model_len // BLOCK_SIZE)
+            blocks = min(wanted, int(_host_memory() * cfg.gpu_memory_utilization * 0.25 // per_block))
+        if blocks < 1:
+            raise MemoryError(f"no room for the KV cache: {per_block} bytes per block; lower max_num_seqs or set num_kv_blocks")
+        logger.info(
+            "cache: %d blocks of %d tokens, %.1f bytes/token compressed state, %.2f MiB fixed state per request",
+            blocks, BLOCK_SIZE, per_block / BLOCK_SIZE, per_slot / 2**20,
+        )
+        return blocks
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def execute(self, seqs, num_new_tokens: list[int]) -> tuple[list[int], SamplerOutput | None]:
+        """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed.
+
+        :returns: the indices (into `seqs`) that were sampled, and the sampler's output for them.
+        """
+        ctx, logits_indices, sampled = self.prepare_inputs(seqs, num_new_tokens)
+        logits = self.model(ctx, self.kv_cache.layers, logits_indices)
+        if not sampled:
+            return [], None
+        rows = [seqs[i] for i in sampled]
+        tensors = prepare_sampling_tensors(
+            [s.sampling_params for s in rows], [s.seed for s in rows], [s.num_output_tokens for s in rows],
+            self.config.eos_token_ids, self.device,
+        )
+        return sampled, self.sampler.sample(logits, tensors)
+
+    def prepare_inputs(self, seqs, num_new_tokens: list[int]) -> tuple[ForwardContext, torch.Tensor, list[int]]:
+        ids, positions, starts, lens, sampled, ends = [], [], [], [], [], []
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            starts.append(start)
+            lens.append(n)
+            if start + n == seq.num_tokens:
+                sampled.append(i)
+                ends.append(sum(lens) - 1)
+        dev = self.device
+        width = max(len(s.block_table) for s in seqs) or 1
+        tables = torch.full((len(seqs), width), -1, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        start_loc = [0]
+        for n in lens:
+            start_loc.append(start_loc[-1] + n)
+        position_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(start_loc, dtype=torch.long, device=dev),
+            start_positions=torch.tensor(starts, dtype=torch.long, device=dev),
+            positions=position_t,
+            slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            query_lens=lens,
+            start_positions_host=starts,
+            window_start_positions_host=[s.replay_start for s in seqs] if any(s.replay_start for s in seqs) else None,
+        )
+        totals = torch.tensor([a + n for a, n in zip(starts, lens)], dtype=torch.long, device=dev)
+        rates = {p.compress_rate for p in self.plans if p.has_compressor}
+        ctx = ForwardContext(
+            metadata=meta,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            rope=self.model.rope_tables(position_t),
+            num_entries={rate: totals // rate for rate in rates},
+            no_write_before=[s.no_write_before for s in seqs],
+        )
+        return ctx, torch.tensor(ends, dtype=torch.long, device=dev), sampled
+
+
+def _match_param_dtypes(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cast each loaded tensor to the dtype the model declares for it (norms, hc and biases stay fp32)."""
+    declared = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {name: t.to(declared[name].dtype) if name in declared else t for name, t in weights.items()}
+
+
+def _host_memory() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30

@@ -1,0 +1,1 @@
+"""DeepSeek-V4 model definition and checkpoint loading."""

@@ -1,0 +1,204 @@
+"""DeepSeek-V4 forward over a flat batch of tokens from many requests, through the backend objects.
+
+Parameter names mirror transformers' `DeepseekV4ForCausalLM`, so its `save_pretrained` output loads
+as is (`deepinfer_core.models.weights` maps the official DeepSeek names onto these).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_core.backends import AttentionBackend, AttentionMetadata, MoEBackend, MoEWeights
+from deepinfer_core.models.compressor import Compressor, Indexer
+from deepinfer_core.models.layer_plan import LayerPlan
+from deepinfer_core.models.layers import (
+    GroupedLinear,
+    HyperConnection,
+    HyperHead,
+    RMSNorm,
+    SharedExpert,
+    hyper_residual,
+    unweighted_rms_norm,
+)
+from deepinfer_core.models.rope import Rotary, apply_rotary
+
+
+@dataclass
+class LayerCache:
+    """One layer's cache tensors (see `deepinfer_core.engine.kv_cache`); None where the layer has none."""
+
+    window: torch.Tensor
+    compressed: torch.Tensor | None = None
+    kv_tail: torch.Tensor | None = None
+    gate_tail: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    index_kv_tail: torch.Tensor | None = None
+    index_gate_tail: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    """Per-step inputs every layer reads; built once per step by the runner."""
+
+    metadata: AttentionMetadata
+    input_ids: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """`main` / `compress` cos and sin for every token."""
+    num_entries: dict[int, torch.Tensor]
+    """Per compress rate, `[num_seqs]` entries each request has after this step."""
+    no_write_before: list[int]
+    """Per request, entries of windows ending at or before this position are already cached."""
+
+
+class Attention(nn.Module):
+    def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.plan = plan
+        heads, dim, eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
+        self.num_heads, self.head_dim, self.eps, self.o_groups = heads, dim, eps, config.o_groups
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False, dtype=dtype)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, heads * dim, bias=False, dtype=dtype)
+        self.kv_proj = nn.Linear(config.hidden_size, dim, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(dim, eps)
+        self.o_a_proj = GroupedLinear(heads * dim // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups, dtype)
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False, dtype=dtype)
+        self.sinks = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+        if plan.has_compressor:
+            self.compressor = Compressor(config.hidden_size, dim, plan.compress_rate, plan.has_indexer, eps, dtype)
+            if plan.has_indexer:
+                self.compressor.indexer = Indexer(config, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, backend: AttentionBackend,
+                rotary: Rotary) -> torch.Tensor:
+        meta, num_tokens = ctx.metadata, x.shape[0]
+        cos, sin = ctx.rope[self.plan.rope]
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), self.eps)
+        q = apply_rotary(q, cos, sin)
+        kv = apply_rotary(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+        topk = num_entries = None
+        if self.plan.has_compressor:
+            self.compressor.compress(x, meta, rotary, cache.kv_tail, cache.gate_tail, cache.compressed, ctx.no_write_before)
+            num_entries = ctx.num_entries[self.plan.compress_rate]
+        if self.plan.has_indexer:
+            indexer = self.compressor.indexer
+            indexer.compress(x, meta, rotary, cache.index_kv_tail, cache.index_gate_tail, cache.index_keys, ctx.no_write_before)
+            index_q, index_w = indexer.queries(x, q_residual, cos, sin)
+            topk = backend.indexer_topk(index_q, index_w, cache.index_keys, meta, num_entries)
+
+        out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
+        write_window(cache.window, kv, meta)
+        out = apply_rotary(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, self.o_groups, -1)))
+
+
+def write_window(window: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store this step's keys in the window rings (only each request's last `sliding_window` tokens)."""
+    ring = window.shape[1]
+    lens = meta.query_start_loc.diff()
+    ends = (meta.start_positions + lens).repeat_interleave(lens)
+    live = meta.positions >= ends - ring
+    window[meta.slots.repeat_interleave(lens)[live], meta.positions[live] % ring] = kv[live].to(window.dtype)
+
+
+class Router(nn.Module):
+    def __init__(self, config, is_hash: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        experts, hidden = config.n_routed_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.zeros(experts, hidden, dtype=dtype))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, config.num_experts_per_tok, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
+
+
+class Experts(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i, dtype=dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate = Router(config, plan.moe.is_hash, dtype)
+        self.experts = Experts(config, dtype)
+        self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, float(config.swiglu_limit or 0), dtype)
+
+    def routed_weights(self) -> MoEWeights:
+        return MoEWeights(
+            router=self.gate.weight, gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,
+            score_bias=getattr(self.gate, "e_score_correction_bias", None), tid2eid=getattr(self.gate, "tid2eid", None),
+        )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, backend: MoEBackend, weights: MoEWeights) -> torch.Tensor:
+        return backend.forward(x, input_ids, weights) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.self_attn = Attention(config, plan, dtype)
+        self.mlp = MoE(config, plan, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+
+class DeepseekV4Backbone(nn.Module):
+    def __init__(self, config, plans: list[LayerPlan], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, plan, dtype) for plan in plans)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The whole model. Backends are plain objects chosen once (`bind_backends`), never looked up per step."""
+
+    def __init__(self, config, plans: list[LayerPlan], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config, self.plans, self.hc_mult = config, plans, config.hc_mult
+        self.model = DeepseekV4Backbone(config, plans, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.attention_backends: list[AttentionBackend] = []
+        self.moe_backends: list[MoEBackend] = []
+        self.moe_weights: list[MoEWeights] = []
+        self.rotary: dict[str, Rotary] = {}
+
+    def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], device: torch.device) -> None:
+        """Attach one attention and one MoE backend per layer; call after the weights are loaded."""
+        rope_dim = self.config.qk_rope_head_dim
+        self.rotary = {name: Rotary(params, rope_dim, device) for name, params in self.config.rope_parameters.items()}
+        self.attention_backends, self.moe_backends = list(attention), list(moe)
+        self.moe_weights = [layer.mlp.routed_weights() for layer in self.model.layers]
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: rotary.cos_sin(positions) for name, rotary in self.rotary.items()}
+
+    @torch.inference_mode()
+    def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run every layer over the step's tokens; return fp32 logits `[len(logits_indices), vocab]`."""
+        x = self.model.embed_tokens(ctx.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.model.layers):
+            post, comb, collapsed = layer.attn_hc(streams)
+            out = layer.self_attn(layer.input_layernorm(collapsed), ctx, caches[i], self.attention_backends[i],
+                                  self.rotary[layer.self_attn.plan.rope])
+            streams = hyper_residual(streams, out, post, comb)
+            post, comb, collapsed = layer.ffn_hc(streams)
+            out = layer.mlp(layer.post_attention_layernorm(collapsed), ctx.input_ids, self.moe_backends[i], self.moe_weights[i])
+            streams = hyper_residual(streams, out, post, comb)
+        hidden = self.model.norm(self.model.hc_head(streams[logits_indices]))
+        return F.linear(hidden, self.lm_head.weight).float()

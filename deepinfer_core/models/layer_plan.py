@@ -1,0 +1,77 @@
+"""The declarative per-layer plan, built once from the config. Caches, backends and the runner read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.backends import AttentionSpec, MoESpec
+
+ATTENTION_KINDS = {
+    "sliding_attention": "sliding",
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Everything that differs between layers, decided once."""
+
+    index: int
+    kind: str
+    """`sliding`, `csa` or `hca`."""
+    rope: str
+    """`main` (sliding layers) or `compress` (CSA/HCA layers, YaRN)."""
+    attention: AttentionSpec
+    moe: MoESpec
+
+    @property
+    def compress_rate(self) -> int:
+        return self.attention.compress_rate
+
+    @property
+    def has_compressor(self) -> bool:
+        return self.kind != "sliding"
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.kind == "csa"
+
+    @property
+    def tail_rows(self) -> int:
+        """Compressor tail ring length: CSA keeps the previous window too (overlap)."""
+        return 2 * self.compress_rate if self.kind == "csa" else self.compress_rate
+
+
+def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
+    """One `LayerPlan` per decoder layer of `config` (a `ModelConfig`)."""
+    plans = []
+    for i, layer_type in enumerate(config.layer_types):
+        kind = ATTENTION_KINDS[layer_type]
+        rate = 0 if kind == "sliding" else int(config.compress_rates[layer_type])
+        is_csa = kind == "csa"
+        attention = AttentionSpec(
+            num_heads=config.num_attention_heads,
+            head_dim=config.head_dim,
+            sliding_window=config.sliding_window,
+            compress_rate=rate,
+            index_n_heads=config.index_n_heads if is_csa else 0,
+            index_head_dim=config.index_head_dim if is_csa else 0,
+            index_topk=config.index_topk if is_csa else 0,
+            dtype=dtype,
+        )
+        moe = MoESpec(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            num_experts=config.n_routed_experts,
+            top_k=config.num_experts_per_tok,
+            scoring_func=config.scoring_func,
+            routed_scaling_factor=float(config.routed_scaling_factor),
+            swiglu_limit=float(config.swiglu_limit or 0.0),
+            is_hash=config.mlp_layer_types[i] == "hash_moe",
+            dtype=dtype,
+        )
+        plans.append(LayerPlan(i, kind, "main" if kind == "sliding" else "compress", attention, moe))
+    return plans

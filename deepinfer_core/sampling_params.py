@@ -7,7 +7,7 @@ DeepInfer 0.1's spellings are accepted too, so its users switch without edits: `
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -26,12 +26,13 @@ GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick the tokens of one request.
 
-    Validated on construction; an invalid value raises `ValueError` saying what is allowed.
+    Validated on construction; an invalid value raises `ValueError` saying what is allowed. Attributes
+    assigned afterwards are not validated again.
     `SamplingParams()` samples at temperature 1 for at most 16 tokens; `temperature=0` is greedy.
     """
 
     n: int = 1
-    """Completions to return for the prompt. Each gets its own seed (derived from `seed` when set)."""
+    """Completions to return for the prompt."""
     temperature: float = 1.0
     """Softmax temperature; 0 (or anything below `GREEDY_TEMPERATURE`) means greedy."""
     top_p: float = 1.0
@@ -81,9 +82,8 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self) -> SamplingParams:
-        """Return an independent copy (lists are copied, the copy is validated again)."""
-        stop = list(self.stop) if isinstance(self.stop, list) else self.stop
-        return dataclasses.replace(self, stop=stop, stop_token_ids=list(self.stop_token_ids))
+        """Return an independent deep copy (attributes set after construction are copied as they are)."""
+        return copy.deepcopy(self)
 
     # -- phases of __post_init__ ----------------------------------------------------------------
 

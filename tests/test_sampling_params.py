@@ -122,3 +122,10 @@ def test_integer_like_floats_are_normalised():
     params = SamplingParams(temperature=1, top_p=1, min_p=0)
     assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
     assert isinstance(params.min_p, float)
+
+
+def test_clone_keeps_attributes_changed_after_construction():
+    params = SamplingParams(seed=3, top_logprobs=2)
+    params.seed, params.logprobs = 9, 5
+    copy = params.clone()
+    assert (copy.seed, copy.logprobs) == (9, 5)

@@ -1,0 +1,165 @@
+"""V4 attention on NVIDIA GPUs: one Triton kernel for decode and prefill, plus the CSA indexer scores.
+
+See `attention_kernels.py` for how a program walks a query's window and compressed entries. Per-token
+metadata (request, first new position, ring slot) is derived here with device ops only; the sizes that
+shape the launch (`num_comp`, the split count) come from host lists in `AttentionMetadata`, so nothing
+is read back from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from deepinfer_core.backends.attention import AttentionMetadata, AttentionSpec
+from deepinfer_nvidia_sm100.attention_kernels import attention_kernel, combine_kernel, indexer_scores_kernel
+
+BLOCK_H = 16
+MAX_SPLITS = 32
+
+
+@dataclass
+class TokenIndex:
+    """Per-token and per-request device tensors the kernels index with."""
+
+    token_req: torch.Tensor
+    """`[T]` int32 request of each token."""
+    q_start: torch.Tensor
+    """`[num_seqs]` int64 first flat token of each request."""
+    win_start: torch.Tensor
+    """`[num_seqs]` int64 first position whose window key is valid."""
+
+
+def prepare_token_index(metadata: AttentionMetadata, num_tokens: int) -> TokenIndex:
+    """Map flat tokens to their requests; read the SWA-replay window starts (0 when absent)."""
+    device = metadata.query_start_loc.device
+    tokens = torch.arange(num_tokens, device=device)
+    token_req = torch.searchsorted(metadata.query_start_loc[1:], tokens, right=True).to(torch.int32)
+    if metadata.window_start_positions_host is None:
+        win_start = torch.zeros(metadata.num_seqs, dtype=torch.int64, device=device)
+    else:
+        win_start = torch.tensor(metadata.window_start_positions_host, dtype=torch.int64, device=device)
+    return TokenIndex(token_req=token_req, q_start=metadata.query_start_loc[:-1], win_start=win_start)
+
+
+def max_visible_entries(metadata: AttentionMetadata, rate: int) -> int:
+    """Most compressed entries any query of the step can see."""
+    ends = [s + n for s, n in zip(metadata.start_positions_host, metadata.query_lens)]
+    return max(ends, default=0) // rate
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class TritonAttention:
+    """`AttentionBackend` for CUDA devices of compute capability >= 9.0."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self.scale = spec.head_dim**-0.5
+        self._ieee = spec.dtype == torch.float32
+        self._head_dim_pow2 = max(16, triton.next_power_of_2(spec.head_dim))
+        self._block_n = 32 if self._head_dim_pow2 >= 256 else 64
+        self._num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+
+    def _num_splits(self, num_tokens: int, num_keys: int) -> int:
+        programs = num_tokens * triton.cdiv(self.spec.num_heads, BLOCK_H)
+        target = 2 * self._num_sms
+        key_blocks = triton.cdiv(num_keys, self._block_n)
+        return max(1, min(MAX_SPLITS, key_blocks, target // max(programs, 1)))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        window: torch.Tensor,
+        compressed: torch.Tensor | None,
+        sinks: torch.Tensor,
+        metadata: AttentionMetadata,
+        topk_indices: torch.Tensor | None = None,
+        num_entries: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend each query over its window and visible compressed entries (see `AttentionBackend`)."""
+        spec = self.spec
+        num_tokens = q.shape[0]
+        out = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
+        if num_tokens == 0:
+            return out
+        has_comp = spec.compress_rate > 0 and compressed is not None
+        if has_comp and spec.is_sparse and topk_indices is None:
+            raise ValueError("CSA attention needs topk_indices from indexer_topk")
+        if has_comp:
+            num_comp = topk_indices.shape[1] if spec.is_sparse else max_visible_entries(metadata, spec.compress_rate)
+        else:
+            num_comp = 0
+        q, kv, window = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(window)
+        if has_comp:
+            compressed = _last_dim_contiguous(compressed)
+        index = prepare_token_index(metadata, num_tokens)
+        num_keys = spec.sliding_window + num_comp
+        num_splits = self._num_splits(num_tokens, num_keys)
+        keys_per_split = triton.cdiv(triton.cdiv(num_keys, num_splits), self._block_n) * self._block_n
+        num_splits = triton.cdiv(num_keys, keys_per_split)
+        is_split = num_splits > 1
+        part_acc = part_ml = out
+        if is_split:
+            part_acc = torch.empty(num_tokens, num_splits, spec.num_heads, self._head_dim_pow2, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(num_tokens, num_splits, 2, spec.num_heads, dtype=torch.float32, device=q.device)
+        comp = compressed if has_comp else kv
+        topk = topk_indices if has_comp and spec.is_sparse else metadata.positions
+        block_tables = metadata.block_tables
+        grid = (num_tokens, triton.cdiv(spec.num_heads, BLOCK_H), num_splits)
+        attention_kernel[grid](
+            q, kv, window, comp, sinks, out, part_acc, part_ml,
+            index.token_req, metadata.positions, metadata.start_positions, index.q_start, metadata.slots,
+            index.win_start, block_tables, topk,
+            spec.num_heads, spec.head_dim, self.scale, num_comp, keys_per_split,
+            q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1), comp.stride(0),
+            block_tables.stride(0), topk.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=self._head_dim_pow2, BLOCK_H=BLOCK_H, BLOCK_N=self._block_n,
+            WINDOW=spec.sliding_window, RATE=max(spec.compress_rate, 1), EPB=max(spec.entries_per_block, 1),
+            IS_SPARSE=spec.is_sparse, HAS_COMP=has_comp, IS_SPLIT=is_split, IEEE=self._ieee,
+            num_warps=4, num_stages=2,
+        )
+        if is_split:
+            combine_kernel[(num_tokens, spec.num_heads)](
+                part_acc, part_ml, sinks, out, spec.num_heads, spec.head_dim, num_splits, out.stride(0), out.stride(1),
+                HEAD_DIM=self._head_dim_pow2, NUM_SPLITS_POW2=triton.next_power_of_2(num_splits),
+            )
+        return out
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        index_keys: torch.Tensor,
+        metadata: AttentionMetadata,
+        num_entries: torch.Tensor,
+    ) -> torch.Tensor:
+        """Score visible entries with the lightning indexer and keep the top `index_topk` per query."""
+        spec = self.spec
+        num_tokens = q.shape[0]
+        topk = torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
+        cap = max_visible_entries(metadata, spec.compress_rate)
+        if num_tokens == 0 or cap == 0:
+            return topk
+        q, index_keys = _last_dim_contiguous(q), _last_dim_contiguous(index_keys)
+        index = prepare_token_index(metadata, num_tokens)
+        scores = torch.empty(num_tokens, cap, dtype=torch.float32, device=q.device)
+        block_n = 64
+        indexer_scores_kernel[(num_tokens, triton.cdiv(cap, block_n))](
+            q, weights, index_keys, metadata.block_tables, index.token_req, metadata.positions, scores,
+            cap, spec.index_n_heads, spec.index_head_dim, spec.index_head_dim**-0.5,
+            q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), metadata.block_tables.stride(0),
+            scores.stride(0),
+            N_HEADS=max(16, triton.next_power_of_2(spec.index_n_heads)),
+            HEAD_DIM=max(16, triton.next_power_of_2(spec.index_head_dim)),
+            RATE=spec.compress_rate, EPB=spec.entries_per_block, BLOCK_N=block_n, IEEE=self._ieee,
+        )
+        values, picked = scores.topk(min(spec.index_topk, cap), dim=-1)
+        picked = torch.where(values == float("-inf"), -1, picked)
+        topk[:, : picked.shape[1]] = picked
+        return topk

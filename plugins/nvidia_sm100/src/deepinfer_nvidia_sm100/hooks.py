@@ -1,0 +1,85 @@
+"""Hook implementations of the NVIDIA (compute capability >= 9.0) plugin.
+
+Every factory checks the device, Triton and the spec, and declines with a reason when one does not fit,
+so the reference backends (or another plugin) serve instead. Kernel modules are imported only after
+the checks pass: Triton is never imported on machines without a suitable GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
+
+if TYPE_CHECKING:
+    from deepinfer_core.backends import (
+        AttentionBackend,
+        AttentionSpec,
+        MoEBackend,
+        MoESpec,
+        SamplingBackend,
+        SamplingSpec,
+    )
+
+PLATFORM = "nvidia"
+
+
+@hookimpl
+def platforms() -> list[str]:
+    return [PLATFORM]
+
+
+@hookimpl
+def detect_device(decline: Callable[[str], None]) -> torch.device | None:
+    problem = device_problem()
+    if problem is not None:
+        decline(problem)
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _spec_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    return device_problem(device) or dtype_problem(dtype)
+
+
+@hookimpl
+def make_attention(
+    spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]
+) -> AttentionBackend | None:
+    problem = _spec_problem(device, spec.dtype)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.attention import TritonAttention
+
+    return TritonAttention(spec)
+
+
+@hookimpl
+def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
+    problem = _spec_problem(device, spec.dtype)
+    if problem is None and spec.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        problem = f"scoring_func {spec.scoring_func!r} not supported"
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.moe import TritonMoE
+
+    return TritonMoE(spec)
+
+
+@hookimpl
+def make_sampler(
+    spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]
+) -> SamplingBackend | None:
+    problem = device_problem(device)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.sampling import CudaSampler
+
+    return CudaSampler(spec)

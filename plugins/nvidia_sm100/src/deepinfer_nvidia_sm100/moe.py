@@ -1,0 +1,154 @@
+"""Routed MoE on NVIDIA GPUs: Triton routing, expert-sorted rows, two fused grouped GEMMs.
+
+One step does, with no host synchronisation (so the whole forward can be captured in a CUDA graph):
+
+1. router logits `x @ router.T` in fp32 (cuBLAS), then one Triton program per token scores the experts,
+   picks the top k (or reads `tid2eid`), normalises and scales the weights;
+2. `sort_rows_by_expert`: the flat `(token, k)` rows are sorted by expert and each expert's run is padded
+   to a multiple of `BLOCK_M` (torch ops on the device);
+3. `gate_up_kernel`: one program per (row block, output tile) reads the block's expert tile once and
+   writes the clamped SwiGLU activation;
+4. `down_kernel`: the same for the down projection, multiplied by the routing weight, written back at
+   each row's original place; the `top_k` rows of a token are then summed in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from deepinfer_core.backends.moe import MoESpec, MoEWeights
+from deepinfer_nvidia_sm100.moe_kernels import SCORING_CODES, down_kernel, gate_up_kernel, route_kernel
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of the two grouped GEMMs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_rows: int, num_experts: int) -> GemmConfig:
+    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill."""
+    rows_per_expert = num_rows / num_experts
+    if rows_per_expert <= 16:
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass
+class SortedRows:
+    """Rows laid out expert by expert; `block_expert[b]` is -1 for unused trailing blocks."""
+
+    sorted_rows: torch.Tensor
+    """`[num_blocks * block_m]` int32 original row per slot; `num_rows` marks padding."""
+    block_expert: torch.Tensor
+    """`[num_blocks]` int32 expert of each block of `block_m` slots, -1 when unused."""
+
+
+def sort_rows_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedRows:
+    """Sort the flat rows by expert, padding each expert's run to a multiple of `block_m`.
+
+    Sizes depend only on the row count, never on the routing, so no value is read back to the host.
+    """
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    num_rows = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    count_starts = torch.cumsum(counts, 0) - counts
+    sorted_experts, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_rows, device=device) - count_starts[sorted_experts]
+    destination = padded_starts[sorted_experts] + rank
+    max_slots = num_rows + min(num_rows, num_experts) * (block_m - 1)
+    num_blocks = triton.cdiv(max_slots, block_m)
+    sorted_rows = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=device)
+    sorted_rows[destination] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return SortedRows(sorted_rows=sorted_rows, block_expert=block_expert)
+
+
+class TritonMoE:
+    """`MoEBackend` for CUDA devices of compute capability >= 9.0."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        self.spec = spec
+        self._scoring = SCORING_CODES[spec.scoring_func]
+        self._ieee = spec.dtype == torch.float32
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return `[T, top_k]` int32 expert ids and fp32 weights (normalised, scaled)."""
+        spec = self.spec
+        num_tokens = x.shape[0]
+        logits = torch.matmul(x.float(), weights.router.float().t()).contiguous()
+        ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int32, device=x.device)
+        topk_weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
+        if num_tokens == 0:
+            return ids, topk_weights
+        if spec.is_hash and weights.tid2eid is None:
+            raise ValueError("hash MoE layer needs MoEWeights.tid2eid")
+        bias = weights.score_bias if weights.score_bias is not None and not spec.is_hash else None
+        tid2eid = weights.tid2eid.contiguous() if spec.is_hash else logits
+        route_kernel[(num_tokens,)](
+            logits, bias if bias is not None else logits, tid2eid, input_ids.contiguous(), ids, topk_weights,
+            spec.num_experts, float(spec.routed_scaling_factor),
+            TOP_K=spec.top_k, TOP_K_POW2=triton.next_power_of_2(spec.top_k),
+            BLOCK_E=triton.next_power_of_2(spec.num_experts),
+            SCORING=self._scoring, HAS_BIAS=bias is not None, IS_HASH=spec.is_hash,
+        )
+        return ids, topk_weights
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        """Route and run the routed experts (see `MoEBackend.forward`)."""
+        ids, topk_weights = self.route(x, input_ids, weights)
+        return self.experts(x, ids, topk_weights, weights)
+
+    def experts(
+        self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoEWeights,
+        config: GemmConfig | None = None,
+    ) -> torch.Tensor:
+        """Weighted sum over each token's picked experts of `down(swiglu(gate_up @ x))`."""
+        spec = self.spec
+        num_tokens, hidden = x.shape
+        num_rows = num_tokens * spec.top_k
+        if num_tokens == 0:
+            return torch.zeros_like(x)
+        config = config or pick_config(num_rows, spec.num_experts)
+        x = x.contiguous()
+        gate_up, down = weights.gate_up, weights.down
+        if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+            raise ValueError("expert weights must be contiguous in their last dimension")
+        inter = spec.intermediate_size
+        rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
+        num_blocks = rows.block_expert.numel()
+        act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+        gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
+            x, gate_up, act, rows.sorted_rows, rows.block_expert,
+            num_rows, hidden, inter, float(spec.swiglu_limit),
+            x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+            TOP_K=spec.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            HAS_LIMIT=spec.swiglu_limit > 0, IEEE=self._ieee,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
+        down_kernel[(num_blocks, triton.cdiv(hidden, config.block_n))](
+            act, down, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1),
+            num_rows, hidden, inter,
+            act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=self._ieee,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out.view(num_tokens, spec.top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,0 +1,115 @@
+"""Sampler on NVIDIA GPUs: the reference's semantics, with the seeded draw fused into one Triton kernel.
+
+The reference (`deepinfer_core.reference.sampling`) draws by Gumbel-max with counter-based SplitMix64
+noise; `gumbel_argmax_kernel` computes the same noise bit for bit and the argmax of
+`filtered / temperature + gumbel` in float64 in one pass over each row, instead of materialising
+`[B, vocab]` float64 noise. Banned-id masking and the top-k / top-p / min-p filters run as the
+reference's own PyTorch functions on the device (only when some row asks for them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
+from deepinfer_core.reference.sampling import _apply_top_k_top_p, _mask_banned
+
+BLOCK_V = 2048
+
+
+@triton.jit
+def _mix64(x):
+    """SplitMix64's finaliser on uint64 (multiplication wraps modulo 2**64)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def gumbel_argmax_kernel(
+    scaled_ptr, seeds_ptr, steps_ptr, out_ptr, vocab_size, stride_row, BLOCK: tl.constexpr,
+):
+    """out[row] = argmax_v(scaled[row, v] + gumbel(seed, step, v)), first index on ties."""
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
+    step = tl.load(steps_ptr + row).to(tl.uint64, bitcast=True)
+    key = _mix64(_mix64(seed) ^ step)
+    best_value = tl.full([], float("-inf"), dtype=tl.float64)
+    best_index = tl.full([], 0, dtype=tl.int64)
+    for v0 in range(0, vocab_size, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        in_range = v < vocab_size
+        logits = tl.load(scaled_ptr + row * stride_row + v, mask=in_range, other=float("-inf")).to(tl.float64)
+        counters = (v + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        bits = _mix64(key + counters)
+        uniform = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16
+        value = logits - tl.log(-tl.log(uniform))
+        value = tl.where(in_range, value, float("-inf"))
+        block_best = tl.max(value, axis=0)
+        block_index = tl.min(tl.where(value == block_best, v, vocab_size), axis=0).to(tl.int64)
+        is_better = block_best > best_value
+        best_index = tl.where(is_better, block_index, best_index)
+        best_value = tl.where(is_better, block_best, best_value)
+    tl.store(out_ptr + row, best_index)
+
+
+def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Seeded Gumbel-max draw per row of `scaled` ([B, V] fp32, filtered and divided by temperature)."""
+    scaled = scaled.contiguous()
+    out = torch.empty(scaled.shape[0], dtype=torch.int64, device=scaled.device)
+    if scaled.shape[0] == 0:
+        return out
+    gumbel_argmax_kernel[(scaled.shape[0],)](
+        scaled, seeds.contiguous(), steps.contiguous(), out, scaled.shape[1], scaled.stride(0), BLOCK=BLOCK_V,
+    )
+    return out
+
+
+class CudaSampler:
+    """`SamplingBackend` for CUDA devices; draws the same tokens as the reference sampler."""
+
+    def __init__(self, spec: SamplingSpec) -> None:
+        self.spec = spec
+
+    def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        """Sample one token per row; see `SamplingBackend.sample`."""
+        if logits.dim() != 2 or logits.shape[1] != self.spec.vocab_size:
+            raise ValueError(f"logits must be [batch, {self.spec.vocab_size}], got {list(logits.shape)}")
+        if params.num_logprobs > self.spec.max_logprobs:
+            raise ValueError(
+                f"num_logprobs={params.num_logprobs} exceeds this sampler's max_logprobs={self.spec.max_logprobs}"
+            )
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        masked = _mask_banned(logits, params.banned_token_ids)
+        token_ids = masked.argmax(dim=-1)
+        is_sampled = params.temperature > 0
+        vocab_size = logits.shape[-1]
+        # one read-back of three flags decides which optional passes run
+        flags = torch.stack([
+            is_sampled.any(),
+            (is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))).any(),
+            (is_sampled & (params.min_p > 0)).any(),
+        ]).tolist()
+        if flags[0]:
+            temperature = torch.where(is_sampled, params.temperature, 1.0)
+            scaled = masked / temperature[:, None]
+            if flags[1]:
+                top_k = torch.where(is_sampled, params.top_k, 0)
+                top_p = torch.where(is_sampled, params.top_p, 1.0)
+                scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+            if flags[2]:
+                min_p = torch.where(is_sampled, params.min_p, 0.0)
+                threshold = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+                scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+            drawn = gumbel_argmax(scaled, params.seeds, params.steps)
+            token_ids = torch.where(is_sampled, drawn, token_ids)
+        chosen = raw_logprobs.gather(1, token_ids[:, None])
+        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+        output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)
+        if params.num_logprobs > 0:
+            num_top = min(params.num_logprobs, vocab_size)
+            output.top_logprobs, output.top_token_ids = raw_logprobs.topk(num_top, dim=-1)
+        return output

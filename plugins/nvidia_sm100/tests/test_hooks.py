@@ -1,0 +1,61 @@
+"""Hook behaviour that holds on any machine: platform name, entry point, and declining with a reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pluggy
+import pytest
+import torch
+from deepinfer_nvidia_sm100 import hooks
+from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
+
+from deepinfer_core import hookspecs
+from deepinfer_core.backends import AttentionSpec, MoESpec, SamplingSpec
+
+ATTENTION = AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=128, dtype=torch.bfloat16)
+MOE = MoESpec(hidden_size=4096, intermediate_size=2048, num_experts=256, top_k=6, scoring_func="sqrtsoftplus",
+              routed_scaling_factor=1.5, swiglu_limit=10.0, dtype=torch.bfloat16)
+SAMPLING = SamplingSpec(vocab_size=129280)
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.register(hooks, name="nvidia_sm100")
+    return pm
+
+
+def test_platform_is_nvidia() -> None:
+    assert plugin_manager().hook.platforms() == [["nvidia"]]
+
+
+def test_entry_point_is_declared() -> None:
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '[project.entry-points.deepinfer]\nnvidia_sm100 = "deepinfer_nvidia_sm100.hooks"' in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks declining on a machine without CUDA")
+def test_every_factory_declines_without_cuda() -> None:
+    pm = plugin_manager()
+    reasons: list[str] = []
+    assert pm.hook.detect_device(decline=reasons.append) is None
+    device = torch.device("cpu")
+    assert pm.hook.make_attention(spec=ATTENTION, device=device, decline=reasons.append) is None
+    assert pm.hook.make_moe(spec=MOE, device=device, decline=reasons.append) is None
+    assert pm.hook.make_sampler(spec=SAMPLING, device=device, decline=reasons.append) is None
+    assert reasons[0] == "no CUDA device (torch.cuda.is_available() is False)"
+    assert reasons[1:] == ["device cpu is not a CUDA device"] * 3
+
+
+def test_unsupported_dtype_is_named() -> None:
+    assert dtype_problem(torch.bfloat16) is None
+    assert "float64" in dtype_problem(torch.float64)
+
+
+def test_old_gpu_is_declined(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    assert device_problem() == "compute capability 8.0 < 9.0"
+    assert device_problem(torch.device("cuda", 0)) == "compute capability 8.0 < 9.0"

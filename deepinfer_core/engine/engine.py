@@ -1,0 +1,247 @@
+"""The engine: requests in, incremental `RequestOutput`s out, one `step()` at a time.
+
+`add_request` validates and queues; `step` asks the scheduler for a batch, runs it on the runner,
+appends sampled tokens, applies stop rules and reports every request that progressed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_core import plugins
+from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.kv_cache import BLOCK_SIZE
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
+from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class _Completion:
+    seq: Sequence
+    logprobs: list | None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+
+class Engine:
+    """Synchronous engine; not thread-safe (see `deepinfer_core.engine.async_engine` for serving)."""
+
+    def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None) -> None:
+        model_config = engine_config.load_model_config()
+        self.config = engine_config.resolve(model_config)
+        self.model_config: ModelConfig = model_config
+        device = torch.device(self.config.device) if self.config.device else plugins.select_device()
+        self.runner = ModelRunner(model_config, self.config, device, weights=weights)
+        self.tokenizer = load_tokenizer(self.config.model, model_config)
+        self.eos_token_ids = model_config.eos_token_ids
+        self.block_manager = BlockManager(self.runner.num_blocks, BLOCK_SIZE, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.config.max_model_len,
+                block_size=BLOCK_SIZE,
+                sliding_window=model_config.sliding_window,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+                swa_replay=self.config.swa_replay,
+            ),
+            self.block_manager,
+            self.runner.num_slots,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._seq_owner: dict[str, _Request] = {}
+        self._seed_source = random.Random(self.config.seed)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise `ValueError` for an empty prompt, ids outside the vocabulary or one too long."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.config.max_model_len} "
+                "(prompt + at least one new token); shorten the prompt or raise max_model_len"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        """Queue a request; raises `ValueError` on bad input before anything is queued."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        if sampling_params.prompt_logprobs is not None:
+            raise NotImplementedError("prompt_logprobs: the engine does not compute prompt logprobs yet")
+        params = sampling_params
+        base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seed = (base_seed + index) % 2**64
+            seq = Sequence(seq_id, prompt_token_ids, params, prompt=prompt, seed=seed)
+            request.completions.append(_Completion(seq, [] if params.logprobs is not None else None))
+            request.seq_ids.append(seq_id)
+        for completion in request.completions:  # all or nothing
+            self.scheduler.add(completion.seq)
+        for seq_id in request.seq_ids:
+            self._seq_owner[seq_id] = request
+        self._requests[request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free everything it holds; unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq_id in request.seq_ids:
+            self.scheduler.abort(seq_id)
+            self._seq_owner.pop(seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that progressed or finished."""
+        batch = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in self.scheduler.pop_finished():
+            touched[self._seq_owner[seq.request_id].request_id] = self._seq_owner[seq.request_id]
+        if batch is not None:
+            now = time.time()
+            for seq in batch.seqs:
+                request = self._seq_owner[seq.request_id]
+                request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+                request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
+            sampled, output = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            self.scheduler.postprocess(batch)
+            if output is not None:
+                self._append_tokens([batch.seqs[i] for i in sampled], _to_cpu(output), touched)
+        return [self._finish_output(request) for request in touched.values()]
+
+    def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request]) -> None:
+        now = time.time()
+        for row, seq in enumerate(seqs):
+            request = self._seq_owner[seq.request_id]
+            completion = request.completions[request.seq_ids.index(seq.request_id)]
+            token = int(output.token_ids[row])
+            seq.append_token(token)
+            if completion.logprobs is not None:
+                entry = build_logprobs_entry(output, row, request.params.logprobs, self._decode_token)
+                completion.logprobs.append(entry)
+                completion.cumulative_logprob += entry[token].logprob
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += 1
+            reason = check_stop(request.params, token, seq.num_output_tokens, self.eos_token_ids,
+                                seq.num_tokens >= self.config.max_model_len)
+            if reason is not None:
+                if reason == "stop" and token in request.params.stop_token_ids:
+                    completion.stop_reason = token
+                self.scheduler.finish(seq, _FINISH_STATUS[reason])
+            touched[request.request_id] = request
+
+    def _finish_output(self, request: _Request) -> RequestOutput:
+        finished = request.finished
+        if finished:
+            request.metrics.finished_time = time.time()
+            self._requests.pop(request.request_id, None)
+            for seq_id in request.seq_ids:
+                self._seq_owner.pop(seq_id, None)
+        return self.make_output(request)
+
+    def make_output(self, request: _Request) -> RequestOutput:
+        outputs = []
+        for index, completion in enumerate(request.completions):
+            seq = completion.seq
+            ids = seq.output_token_ids
+            outputs.append(CompletionOutput(
+                index=index,
+                text=self.decode(ids),
+                token_ids=ids,
+                cumulative_logprob=completion.cumulative_logprob if completion.logprobs is not None else None,
+                logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
+                finish_reason=_FINISH_REASON.get(seq.status),
+                stop_reason=completion.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs, finished=request.finished, num_cached_tokens=request.num_cached_tokens,
+            metrics=request.metrics,
+        )
+
+    # -- text ---------------------------------------------------------------------------------------
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of generated ids (special tokens skipped); empty without a tokenizer."""
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def stats(self) -> dict:
+        """Counters for monitoring: queue sizes, prefix-cache hits, preemptions, free blocks."""
+        s = self.scheduler.stats
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.runner.num_blocks,
+            "prefix_cache_hit_tokens": s.num_hit_tokens,
+            "prefix_cache_queried_tokens": s.num_queried_tokens,
+            "prefix_cache_hit_rate": s.hit_rate,
+            "num_prefill_tokens": s.num_prefill_tokens,
+            "num_decode_tokens": s.num_decode_tokens,
+            "num_preemptions": s.num_preemptions,
+        }
+
+
+def _to_cpu(output):
+    for name in ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs"):
+        value = getattr(output, name)
+        if value is not None:
+            setattr(output, name, value.cpu())
+    return output

@@ -1,0 +1,149 @@
+"""`LLM`: offline inference with vLLM's API (and DeepInfer 0.1's spellings)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.sampling_params import SamplingParams
+
+MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
+
+
+class LLM:
+    """A DeepSeek-V4 model ready to generate.
+
+    :param model: checkpoint directory (official DeepSeek or transformers layout); None reads
+        `DEEPINFER_HF_MODEL_DIR`.
+    :param dtype: "auto", "float32", "bfloat16" or "float16".
+    :param seed: seeds the per-request seeds of requests that give none.
+    :param max_model_len: longest prompt + output.
+    :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
+        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device` (see `EngineConfig`).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 *, tokenizer: str | None = None, trust_remote_code: bool = False, expert_parallel_size: int = 1,
+                 decode_sequence: bool = False, **engine_options: Any) -> None:
+        model = model or os.environ.get(MODEL_DIR_ENV)
+        if not model:
+            raise ValueError(f"no model given: pass LLM(model=<checkpoint dir>) or set {MODEL_DIR_ENV}")
+        if tokenizer not in (None, model):
+            raise NotImplementedError("tokenizer: a tokenizer directory other than the model's")
+        if expert_parallel_size != 1:
+            raise NotImplementedError("expert_parallel_size > 1 (expert parallelism)")
+        del trust_remote_code  # nothing here runs checkpoint code
+        unknown = set(engine_options) - set(EngineConfig.model_fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown options {sorted(unknown)}; valid: {sorted(EngineConfig.model_fields)}")
+        config = EngineConfig(model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len, **engine_options)
+        self.engine = Engine(config)
+        self.decode_sequence = decode_sequence
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- generate -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: Any = None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 prompt_token_ids: Seq[Seq[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput] | list[str]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        :param prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of either.
+        :param sampling_params: one `SamplingParams` for all prompts, or one per prompt; None: defaults.
+        :param prompt_token_ids: DeepInfer 0.1 spelling: a list of token-id lists.
+        :param use_tqdm: show a progress bar over requests.
+        """
+        requests = self._normalise_prompts(prompts, prompt_token_ids)
+        params = self._normalise_params(sampling_params, len(requests))
+        for text, ids in requests:  # validate everything before any work starts
+            self.engine.validate_prompt(ids)
+        ids_in_order = []
+        for (text, ids), p in zip(requests, params):
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, ids, p, prompt=text)
+            ids_in_order.append(request_id)
+        finished = self._run(len(requests), use_tqdm)
+        outputs = [finished[i] for i in ids_in_order]
+        if self.decode_sequence:
+            return [o.outputs[0].text for o in outputs]
+        return outputs
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for request_id in list(self.engine._requests):
+                self.engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return finished
+
+    def _normalise_prompts(self, prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None, list[int]]]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts (strings or {'prompt_token_ids': [...]}) or prompt_token_ids")
+        if prompts is not None and prompt_token_ids is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if len(prompts) != len(prompt_token_ids):
+                raise ValueError("prompts and prompt_token_ids must have the same length")
+            return [(text, [int(t) for t in ids]) for text, ids in zip(prompts, prompt_token_ids)]
+        if prompts is None:
+            return [(None, [int(t) for t in ids]) for ids in prompt_token_ids]
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        return [self._one_prompt(p) for p in prompts]
+
+    def _one_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError(f"a prompt dict needs 'prompt_token_ids'; got keys {sorted(prompt)}")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt is a string or a {{'prompt_token_ids': [...]}} dict, not {type(prompt).__name__}")
+        return prompt, self.encode(prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw text prompt, with the model's BOS in front (no chat template)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass {'prompt_token_ids': [...]} prompts")
+        if not text:
+            raise ValueError("the prompt is empty")
+        ids = tokenizer.encode(text)
+        bos = self.engine.model_config.bos_token_id
+        return [bos, *ids] if bos is not None and (not ids or ids[0] != bos) else ids
+
+    @staticmethod
+    def _normalise_params(params: Any, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(params, SamplingParams):
+            return [params.clone() for _ in range(count)]
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one, or one per prompt")
+        bad = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
+        if bad:
+            raise TypeError(f"sampling_params entries must be SamplingParams, got {bad}")
+        return params

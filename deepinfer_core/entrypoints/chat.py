@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 RECIPE_HINT = 'install the DeepSeek chat format with: pip install "deepinfer[recipe]"'
 
 
-class ChatEncodingUnavailableError(RuntimeError):
+class ChatEncodingUnavailableError(plugins.PluginError):
     """No installed plugin offers a chat encoding for the checkpoint's model type."""
 
 
@@ -142,6 +142,64 @@ def parse_output(encoding: ChatEncoding, prepared: PreparedRequest, output: Requ
         usage=body.get("usage") or {},
         output=output,
     )
+
+
+def chat(
+    llm: Any,
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+    sampling_params: SamplingParams | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool | None = None,
+) -> list[ChatOutput]:
+    """Answer one conversation (a list of messages) or several (a list of lists), batched together.
+
+    Messages and tools use the OpenAI Chat Completions shapes (assistant `reasoning_content` and
+    `tool_calls`, `tool` results with `tool_call_id`).
+
+    :param llm: an `LLM` (its `engine` runs the requests).
+    :param sampling_params: applied to every conversation; None uses the chat format's defaults
+        (temperature 1 in thinking mode, `max_tokens` = what the context leaves).
+    :param tools: OpenAI function tools offered in every conversation.
+    :param thinking: True or False switches thinking mode; None keeps the model's default (on).
+    :returns: one `ChatOutput` per conversation, in order.
+    :raises ChatRequestError: a conversation is malformed or too long for the context.
+    """
+    engine = llm.engine
+    encoding = chat_encoding_of(llm)
+    conversations = [messages] if is_single_conversation(messages) else messages
+    prepared = prepare_conversations(encoding, conversations, tools, thinking, engine.config.max_model_len)
+    batch_id = uuid.uuid4().hex
+    request_ids = [f"chat-{batch_id}-{i}" for i in range(len(prepared))]
+    for request_id, request in zip(request_ids, prepared):
+        engine.add_request(request_id, request.prompt_token_ids, sampling_params_for(request, sampling_params))
+    finals = run_until_finished(engine, request_ids)
+    stop_token_ids = list(getattr(engine, "eos_token_ids", None) or [engine.tokenizer.eos_token_id])
+    return [parse_output(encoding, request, finals[request_id], stop_token_ids)
+            for request_id, request in zip(request_ids, prepared)]
+
+
+def chat_encoding_of(llm: Any) -> ChatEncoding:
+    """The `LLM`'s chat encoding, looked up once and kept on the object."""
+    encoding = getattr(llm, "_chat_encoding", None)
+    if encoding is None:
+        encoding = load_chat_encoding(llm.engine.tokenizer, llm.engine.model_config)
+        llm._chat_encoding = encoding
+    return encoding
+
+
+def run_until_finished(engine: Any, request_ids: list[str]) -> dict[str, RequestOutput]:
+    """Step `engine` until every request in `request_ids` has finished; their final outputs by id."""
+    pending, finals = set(request_ids), {}
+    try:
+        while pending:
+            for output in engine.step():
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    finals[output.request_id] = output
+    finally:
+        for request_id in pending:  # interrupted: free what the rest hold
+            engine.abort(request_id)
+    return finals
 
 
 def _error_message(body: str) -> str:

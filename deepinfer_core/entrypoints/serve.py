@@ -16,8 +16,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response, StreamingResponse
 
 from deepinfer_core.engine.async_engine import AsyncEngine, EngineDeadError
 from deepinfer_core.entrypoints.chat import load_chat_encoding
@@ -26,9 +33,6 @@ from deepinfer_core.entrypoints.protocol import Api, ApiError, ChatEncoding, Out
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.engine import Engine
-    from fastapi import FastAPI, Request
-    from starlette.responses import Response
-
     from deepinfer_core.sampling_params import SamplingParams
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -73,9 +77,7 @@ def build_app(
     :param model_aliases: more names requests may use.
     :param max_body_bytes: larger request bodies are answered with 413.
     """
-    from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI
 
     encoding = load_chat_encoding(engine.tokenizer, engine.model_config)
     names = [n for n in (served_model_name, *model_aliases) if n]
@@ -98,12 +100,13 @@ def build_app(
 
 
 def _stop_token_ids(engine: Engine) -> list[int]:
-    eos = getattr(engine.tokenizer, "eos_token_id", None)
-    return [eos] if eos is not None else []
+    """Ids that end generation; the output parser never sees them."""
+    eos_ids = list(getattr(engine, "eos_token_ids", None) or [])
+    tokenizer_eos = getattr(engine.tokenizer, "eos_token_id", None)
+    return eos_ids or ([tokenizer_eos] if tokenizer_eos is not None else [])
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    from fastapi.responses import JSONResponse, PlainTextResponse
 
     for path, api in ROUTES.items():
         async def endpoint(request: Request, api: Api = api) -> Response:
@@ -131,9 +134,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 async def handle_generation(state: ServerState, api: Api, request: Request) -> Response:
     """Serve one POST of `api`: parse and encode, generate, answer (SSE or one JSON body)."""
-    from starlette.background import BackgroundTask
-    from starlette.concurrency import run_in_threadpool
-    from starlette.responses import Response, StreamingResponse
 
     arrival = time.monotonic()
     try:
@@ -226,7 +226,6 @@ class _Generation:
 
     async def whole(self, request: Request) -> Response:
         """The non-streaming body; a client that disconnects first aborts the request."""
-        from starlette.responses import Response
 
         collect = asyncio.ensure_future(self._drain())
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -276,7 +275,6 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def _error_response(status_code: int, message: str, api: Api) -> Response:
-    from starlette.responses import Response
 
     return Response(ApiError.from_message(status_code, message, api).body, status_code=status_code,
                     media_type="application/json")
@@ -302,16 +300,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted")
-    parser.set_defaults(func=run_serve)
+    parser.set_defaults(handler=run_serve)
     return parser
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine for `args.model_dir` and serve it until interrupted."""
     import uvicorn
-    from deepinfer_core.engine.engine import Engine
 
     from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.engine import Engine
 
     model_dir = args.model_dir
     if model_dir is None:

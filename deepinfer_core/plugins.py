@@ -168,7 +168,8 @@ def _register(pm: pluggy.PluginManager, module: object, name: str) -> None:
     try:
         pm.register(module, name=name)
     except pluggy.PluginValidationError as err:
-        raise PluginError(f"plugin {name!r} is invalid: {err}. {_block_hint(name)}") from err
+        detail = str(err).replace("\n", "; ")
+        raise PluginError(f"plugin {name!r} is invalid: {detail}. {_block_hint(name)}") from err
 
 
 def _check_allow_list(allowed: set[str], installed: set[str]) -> None:
@@ -422,6 +423,7 @@ def plugin_report(device: torch.device, config: ModelConfig | None = None) -> Pl
         PluginInfo(name=name, version=versions.get(name, "-"), platforms=served.get(name, []),
                    hooks=sorted(caller.name for caller in pm.get_hookcallers(plugin) or []))
         for name, plugin in pm.list_name_plugin()
+        if plugin is not None  # a blocked name is listed with no plugin
     ]
     choices = [_choose("detect_device", asked_for=None)]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

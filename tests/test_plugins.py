@@ -1,0 +1,389 @@
+"""Plugin loading, selection, declining, allow/block lists and the typed hook functions."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import types
+
+import pytest
+import torch
+
+from deepinfer_core import plugins
+from deepinfer_core.backends import AttentionSpec, EplbSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.reference.attention import ReferenceAttention
+from deepinfer_core.reference.eplb import ReferenceEplb
+from deepinfer_core.reference.moe import ReferenceMoE
+from deepinfer_core.reference.sampling import ReferenceSampler
+from deepinfer_core.reference.verify import ReferenceVerifier
+
+CPU = torch.device("cpu")
+ATTENTION = AttentionSpec(num_heads=2, head_dim=8, sliding_window=4, compress_rate=4, index_n_heads=2,
+                          index_head_dim=4, index_topk=2)
+MOE = MoESpec(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2, scoring_func="sqrtsoftplus",
+              routed_scaling_factor=1.5, swiglu_limit=10.0)
+EPLB = EplbSpec(num_layers=2, num_experts=4, num_slots=6, num_ranks=2)
+SAMPLING = SamplingSpec(vocab_size=16)
+VERIFY = VerifySpec(vocab_size=16, max_draft_tokens=2)
+
+
+class ChipAttention(ReferenceAttention):
+    """Stands for a hardware backend: a distinct type the tests can recognise."""
+
+
+class ChipPlugin:
+    """Serves attention only for specs with a sliding window of 4; declines everything else."""
+
+    @hookimpl
+    def platforms(self):
+        return ["chip"]
+
+    @hookimpl
+    def make_attention(self, spec, device, decline):
+        if spec.sliding_window != 4:
+            decline("only sliding_window=4 is supported")
+            return None
+        return ChipAttention(spec, device)
+
+
+class DecliningPlugin:
+    @hookimpl
+    def make_attention(self, decline):
+        decline("no attention kernels here")
+
+    @hookimpl
+    def make_moe(self, spec, device, decline):
+        decline(f"no {spec.scoring_func} routing kernel")
+
+    @hookimpl
+    def make_sampler(self):
+        return None  # declines without a reason
+
+    @hookimpl
+    def detect_device(self, decline):
+        decline("no chip on this machine")
+
+
+def _fake_entry_point(monkeypatch: pytest.MonkeyPatch, name: str, module: types.ModuleType):
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return importlib.metadata.EntryPoint(name=name, value=module.__name__, group="deepinfer")
+
+
+def _module(name: str, **functions) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for function_name, function in functions.items():
+        setattr(module, function_name, function)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+
+def test_reference_serves_every_factory_hook(isolated_plugin_manager):
+    assert type(plugins.make_attention(ATTENTION, CPU)) is ReferenceAttention
+    assert type(plugins.make_moe(MOE, CPU)) is ReferenceMoE
+    assert type(plugins.make_eplb(EPLB, CPU)) is ReferenceEplb
+    assert type(plugins.make_sampler(SAMPLING, CPU)) is ReferenceSampler
+    assert type(plugins.make_verifier(VERIFY, CPU)) is ReferenceVerifier
+
+
+def test_plugin_beats_the_reference(isolated_plugin_manager):
+    isolated_plugin_manager.register(ChipPlugin(), name="chip")
+    backend = plugins.make_attention(ATTENTION, CPU)
+    assert type(backend) is ChipAttention
+    assert backend.spec == ATTENTION
+    # a hook the plugin does not implement still comes from the reference
+    assert type(plugins.make_moe(MOE, CPU)) is ReferenceMoE
+
+
+def test_plugin_wins_eplb_and_verifier(isolated_plugin_manager):
+    class ChipEplb(ReferenceEplb):
+        pass
+
+    class ChipVerifier(ReferenceVerifier):
+        pass
+
+    class Chip:
+        @hookimpl
+        def make_eplb(self, spec, device):
+            return ChipEplb(spec, device)
+
+        @hookimpl
+        def make_verifier(self, spec, device):
+            return ChipVerifier(spec, device)
+
+    isolated_plugin_manager.register(Chip(), name="chip")
+    assert type(plugins.make_eplb(EPLB, CPU)) is ChipEplb
+    assert type(plugins.make_verifier(VERIFY, CPU)) is ChipVerifier
+    assert type(plugins.make_sampler(SAMPLING, CPU)) is ReferenceSampler
+
+
+def test_declining_plugin_falls_through_to_the_reference(isolated_plugin_manager):
+    isolated_plugin_manager.register(ChipPlugin(), name="chip")
+    wide = AttentionSpec(num_heads=2, head_dim=8, sliding_window=16, compress_rate=0)
+    assert type(plugins.make_attention(wide, CPU)) is ReferenceAttention
+
+
+def test_everyone_declining_names_each_plugin_and_reason(isolated_plugin_manager):
+    isolated_plugin_manager.set_blocked("reference")
+    isolated_plugin_manager.register(ChipPlugin(), name="chip")
+    isolated_plugin_manager.register(DecliningPlugin(), name="decliner")
+    wide = AttentionSpec(num_heads=2, head_dim=8, sliding_window=16, compress_rate=0)
+    with pytest.raises(plugins.BackendUnavailableError) as info:
+        plugins.make_attention(wide, CPU)
+    message = str(info.value)
+    assert "chip: only sliding_window=4 is supported" in message
+    assert "decliner: no attention kernels here" in message
+    with pytest.raises(plugins.BackendUnavailableError, match="decliner: no sqrtsoftplus routing kernel"):
+        plugins.make_moe(MOE, CPU)
+    with pytest.raises(plugins.BackendUnavailableError, match="decliner: returned None without a reason"):
+        plugins.make_sampler(SAMPLING, CPU)
+    with pytest.raises(plugins.BackendUnavailableError, match="no installed plugin implements it"):
+        plugins.make_verifier(VERIFY, CPU)
+    with pytest.raises(plugins.BackendUnavailableError, match="no installed plugin implements it"):
+        plugins.make_eplb(EPLB, CPU)
+
+
+def test_result_not_satisfying_the_protocol_is_rejected(isolated_plugin_manager):
+    class Broken:
+        @hookimpl
+        def make_sampler(self):
+            return object()
+
+    isolated_plugin_manager.register(Broken(), name="broken")
+    with pytest.raises(plugins.PluginError, match="'broken' returned object from make_sampler.*SamplingBackend"):
+        plugins.make_sampler(SAMPLING, CPU)
+
+
+def test_plugin_exception_names_the_plugin(isolated_plugin_manager):
+    class Crashing:
+        @hookimpl
+        def make_verifier(self, spec):
+            raise RuntimeError("driver too old")
+
+    isolated_plugin_manager.register(Crashing(), name="crashing")
+    with pytest.raises(RuntimeError, match="driver too old") as info:
+        plugins.make_verifier(VERIFY, CPU)
+    assert "raised by plugin 'crashing' in make_verifier" in info.value.__notes__
+
+
+# ------------------------------------------------------------------------------------------------ devices
+
+
+def test_platforms_by_plugin(isolated_plugin_manager):
+    isolated_plugin_manager.register(ChipPlugin(), name="chip")
+    assert plugins.platforms() == {"chip": ["chip"], "reference": ["cpu"]}
+
+
+def test_detect_device_falls_back_to_cpu(isolated_plugin_manager):
+    isolated_plugin_manager.register(DecliningPlugin(), name="decliner")
+    assert plugins.select_device() == CPU
+
+
+def test_detect_device_prefers_a_plugin(isolated_plugin_manager):
+    class Meta:
+        @hookimpl
+        def detect_device(self):
+            return torch.device("meta")
+
+    isolated_plugin_manager.register(Meta(), name="meta")
+    assert plugins.select_device() == torch.device("meta")
+
+
+@pytest.mark.parametrize(("accelerator", "extra"), [("nvidia", "nvidia"), ("ascend", "ascend")])
+def test_accelerator_without_its_plugin_names_the_extra(isolated_plugin_manager, monkeypatch, accelerator, extra):
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", accelerator)
+    with pytest.raises(plugins.PluginError, match=rf'pip install "deepinfer\[{extra}\]"'):
+        plugins.select_device()
+
+
+def test_accelerator_cpu_and_unknown_values(isolated_plugin_manager, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "CPU")
+    assert plugins.select_device() == CPU
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "tpu")
+    with pytest.raises(plugins.PluginError, match="'tpu' is not one of"):
+        plugins.select_device()
+
+
+def test_accelerator_served_by_a_plugin_maps_to_its_device_type(isolated_plugin_manager, monkeypatch):
+    class Nvidia:
+        @hookimpl
+        def platforms(self):
+            return ["nvidia"]
+
+    isolated_plugin_manager.register(Nvidia(), name="nvidia_sm100")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    assert plugins.select_device() == torch.device("cuda")
+
+
+# ------------------------------------------------------------------------------------------------ registries
+
+
+def test_tokenizer_loaders_are_ordered_by_priority(isolated_plugin_manager):
+    def load_json(model_dir, config):
+        return None
+
+    def load_recipe(model_dir, config):
+        return None
+
+    class Tokenizers:
+        @hookimpl
+        def register_tokenizers(self, register):
+            register("tokenizer.json", load_json)
+            register("recipe", load_recipe, priority=10)
+
+    isolated_plugin_manager.register(Tokenizers(), name="tokenizers")
+    loaders = plugins.tokenizer_loaders()
+    assert [(loader.name, loader.load, loader.priority) for loader in loaders] == [
+        ("recipe", load_recipe, 10), ("tokenizer.json", load_json, 0)]
+
+
+def test_chat_encodings_first_registration_wins(isolated_plugin_manager):
+    def first(tokenizer, config):
+        return None
+
+    def second(tokenizer, config):
+        return None
+
+    class Early:
+        @hookimpl(tryfirst=True)
+        def register_chat_encodings(self, register):
+            register("deepseek_v4", first)
+
+    class Late:
+        @hookimpl
+        def register_chat_encodings(self, register):
+            register("deepseek_v4", second)
+            register("other", second)
+
+    isolated_plugin_manager.register(Late(), name="late")
+    isolated_plugin_manager.register(Early(), name="early")
+    assert plugins.chat_encodings() == {"deepseek_v4": first, "other": second}
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def test_entry_point_plugins_load_after_the_reference(monkeypatch):
+    module = _module("chip_hooks_for_test", platforms=hookimpl(lambda: ["chip"]))
+    pm = plugins.build_plugin_manager(entry_points=[_fake_entry_point(monkeypatch, "chip", module)])
+    assert [name for name, _ in pm.list_name_plugin()] == ["reference", "chip"]
+
+
+def test_blocked_plugin_is_ignored(monkeypatch):
+    module = _module("blocked_hooks_for_test", platforms=hookimpl(lambda: ["chip"]))
+    pm = plugins.build_plugin_manager(entry_points=[_fake_entry_point(monkeypatch, "chip", module)],
+                                      block=["chip"])
+    assert [name for name, plugin in pm.list_name_plugin() if plugin is not None] == ["reference"]
+
+
+def test_blocking_the_reference(monkeypatch):
+    pm = plugins.build_plugin_manager(entry_points=[], block=["reference"])
+    assert pm.get_plugins() == set()
+
+
+def test_allow_list_loads_only_named_plugins(monkeypatch):
+    chip = _module("allowed_hooks_for_test", platforms=hookimpl(lambda: ["chip"]))
+    other = _module("other_hooks_for_test", platforms=hookimpl(lambda: ["other"]))
+    entry_points = [_fake_entry_point(monkeypatch, "chip", chip), _fake_entry_point(monkeypatch, "other", other)]
+    pm = plugins.build_plugin_manager(entry_points=entry_points, allow=["chip"])
+    assert [name for name, _ in pm.list_name_plugin()] == ["reference", "chip"]
+
+
+def test_allow_list_naming_a_missing_plugin_fails(monkeypatch):
+    with pytest.raises(plugins.PluginError, match=r"names \['nvidai'\], which are not installed"):
+        plugins.build_plugin_manager(entry_points=[], allow=["nvidai"])
+
+
+def test_misspelt_hook_is_rejected_with_plugin_and_hook_named(monkeypatch):
+    module = _module("typo_hooks_for_test", make_atention=hookimpl(lambda spec, device: None))
+    with pytest.raises(plugins.PluginError) as info:
+        plugins.build_plugin_manager(entry_points=[_fake_entry_point(monkeypatch, "typo", module)])
+    message = str(info.value)
+    assert "plugin 'typo' implements unknown hook 'make_atention'" in message
+    assert "did you mean 'make_attention'?" in message
+    assert "DEEPINFER_PLUGINS_BLOCK=typo" in message
+
+
+def test_hookimpl_with_an_unknown_argument_is_rejected(monkeypatch):
+    module = _module("badarg_hooks_for_test", make_moe=hookimpl(lambda spec, devise: None))
+    with pytest.raises(plugins.PluginError, match="plugin 'badarg' is invalid.*devise"):
+        plugins.build_plugin_manager(entry_points=[_fake_entry_point(monkeypatch, "badarg", module)])
+
+
+def test_wrapper_on_a_factory_hook_is_rejected(isolated_plugin_manager):
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def make_attention(self, spec, device):
+            return (yield)
+
+    isolated_plugin_manager.register(Wrapper(), name="wrapper")
+    with pytest.raises(plugins.PluginError, match="'wrapper' wraps 'make_attention'"):
+        plugins.check_plugins(isolated_plugin_manager)
+
+
+def test_plugin_failing_to_import_is_named(monkeypatch):
+    entry_point = importlib.metadata.EntryPoint(name="ghost", value="no_such_module_for_test", group="deepinfer")
+    with pytest.raises(plugins.PluginError, match="plugin 'ghost' .* failed to import"):
+        plugins.build_plugin_manager(entry_points=[entry_point])
+
+
+def test_manager_is_built_once_per_process_and_reads_the_env(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PLUGINS_BLOCK", "ascend950, recipe")
+    plugins.reset_plugin_manager()
+    try:
+        manager = plugins.get_plugin_manager()
+        assert plugins.get_plugin_manager() is manager
+        assert manager.has_plugin("reference")
+        assert not manager.has_plugin("ascend950")
+        assert not manager.has_plugin("recipe")
+    finally:
+        plugins.reset_plugin_manager()
+    monkeypatch.delenv("DEEPINFER_PLUGINS_BLOCK")
+    assert plugins.get_plugin_manager() is not manager
+
+
+# ------------------------------------------------------------------------------------------------ report, tracing
+
+
+def test_plugin_report_names_winners_and_declines(isolated_plugin_manager):
+    isolated_plugin_manager.register(ChipPlugin(), name="chip")
+    isolated_plugin_manager.register(DecliningPlugin(), name="decliner")
+    report = plugins.plugin_report(CPU)
+    assert {info.name for info in report.plugins} == {"reference", "chip", "decliner"}
+    by_hook = {}
+    for choice in report.choices:
+        by_hook.setdefault(choice.hook, []).append(choice)
+    assert set(by_hook) == {"detect_device", *plugins.FACTORY_PROTOCOLS}
+    assert by_hook["detect_device"][0].declines == {"decliner": "no chip on this machine"}
+    # V4-Flash's sliding window is 128, so the chip declines every default attention spec
+    for choice in by_hook["make_attention"]:
+        assert choice.winner == "reference"
+        assert choice.declines["chip"] == "only sliding_window=4 is supported"
+    assert [choice.winner for choice in by_hook["make_sampler"]] == ["reference"]
+
+
+def test_representative_specs_follow_the_model_config():
+    from deepinfer_core.config import ModelConfig
+
+    config = ModelConfig(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                           "heavily_compressed_attention"],
+                         mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8, vocab_size=100)
+    specs = plugins.representative_specs(config, torch.bfloat16)
+    assert [(s.compress_rate, s.index_topk) for s in specs["make_attention"]] == [(0, 0), (4, 512), (128, 0)]
+    assert all(s.dtype == torch.bfloat16 for s in specs["make_attention"] + specs["make_moe"])
+    assert [s.is_hash for s in specs["make_moe"]] == [True, False]
+    assert specs["make_eplb"] == [EplbSpec(num_layers=3, num_experts=8, num_slots=8)]
+    assert specs["make_sampler"] == [SamplingSpec(vocab_size=100)]
+
+
+def test_trace_prints_each_call_and_winner(isolated_plugin_manager, monkeypatch, capsys):
+    isolated_plugin_manager.register(ChipPlugin(), name="chip")
+    plugins.make_attention(ATTENTION, CPU)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("DEEPINFER_TRACE_PLUGINS", "1")
+    plugins.make_attention(ATTENTION, CPU)
+    err = capsys.readouterr().err
+    assert "make_attention(" in err
+    assert "-> chip" in err

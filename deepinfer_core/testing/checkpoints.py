@@ -2,7 +2,7 @@
 
 - `tiny_config(preset, **overrides)`: a small config.json dictionary (presets in `PRESETS`).
 - `random_state_dict(config)`: deterministic random weights for every tensor in `expected_tensors`.
-- `write_checkpoint(dir, config_dict, ...)`: safetensors in either layout, optionally FP8 / FP8+FP4
+- `write_checkpoint(dir, config_dict, ...)`: safetensors in any layout, optionally FP8 / FP8+FP4
   quantised the way DeepSeek ships them, single file or sharded with an index.
 - `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache.
 """
@@ -60,7 +60,7 @@ _BASE: dict[str, Any] = {
         "original_max_position_embeddings": 512,
         "beta_fast": 32,
         "beta_slow": 1,
-    },  # fmt: skip
+    },
     "bos_token_id": 0,
     "eos_token_id": 1,
     "num_nextn_predict_layers": 0,
@@ -71,20 +71,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "sliding_csa_hca": {},
     # HCA at the real rate of 128, and a longer window
     "hca128": {"compress_rates": {CSA: 4, HCA: 128}, "sliding_window": 16},
-    # four layers, two CSA, softmax routing, four hyper-connection streams (the real hc_mult)
+    # four layers, two CSA, sigmoid routing, four hyper-connection streams (the real hc_mult)
     "deep": {
         "num_hidden_layers": 4,
         "layer_types": [CSA, HCA, CSA, SLIDING],
         "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
-        "scoring_func": "softmax",
+        "scoring_func": "sigmoid",
         "hc_mult": 4,
     },
-    # sliding-window attention only, one hyper-connection stream, sigmoid routing
+    # sliding-window attention only, one hyper-connection stream
     "sliding_only": {
         "num_hidden_layers": 2,
         "layer_types": [SLIDING, SLIDING],
         "mlp_layer_types": ["moe", "hash_moe"],
-        "scoring_func": "sigmoid",
         "hc_mult": 1,
     },
 }
@@ -125,7 +124,7 @@ def random_state_dict(
             order = torch.rand(shape[0], config.n_routed_experts, generator=generator).argsort(dim=1)
             weights[name] = order[:, : shape[1]].contiguous()
             continue
-        if name.endswith(("norm.weight", "layernorm.weight")) or name.endswith(("hc.scale", "hc_scale")):
+        if name.endswith(("norm.weight", "layernorm.weight", "hc.scale", "hc_scale")):
             tensor = normal(shape, 0.1, mean=1.0)
         elif name.endswith((".sinks", "position_bias", "e_score_correction_bias", "hc.base", "hc_base")):
             tensor = normal(shape, 0.5 if name.endswith(".sinks") else 0.1)
@@ -148,10 +147,10 @@ def write_checkpoint(
     """Write config.json and safetensors weights; returns the directory.
 
     `state_dict` (internal names; random from `seed` if None) is cast to `dtype`, renamed to `layout`
-    ("hf" or "official") and, with `quant`, quantised: "fp8" puts the dense attention / shared-expert
+    ("hf", "official" or "transformers", see `source_plans`) and, with `quant`, quantised: "fp8" puts the dense attention / shared-expert
     weights and the routed experts in FP8 e4m3 with float32 128x128 block scales (like Flash-Base);
     "fp8+fp4" uses power-of-two (ue8m0) FP8 scales and packed FP4 experts (like the instruct release).
-    Scales are named `<name>.scale` in the official layout and `<name>_scale_inv` in the hf layout.
+    Scales are named `<name>.scale` in the official layout and `<name>_scale_inv` in the others.
     """
     if quant not in (None, "fp8", "fp8+fp4"):
         raise ValueError(f"quant must be None, 'fp8' or 'fp8+fp4', got {quant!r}")
@@ -168,10 +167,13 @@ def write_checkpoint(
     tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype)
     if quant is not None:
         config_dict["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
             "scale_fmt": "ue8m0" if quant == "fp8+fp4" else None,
             "expert_dtype": "fp4" if quant == "fp8+fp4" else "fp8",
-        }  # fmt: skip
+        }
     config_dict.setdefault("torch_dtype", str(dtype).removeprefix("torch."))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -186,8 +188,7 @@ def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype) -> dict[str,
     for plan in source_plans(config, layout).values():
         full = state_dict[plan.target]
         full = full if is_integer_tensor(plan.target) else full.to(dtype)
-        for index, source in enumerate(plan.sources):
-            tensor = full if plan.join == "copy" else _expert_slice(full, plan, index)
+        for source, tensor in zip(plan.sources, plan.split(full), strict=True):
             kind = _quant_kind(plan.target, quant_mode)
             if kind is None:
                 tensors[source] = tensor.contiguous()
@@ -201,12 +202,6 @@ def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype) -> dict[str,
             )
             tensors[source], tensors[scale_name] = values.contiguous(), scale.contiguous()
     return tensors
-
-
-def _expert_slice(full: torch.Tensor, plan, index: int) -> torch.Tensor:
-    part, expert = divmod(index, full.shape[0])
-    rows = plan.source_shape[0]
-    return full[expert, part * rows : (part + 1) * rows]
 
 
 def _quant_kind(name: str, quant_mode: str | None) -> str | None:

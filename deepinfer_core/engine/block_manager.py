@@ -183,7 +183,7 @@ class BlockManager:
         return block
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def match_prefix(self, seq: Sequence, sliding_window: int, replay: str) -> None:
         """Reuse the longest run of cached full blocks that equals `seq`'s leading tokens.
@@ -198,7 +198,9 @@ class BlockManager:
         if replay not in _SWA_REPLAY_MODES:
             raise ValueError(f"swa_replay must be one of {_SWA_REPLAY_MODES}, got {replay!r}")
         if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"{seq.request_id!r} already holds cache state; match_prefix is for fresh sequences")
+            raise ValueError(
+                f"{seq.request_id!r} already holds cache state; match_prefix is for fresh sequences"
+            )
         if not self.enable_prefix_caching:
             return
         chain = _Chain()

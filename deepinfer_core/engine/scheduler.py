@@ -161,7 +161,9 @@ class Scheduler:
             `max_model_len`, or a prompt needing more blocks than the whole pool.
         """
         if seq.request_id in self._seqs:
-            raise ValueError(f"request id {seq.request_id!r} is already scheduled; request ids must be unique")
+            raise ValueError(
+                f"request id {seq.request_id!r} is already scheduled; request ids must be unique"
+            )
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"{seq!r} is not a fresh sequence; create a new Sequence for each request")
         if seq.num_tokens > self.config.max_model_len:
@@ -232,6 +234,11 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
                 continue  # preempted by an older sequence this step, or prefilling
+            if seq.num_uncomputed_tokens < 1:
+                raise RuntimeError(
+                    f"{seq!r} has no uncomputed token: append the sampled token (or finish the sequence) "
+                    "before the next schedule()"
+                )
             if not self._has_room(step):
                 return
             if self._make_room(seq, 1, step):
@@ -252,7 +259,9 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 step.is_memory_short = True
-                free_positions = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.config.block_size
+                free_positions = (
+                    len(seq.block_table) + self.block_manager.num_free_blocks
+                ) * self.config.block_size
                 num_new_tokens = min(num_new_tokens, free_positions - seq.num_computed_tokens)
                 if num_new_tokens < 1:
                     continue  # waits for older or already scheduled sequences to release blocks

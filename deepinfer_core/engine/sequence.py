@@ -108,7 +108,7 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """The generated tokens (a copy)."""
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def last_token_id(self) -> int:

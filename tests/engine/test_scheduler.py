@@ -1,0 +1,503 @@
+"""Scheduler: budgets, chunked prefill, decode/prefill mixing, slots, preemption, abort, prefix caching.
+
+`FakeRunner` is a test double for the model runner: it checks every batch is well formed and
+"samples" a token that depends only on the sequence's whole prefix, so any schedule (chunked,
+preempted, recomputed) must produce exactly the tokens of a plain sequential run.
+"""
+
+import random
+
+import pytest
+
+from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.sampling_params import SamplingParams
+
+BS = 4
+
+
+def next_token(prefix: list[int]) -> int:
+    return sum((i + 1) * t for i, t in enumerate(prefix)) % 997 + 1
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+def make_seq(request_id: str, prompt, max_tokens: int = 4) -> Sequence:
+    return Sequence(request_id, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def make_scheduler(num_blocks=64, num_slots=8, prefix=False, **config) -> Scheduler:
+    defaults = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 1024,
+        "block_size": BS,
+        "sliding_window": BS,
+        "enable_prefix_caching": prefix,
+    }
+    manager = BlockManager(num_blocks, BS, enable_prefix_caching=prefix)
+    return Scheduler(SchedulerConfig(**{**defaults, **config}), manager, num_slots)
+
+
+def pool_snapshot(scheduler: Scheduler) -> tuple[int, list[int]]:
+    manager = scheduler.block_manager
+    return manager.num_free_blocks, [manager.ref_count(i) for i in range(manager.num_blocks)]
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    manager = scheduler.block_manager
+    holders = [0] * manager.num_blocks
+    for seq in scheduler.running:
+        assert seq.status is SequenceStatus.RUNNING and seq.slot is not None
+        for block_id in seq.block_table:
+            holders[block_id] += 1
+    for seq in scheduler.waiting:
+        assert seq.status is SequenceStatus.WAITING and seq.slot is None and seq.block_table == []
+    assert holders == [manager.ref_count(i) for i in range(manager.num_blocks)]
+    assert manager.num_free_blocks == holders.count(0)
+    slots = [seq.slot for seq in scheduler.running]
+    assert len(set(slots)) == len(slots)
+
+
+class FakeRunner:
+    """Checks each batch and returns {request_id: sampled token} for sequences that reach their end."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.batches: list[list[tuple[str, int, int]]] = []  # (request_id, start, num_new_tokens)
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        config = self.scheduler.config
+        assert 0 < batch.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(batch) <= config.max_num_seqs
+        assert len({seq.request_id for seq in batch.seqs}) == len(batch)
+        sampled = {}
+        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            assert num_new_tokens >= 1 and start + num_new_tokens <= seq.num_tokens
+            assert len(seq.block_table) * BS >= start + num_new_tokens
+            if start + num_new_tokens == seq.num_tokens:
+                sampled[seq.request_id] = next_token(seq.token_ids)
+        self.batches.append(
+            [(s.request_id, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        )
+        return sampled
+
+
+def step(scheduler: Scheduler, runner: FakeRunner, finished: dict[str, Sequence]) -> ScheduledBatch | None:
+    """One engine step, as the engine loop runs it."""
+    batch = scheduler.schedule()
+    for seq in scheduler.pop_finished():
+        assert seq.request_id not in finished
+        finished[seq.request_id] = seq
+    check_invariants(scheduler)
+    if batch is None:
+        return None
+    sampled = runner.execute(batch)
+    scheduler.postprocess(batch)
+    for seq in batch.seqs:
+        if seq.request_id in sampled:
+            seq.append_token(sampled[seq.request_id])
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+                scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                assert seq.request_id not in finished
+                finished[seq.request_id] = seq
+    check_invariants(scheduler)
+    return batch
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 2000) -> dict[str, Sequence]:
+    finished: dict[str, Sequence] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finished
+        batch = step(scheduler, runner, finished)
+        assert batch is not None or not scheduler.has_unfinished(), "scheduler stalled with work left"
+    raise AssertionError("did not finish")
+
+
+# -- configuration and add ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_num_batched_tokens": 4}, "max_num_batched_tokens"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"swa_replay": "full"}, "swa_replay"),
+        ({"sliding_window": -1}, "sliding_window"),
+    ],
+)
+def test_config_validation(overrides, message):
+    base = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128}
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**{**base, **overrides})
+
+
+def test_block_manager_must_match_config():
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, block_size=BS)
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(config, BlockManager(8, block_size=8), num_slots=2)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        Scheduler(config, BlockManager(8, BS, enable_prefix_caching=True), num_slots=2)
+    with pytest.raises(ValueError, match="num_slots"):
+        Scheduler(config, BlockManager(8, BS), num_slots=0)
+
+
+def test_add_rejects_bad_requests():
+    scheduler = make_scheduler(num_blocks=4, max_model_len=20)
+    scheduler.add(make_seq("a", range(3)))
+    with pytest.raises(ValueError, match="unique"):
+        scheduler.add(make_seq("a", range(3)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add(make_seq("long", range(21)))
+    with pytest.raises(ValueError, match="cache has 4"):
+        scheduler.add(make_seq("huge", range(17)))  # 5 blocks of 4
+    used = make_seq("used", range(3))
+    used.num_computed_tokens = 1
+    with pytest.raises(ValueError, match="fresh"):
+        scheduler.add(used)
+    assert scheduler.num_waiting == 1
+
+
+# -- budget, cap, chunking, mixing -----------------------------------------------------------------
+
+
+def test_budget_and_seq_cap_are_respected():
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=10)
+    runner = FakeRunner(scheduler)
+    for i in range(5):
+        scheduler.add(make_seq(f"r{i}", range(i, i + 4)))
+    step(scheduler, runner, {})
+    assert runner.batches[-1] == [("r0", 0, 4), ("r1", 0, 4), ("r2", 0, 2)]  # r2 cut by the budget
+    assert (scheduler.num_running, scheduler.num_waiting) == (3, 2)
+    step(scheduler, runner, {})
+    # running is at max_num_seqs: nothing is admitted although budget is left
+    assert runner.batches[-1] == [("r0", 4, 1), ("r1", 4, 1), ("r2", 2, 2)]
+    assert scheduler.num_waiting == 2
+
+
+def test_schedule_refuses_a_sampled_token_that_was_not_appended():
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", range(4)))
+    scheduler.postprocess(scheduler.schedule())
+    with pytest.raises(RuntimeError, match="append the sampled token"):
+        scheduler.schedule()
+
+
+def test_prompt_is_chunked_at_arbitrary_offsets():
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=7)
+    runner = FakeRunner(scheduler)
+    scheduler.add(make_seq("a", range(17), max_tokens=2))
+    finished = run_to_completion(scheduler, runner)
+    assert [b[0][1:] for b in runner.batches] == [(0, 7), (7, 7), (14, 3), (17, 1)]
+    assert finished["a"].output_token_ids == reference_output(list(range(17)), 2)
+    assert scheduler.stats.num_prefill_tokens == 17 and scheduler.stats.num_decode_tokens == 1
+
+
+def test_decodes_come_first_and_mix_with_prefill_chunks():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    runner = FakeRunner(scheduler)
+    finished: dict[str, Sequence] = {}
+    scheduler.add(make_seq("a", range(3), max_tokens=5))
+    step(scheduler, runner, finished)  # a prefilled and sampled
+    scheduler.add(make_seq("b", range(20)))
+    step(scheduler, runner, finished)
+    assert runner.batches[-1] == [("a", 3, 1), ("b", 0, 7)]
+    step(scheduler, runner, finished)
+    assert runner.batches[-1] == [("a", 4, 1), ("b", 7, 7)]
+
+
+def test_running_prefill_is_served_before_new_arrivals():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    runner = FakeRunner(scheduler)
+    scheduler.add(make_seq("a", range(25)))
+    step(scheduler, runner, {})
+    scheduler.add(make_seq("b", range(5)))
+    step(scheduler, runner, {})
+    assert runner.batches[-1] == [("a", 10, 10)]
+    step(scheduler, runner, {})
+    assert runner.batches[-1] == [("a", 20, 5), ("b", 0, 5)]
+
+
+def test_slots_are_allocated_and_reused():
+    scheduler = make_scheduler(num_slots=2)
+    runner = FakeRunner(scheduler)
+    for name in "abc":
+        scheduler.add(make_seq(name, range(3), max_tokens=1 if name == "a" else 3))
+    finished: dict[str, Sequence] = {}
+    step(scheduler, runner, finished)  # only two slots: c waits
+    assert [s.slot for s in scheduler.running] == [1] and finished["a"].slot is None
+    assert scheduler.num_waiting == 1
+    step(scheduler, runner, finished)
+    c = scheduler.running[-1]
+    assert c.request_id == "c" and c.slot == 0  # a's slot
+    run_to_completion(scheduler, runner)
+
+
+# -- preemption ------------------------------------------------------------------------------------
+
+
+def test_newest_sequence_is_preempted_and_requeued_first():
+    scheduler = make_scheduler(num_blocks=4)
+    runner = FakeRunner(scheduler)
+    finished: dict[str, Sequence] = {}
+    a, b, c = make_seq("a", range(7), 8), make_seq("b", range(10, 17), 8), make_seq("c", range(3), 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, runner, finished)  # a and b prefilled: 2 blocks each, pool full
+    scheduler.add(c)
+    step(scheduler, runner, finished)  # decodes at position 7 still fit; c cannot be admitted
+    assert scheduler.num_waiting == 1
+    step(scheduler, runner, finished)  # a's position 8 needs a third block: b (newest) is preempted
+    assert runner.batches[-1] == [("a", 8, 1)]
+    assert b.status is SequenceStatus.WAITING and list(scheduler.waiting) == [b, c]
+    assert (b.num_computed_tokens, b.block_table, b.slot) == (0, [], None)
+    assert b.output_token_ids == reference_output(list(range(10, 17)), 2)  # generated tokens kept
+    assert scheduler.stats.num_preemptions == 1
+    done = run_to_completion(scheduler, runner)
+    assert done["b"].output_token_ids == reference_output(list(range(10, 17)), 8)
+
+
+def test_decode_that_is_newest_preempts_itself():
+    scheduler = make_scheduler(num_blocks=4)
+    runner = FakeRunner(scheduler)
+    finished: dict[str, Sequence] = {}
+    a, b = make_seq("a", range(5), 8), make_seq("b", range(7), 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, runner, finished)
+    step(scheduler, runner, finished)  # a at 6 tokens' worth, b at 8: both in 2 blocks
+    step(scheduler, runner, finished)  # b's position 8 needs a block; a does not
+    assert runner.batches[-1] == [("a", 6, 1)]
+    assert b.status is SequenceStatus.WAITING and a.status is SequenceStatus.RUNNING
+    assert scheduler.stats.num_preemptions == 1
+
+
+def test_tiny_pool_gives_the_same_tokens_as_a_large_one():
+    prompts = {f"r{i}": [(7 * i + j) % 50 for j in range(5 + 3 * i)] for i in range(5)}
+    outputs = {}
+    for num_blocks in (64, 6):
+        scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=9)
+        for name, prompt in prompts.items():
+            scheduler.add(make_seq(name, prompt, max_tokens=6))
+        finished = run_to_completion(scheduler, FakeRunner(scheduler))
+        assert sorted(finished) == sorted(prompts)
+        assert pool_snapshot(scheduler) == (num_blocks, [0] * num_blocks)
+        outputs[num_blocks] = ({k: s.output_token_ids for k, s in finished.items()}, scheduler.stats)
+    assert outputs[6][0] == outputs[64][0] == {k: reference_output(p, 6) for k, p in prompts.items()}
+    assert outputs[64][1].num_preemptions == 0 and outputs[6][1].num_preemptions > 0
+
+
+def test_prefill_chunk_of_the_newest_shrinks_then_waits_then_yields():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=8)
+    runner = FakeRunner(scheduler)
+    finished: dict[str, Sequence] = {}
+    d, a = make_seq("d", range(5), max_tokens=10), make_seq("a", range(30, 50), max_tokens=2)
+    scheduler.add(d)
+    scheduler.add(a)
+    step(scheduler, runner, finished)
+    assert runner.batches[-1] == [("d", 0, 5), ("a", 0, 3)]
+    step(scheduler, runner, finished)
+    assert runner.batches[-1] == [("d", 5, 1), ("a", 3, 7)]
+    step(scheduler, runner, finished)  # a's chunk of 7 needs 2 blocks, 1 is free: it shrinks to 6
+    assert runner.batches[-1] == [("d", 6, 1), ("a", 10, 6)]
+    step(scheduler, runner, finished)  # no block left and no newer sequence to preempt: a waits
+    assert runner.batches[-1] == [("d", 7, 1)]
+    assert a.status is SequenceStatus.RUNNING and scheduler.stats.num_preemptions == 0
+    step(scheduler, runner, finished)  # d's position 8 needs a block: a, the newest, is preempted
+    assert runner.batches[-1] == [("d", 8, 1)] and a.status is SequenceStatus.WAITING
+    finished.update(run_to_completion(scheduler, runner))
+    assert finished["a"].output_token_ids == reference_output(list(range(30, 50)), 2)
+    assert finished["d"].output_token_ids == reference_output(list(range(5)), 10)
+
+
+def test_no_admission_in_a_step_that_preempted():
+    scheduler = make_scheduler(num_blocks=4)
+    runner = FakeRunner(scheduler)
+    a, b = make_seq("a", range(7), 8), make_seq("b", range(7), 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler, runner, {})
+    step(scheduler, runner, {})
+    step(scheduler, runner, {})  # b preempted; freeing its blocks must not readmit it this step
+    assert runner.batches[-1] == [("a", 8, 1)]
+    assert scheduler.num_waiting == 1
+
+
+def test_sequence_too_long_for_the_whole_cache_finishes_with_length():
+    scheduler = make_scheduler(num_blocks=2)
+    seq = make_seq("a", range(6), max_tokens=10)
+    scheduler.add(seq)
+    finished = run_to_completion(scheduler, FakeRunner(scheduler))
+    assert finished["a"].status is SequenceStatus.FINISHED_LENGTH
+    assert seq.output_token_ids == reference_output(list(range(6)), 3)  # 9 tokens need a third block
+    assert pool_snapshot(scheduler) == (2, [0, 0])
+    assert scheduler.pop_finished() == []
+
+
+# -- abort and finish ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("when", ["waiting", "mid_prefill", "mid_decode"])
+def test_abort_restores_the_pool(prefix, when):
+    """After abort the pool matches a twin run that never saw the request: same free count and
+    reference counts (blocks the request cached and left unreferenced count as free)."""
+    steps = {"waiting": 0, "mid_prefill": 2, "mid_decode": 5}[when]
+    snapshots = []
+    for with_request in (True, False):
+        scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=8, prefix=prefix)
+        runner = FakeRunner(scheduler)
+        other = make_seq("other", range(9), max_tokens=20)
+        scheduler.add(other)
+        step(scheduler, runner, {})
+        step(scheduler, runner, {})
+        seq = make_seq("x", list(range(9)) + [40] * 12, max_tokens=20)
+        if with_request:
+            scheduler.add(seq)
+        for _ in range(steps):
+            step(scheduler, runner, {})
+        if with_request:
+            assert seq.status is (SequenceStatus.WAITING if when == "waiting" else SequenceStatus.RUNNING)
+            assert seq.is_prefill == (when != "mid_decode")
+            if prefix and when != "waiting":
+                assert seq.num_cached_tokens == 8  # shares other's two full blocks
+            assert scheduler.abort("x") is seq
+            assert seq.status is SequenceStatus.FINISHED_ABORTED
+            assert (seq.slot, seq.block_table) == (None, [])
+            assert scheduler.abort("x") is None
+        assert [s.request_id for s in scheduler.running] == ["other"]
+        free, refs = pool_snapshot(scheduler)
+        snapshots.append((free, sorted(refs), other.num_tokens))
+    assert snapshots[0] == snapshots[1]
+
+
+def test_abort_unknown_request_returns_none():
+    scheduler = make_scheduler()
+    assert scheduler.abort("nope") is None
+
+
+def test_finish_validates_status_and_membership():
+    scheduler = make_scheduler()
+    seq = make_seq("a", range(3))
+    with pytest.raises(ValueError, match="not scheduled"):
+        scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    scheduler.add(seq)
+    with pytest.raises(ValueError, match="FINISHED"):
+        scheduler.finish(seq, SequenceStatus.RUNNING)
+    scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    assert seq.status is SequenceStatus.FINISHED_STOPPED and not scheduler.has_unfinished()
+
+
+def test_postprocess_skips_sequences_aborted_after_scheduling():
+    scheduler = make_scheduler()
+    seq = make_seq("a", range(5))
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    scheduler.abort("a")
+    scheduler.postprocess(batch)
+    assert seq.num_computed_tokens == 0
+
+
+def test_schedule_returns_none_when_idle():
+    assert make_scheduler().schedule() is None
+
+
+# -- prefix caching --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("replay", "start"), [("bounded", 8), ("exact", 0)])
+def test_prefix_hit_sets_replay_fields_and_stats(replay, start):
+    scheduler = make_scheduler(prefix=True, swa_replay=replay)
+    runner = FakeRunner(scheduler)
+    scheduler.add(make_seq("a", range(13), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    b = make_seq("b", list(range(12)) + [90, 91], max_tokens=2)
+    scheduler.add(b)
+    step(scheduler, runner, {})
+    assert runner.batches[-1] == [("b", start, 14 - start)]
+    assert (b.num_cached_tokens, b.no_write_before, b.replay_start) == (12, 12, start)
+    stats = scheduler.stats
+    assert (stats.num_queried_tokens, stats.num_hit_tokens) == (13 + 14, 12)
+    assert stats.hit_rate == pytest.approx(12 / 27)
+    assert stats.num_prefill_tokens == 13 + 14 - start
+    done = run_to_completion(scheduler, runner)
+    assert done["b"].output_token_ids == reference_output(b.prompt_token_ids, 2)
+    assert done["b"].num_cached_tokens == 12  # still there for the final output
+
+
+def test_concurrent_requests_share_cached_blocks():
+    scheduler = make_scheduler(prefix=True)
+    runner = FakeRunner(scheduler)
+    scheduler.add(make_seq("a", range(9), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    b, c = make_seq("b", list(range(8)) + [1], 3), make_seq("c", list(range(8)) + [2], 3)
+    scheduler.add(b)
+    scheduler.add(c)
+    step(scheduler, runner, {})
+    assert b.block_table[:2] == c.block_table[:2]
+    assert scheduler.block_manager.ref_count(b.block_table[0]) == 2
+    run_to_completion(scheduler, runner)
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_preempted_sequence_hits_its_own_cached_blocks():
+    scheduler = make_scheduler(num_blocks=6, prefix=True, sliding_window=0)
+    runner = FakeRunner(scheduler)
+    a, b = make_seq("a", range(8), 8), make_seq("b", range(20, 28), 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    finished: dict[str, Sequence] = {}
+    while scheduler.stats.num_preemptions == 0:
+        step(scheduler, runner, finished)
+    # a's position 12 needed a fifth block: b (13 tokens, 3 full blocks cached) was preempted and
+    # a took b's least recently released block, its tail
+    assert b.status is SequenceStatus.WAITING and b.num_tokens == 13
+    assert scheduler.block_manager.num_cached_blocks == 3 + 2  # a's three full blocks, b's first two
+    while b.status is SequenceStatus.WAITING:
+        step(scheduler, runner, finished)
+    assert b.num_cached_tokens == 8 and scheduler.stats.num_hit_tokens == 8
+    assert runner.batches[-1][-1] == ("b", 8, 5)
+    done = run_to_completion(scheduler, runner)
+    assert done["b"].output_token_ids == reference_output(list(range(20, 28)), 8)
+    assert scheduler.stats.num_preemptions == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workload_completes_exactly(seed):
+    rng = random.Random(seed)
+    prefix = seed % 2 == 1
+    num_blocks = rng.randint(6, 12)
+    scheduler = make_scheduler(
+        num_blocks=num_blocks,
+        num_slots=rng.randint(1, 4),
+        prefix=prefix,
+        max_num_seqs=4,
+        max_num_batched_tokens=rng.randint(4, 20),
+    )
+    runner = FakeRunner(scheduler)
+    shared = [rng.randrange(30) for _ in range(8)]
+    expected, aborted, finished = {}, set(), {}
+    for i in range(10):
+        prompt = shared[: rng.randint(0, 8)] + [rng.randrange(30) for _ in range(rng.randint(1, 9))]
+        max_tokens = rng.randint(1, num_blocks * BS - len(prompt))
+        scheduler.add(make_seq(f"r{i}", prompt, max_tokens))
+        expected[f"r{i}"] = reference_output(prompt, max_tokens)
+        for _ in range(rng.randint(0, 3)):
+            step(scheduler, runner, finished)
+        if rng.random() < 0.2:
+            victim = rng.choice(list(expected))
+            if scheduler.abort(victim) is not None:
+                aborted.add(victim)
+    finished.update(run_to_completion(scheduler, runner))
+    assert sorted(finished) == sorted(set(expected) - aborted)
+    for name, seq in finished.items():
+        assert seq.output_token_ids == expected[name]
+    assert scheduler.block_manager.num_free_blocks == num_blocks

@@ -179,12 +179,14 @@ def index_scores(case: AttentionCase, spec: AttentionSpec) -> torch.Tensor:
     return scores
 
 
-def random_moe_case(spec: MoESpec, num_tokens: int, seed: int = 0,
-                    vocab_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, MoEWeights]:
+def random_moe_case(spec: MoESpec, num_tokens: int, seed: int = 0, vocab_size: int = 64,
+                    bias_decides: bool = False) -> tuple[torch.Tensor, torch.Tensor, MoEWeights]:
     """`(x, input_ids, weights)` whose routing is unambiguous (clear gap after the top-k experts).
 
     Target router logits put each token's chosen experts well above the rest; when `num_experts <=
     hidden_size` the router has orthonormal rows and `x` is built so that `x @ router.T` equals them.
+    With `bias_decides` (top-k layers), `score_bias` lifts `top_k` random experts above every score, so
+    selection follows the bias while the routing weights still come from the unbiased scores.
     Expert weights are scaled so some gate pre-activations pass `swiglu_limit` and outputs are O(1).
     """
     gen = torch.Generator().manual_seed(seed)
@@ -212,6 +214,8 @@ def random_moe_case(spec: MoESpec, num_tokens: int, seed: int = 0,
                                        for _ in range(vocab_size)])
     else:
         weights.score_bias = (torch.rand(experts, generator=gen) - 0.5) * 0.02
+        if bias_decides:
+            weights.score_bias[torch.randperm(experts, generator=gen)[:spec.top_k]] += 4.0
     input_ids = torch.randint(0, vocab_size, (num_tokens,), generator=gen)
     return x, input_ids, weights
 

@@ -138,15 +138,18 @@ def check_indexer_selection(backend: AttentionBackend, candidate_case: Attention
 def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | None = None,
               atol: float | None = None, rtol: float | None = None, seed: int = 0,
               num_tokens_list: tuple[int, ...] = (1, 7, 33)) -> None:
-    """Check `forward` against the reference for several token counts (decode-sized and prefill-sized)."""
+    """Check `forward` against the reference for several token counts (decode-sized and prefill-sized),
+    and, for top-k layers, once more with selection decided by `score_bias`."""
     from deepinfer_core.reference.moe import ReferenceMoE
 
     spec = backend.spec
     dtype = dtype or spec.dtype
     atol, rtol = tolerances(dtype, atol, rtol)
     reference = ReferenceMoE(dataclasses.replace(spec, dtype=torch.float32), CPU)
-    for num_tokens in num_tokens_list:
-        x, input_ids, weights = random_moe_case(spec, num_tokens, seed=seed + num_tokens)
+    cases = [(n, False) for n in num_tokens_list] + ([] if spec.is_hash else [(num_tokens_list[-1], True)])
+    for num_tokens, bias_decides in cases:
+        x, input_ids, weights = random_moe_case(spec, num_tokens, seed=seed + num_tokens,
+                                                bias_decides=bias_decides)
         candidate_weights = dataclasses.replace(weights, **{
             f.name: _to(getattr(weights, f.name), device, dtype) for f in dataclasses.fields(weights)})
         reference_weights = dataclasses.replace(weights, **{
@@ -155,7 +158,8 @@ def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | No
         if actual.dtype != dtype:
             raise AssertionError(f"moe forward returned {actual.dtype}, expected the input's {dtype}")
         expected = reference.forward(round_to(x, dtype), input_ids, reference_weights)
-        _assert_close(actual, expected, atol, rtol, f"moe forward, {num_tokens} tokens, {spec}")
+        routing = "score bias decides" if bias_decides else "scores decide"
+        _assert_close(actual, expected, atol, rtol, f"moe forward, {num_tokens} tokens, {routing}, {spec}")
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:

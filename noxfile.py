@@ -1,0 +1,46 @@
+"""Developer sessions: `nox -s tests` (the CI command), `nox -s lint`, `nox -s demo`, `nox -s gpu`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+
+TORCH = "torch==2.13.0"  # installed on its own first, so the packages below never pick another build
+EDITABLE_PACKAGES = ("-e", ".[test]", "-e", "plugins/recipe", "-e", "plugins/nvidia_sm100",
+                     "-e", "plugins/ascend950")
+
+
+def install(session: nox.Session) -> None:
+    """torch first (pinned), then the core and every plugin, editable, with the test extra."""
+    session.install(TORCH)
+    session.install(*EDITABLE_PACKAGES)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite on the CPU (accelerator tests skip themselves)."""
+    install(session)
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the core, the plugins, the tests and the examples."""
+    session.install("ruff")
+    session.run("ruff", "check", ".", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The offline-inference example end to end."""
+    install(session)
+    session.run("python", "examples/offline_inference.py", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The NVIDIA plugin's tests, conformance included (run on a GPU machine)."""
+    install(session)
+    session.run("pytest", "-q", "plugins/nvidia_sm100/tests", *session.posargs)

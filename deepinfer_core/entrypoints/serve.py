@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -304,6 +305,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def running_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve `app` with uvicorn on a background thread (port 0 picks a free one); yields the base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="deepinfer-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound_port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine for `args.model_dir` and serve it until interrupted."""
     import uvicorn
@@ -324,4 +345,4 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ServerState", "add_serve_parser", "build_app", "context_limit_of", "handle_generation", "run_serve"]
+__all__ = ["ServerState", "add_serve_parser", "build_app", "context_limit_of", "handle_generation", "run_serve", "running_server"]

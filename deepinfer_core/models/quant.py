@@ -99,3 +99,26 @@ def quantize_fp4(
     codes = (index | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.view(torch.int8), scale
+
+
+def fp8_rounding_bound(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Largest round-to-nearest error `quantize_fp8` may make per element, in weight units.
+
+    Half an e4m3 ulp of x = w / scale: at most |x| * 2^-4 for normal x, and 2^-10 (half the subnormal
+    spacing 2^-9) below the smallest normal 2^-6; plus float32 slack.
+    """
+    full_scale = _expand_blocks(scale, *weight.shape[-2:], block)
+    x = weight.float().abs() / full_scale
+    return full_scale * torch.clamp(x * 2**-4, min=2**-10) + 1e-6 * weight.float().abs() + 1e-12
+
+
+def fp4_rounding_bound(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Largest round-to-nearest error `quantize_fp4` may make per element, in weight units.
+
+    Half the gap between neighbouring e2m1 magnitudes around |w / scale|: 0.25 below 2, 0.5 below 4,
+    else 1; plus float32 slack.
+    """
+    full_scale = scale.float().repeat_interleave(FP4_GROUP_SIZE, dim=-1)
+    x = weight.float().abs() / full_scale
+    half_gap = torch.where(x < 2, 0.25, torch.where(x < 4, 0.5, 1.0))
+    return full_scale * half_gap + 1e-6 * weight.float().abs() + 1e-12

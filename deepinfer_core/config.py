@@ -333,8 +333,9 @@ class EngineConfig(BaseModel):
     """What the engine is asked to do; `resolve(model_config)` fills the model-dependent defaults.
 
     Defaults: `max_model_len` = min(max_position_embeddings, 8192); `max_num_batched_tokens` (the
-    per-step token budget; prefill is chunked to fit it) = max(2048, min(max_model_len, 8192)), so one
-    step can take a whole default-length prompt but a long context does not blow up step memory.
+    per-step token budget; prefill is chunked to fit it) = max(2048, min(max_model_len, 8192),
+    max_num_seqs), so one step takes a whole default-length prompt and every running sequence's decode
+    token, but a long context does not blow up step memory.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())

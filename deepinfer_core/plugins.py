@@ -378,31 +378,19 @@ class PluginReport:
 
 def representative_specs(config: ModelConfig | None = None,
                          dtype: torch.dtype = torch.float32) -> dict[str, list[Any]]:
-    """One spec per distinct layer kind of `config` (V4-Flash defaults when None), by factory hook."""
-    from deepinfer_core.config import CSA, ModelConfig
+    """The specs the engine would ask for with `config` (V4-Flash defaults when None), by factory hook.
+
+    Attention and MoE specs come from the model's layer plan, one per distinct layer kind.
+    """
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models.layer_plan import build_layer_plan
 
     config = config or ModelConfig()
-    attention: list[AttentionSpec] = []
-    for layer_idx, layer_type in enumerate(config.layer_types):
-        is_csa = layer_type == CSA
-        spec = AttentionSpec(
-            num_heads=config.num_attention_heads, head_dim=config.head_dim,
-            sliding_window=config.sliding_window, compress_rate=config.compress_rate(layer_idx),
-            index_n_heads=config.index_n_heads if is_csa else 0,
-            index_head_dim=config.index_head_dim if is_csa else 0,
-            index_topk=config.index_topk if is_csa else 0, dtype=dtype,
-        )
-        if spec not in attention:
-            attention.append(spec)
-    moe = [MoESpec(hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size,
-                   num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-                   scoring_func=config.scoring_func, routed_scaling_factor=config.routed_scaling_factor,
-                   swiglu_limit=config.swiglu_limit, is_hash=mlp_type == "hash_moe", dtype=dtype)
-           for mlp_type in dict.fromkeys(config.mlp_layer_types)]
+    plans = build_layer_plan(config, dtype)
     return {
-        "make_attention": attention,
-        "make_moe": moe,
-        "make_eplb": [EplbSpec(num_layers=len(config.mlp_layer_types), num_experts=config.n_routed_experts,
+        "make_attention": list(dict.fromkeys(plan.attention for plan in plans)),
+        "make_moe": list(dict.fromkeys(plan.moe for plan in plans)),
+        "make_eplb": [EplbSpec(num_layers=len(plans), num_experts=config.n_routed_experts,
                                num_slots=config.n_routed_experts)],
         "make_sampler": [SamplingSpec(vocab_size=config.vocab_size)],
         "make_verifier": [VerifySpec(vocab_size=config.vocab_size,

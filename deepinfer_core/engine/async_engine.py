@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.engine import Engine
-
     from deepinfer_core.outputs import RequestOutput
     from deepinfer_core.sampling_params import SamplingParams
 
@@ -198,8 +197,10 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException | None) -> None:
         dead = EngineDeadError("the engine loop stopped" + (f": {error!r}" if error else ""))
-        for stream in self._streams.values():
+        for request_id, stream in self._streams.items():
             stream.deliver(dead)
+            if error is None:  # a clean shutdown leaves the engine holding nothing
+                self.engine.abort(request_id)
         self._streams.clear()
         while True:
             try:

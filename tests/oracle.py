@@ -1,0 +1,89 @@
+"""The oracle: transformers' `DeepseekV4ForCausalLM` (fp32, CPU) on the same weights as the engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+
+transformers = __import__("pytest").importorskip("transformers", minversion="5.23")
+
+
+def parity_config(preset: str, **overrides) -> dict:
+    # Eight indexer heads: with two, ReLU zeros tie indexer scores so often that top-k picks depend on
+    # each implementation's tie order; ties stay possible but rare.
+    return tiny_config(preset, **{"index_n_heads": 8, **overrides})
+
+
+def hf_model(config: dict, weights: dict[str, torch.Tensor]):
+    hf_config = transformers.DeepseekV4Config(**ModelConfig.from_dict(config).to_hf_dict())
+    model = transformers.DeepseekV4ForCausalLM(hf_config).eval()
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+@torch.no_grad()
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """Log-softmax of the oracle's logits at every position of one unpadded sequence."""
+    return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation and the chosen tokens' logprobs, by full forwards (no cache)."""
+    ids, lps = list(prompt), []
+    for _ in range(max_tokens):
+        lp = hf_logprobs(model, ids)[-1]
+        token = int(lp.argmax())
+        ids.append(token)
+        lps.append(float(lp[token]))
+    return ids[len(prompt):], lps
+
+
+def write_config(directory: Path, config: dict) -> Path:
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@dataclass
+class FakeSeq:
+    """The fields the runner reads of a scheduled sequence (model tests drive the runner directly)."""
+
+    token_ids: list[int]
+    slot: int
+    block_table: list[int]
+    num_computed_tokens: int = 0
+    replay_start: int = 0
+    no_write_before: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def make_runner(tmp_path: Path, config: dict, weights, num_slots=8, num_blocks=64) -> ModelRunner:
+    write_config(tmp_path, config)
+    engine_config = EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=num_slots, num_kv_blocks=num_blocks)
+    model_config = ModelConfig.from_dict(config)
+    return ModelRunner(model_config, engine_config.resolve(model_config), torch.device("cpu"), weights=weights)
+
+
+def all_position_logprobs(runner: ModelRunner, seqs: list[FakeSeq], num_new: list[int]) -> list[torch.Tensor]:
+    """Run one step and return, per sequence, the logprobs at each of its computed positions."""
+    ctx, _, _ = runner.prepare_inputs(seqs, num_new)
+    logits = runner.model(ctx, runner.kv_cache.layers, torch.arange(sum(num_new)))
+    out, offset = [], 0
+    for seq, n in zip(seqs, num_new):
+        out.append(logits[offset : offset + n].log_softmax(-1))
+        offset += n
+        seq.num_computed_tokens += n
+    return out
+
+
+__all__ = ["random_state_dict", "parity_config"]

@@ -147,3 +147,14 @@ class LLM:
         if bad:
             raise TypeError(f"sampling_params entries must be SamplingParams, got {bad}")
         return params
+
+    # -- chat ---------------------------------------------------------------------------------------
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             tools: list[dict] | None = None, thinking: bool | None = None, use_tqdm: bool = False) -> list:
+        """Answer one conversation or a list of them with the checkpoint's chat format; returns one
+        `ChatOutput` (`reasoning_content`, `content`, `tool_calls`, `usage`, `output`) per conversation.
+        See `deepinfer_core.entrypoints.chat.chat`."""
+        from deepinfer_core.entrypoints.chat import chat
+
+        return chat(self, messages, sampling_params, tools=tools, thinking=thinking, use_tqdm=use_tqdm)

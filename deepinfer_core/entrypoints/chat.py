@@ -150,15 +150,17 @@ def chat(
     sampling_params: SamplingParams | None = None,
     tools: list[dict[str, Any]] | None = None,
     thinking: bool | None = None,
+    use_tqdm: bool = False,
 ) -> list[ChatOutput]:
     """Answer one conversation (a list of messages) or several (a list of lists), batched together.
 
     Messages and tools use the OpenAI Chat Completions shapes (assistant `reasoning_content` and
     `tool_calls`, `tool` results with `tool_call_id`).
 
-    :param llm: an `LLM` (its `engine` runs the requests).
-    :param sampling_params: applied to every conversation; None uses the chat format's defaults
-        (temperature 1 in thinking mode, `max_tokens` = what the context leaves).
+    :param llm: an `LLM`; its `generate` runs the encoded prompts.
+    :param sampling_params: applied to every conversation (`max_tokens` clamped to what the context
+        leaves); None uses the chat format's defaults (temperature 1 in thinking mode, `max_tokens` up
+        to the context).
     :param tools: OpenAI function tools offered in every conversation.
     :param thinking: True or False switches thinking mode; None keeps the model's default (on).
     :returns: one `ChatOutput` per conversation, in order.
@@ -168,14 +170,15 @@ def chat(
     encoding = chat_encoding_of(llm)
     conversations = [messages] if is_single_conversation(messages) else messages
     prepared = prepare_conversations(encoding, conversations, tools, thinking, engine.config.max_model_len)
-    batch_id = uuid.uuid4().hex
-    request_ids = [f"chat-{batch_id}-{i}" for i in range(len(prepared))]
-    for request_id, request in zip(request_ids, prepared):
-        engine.add_request(request_id, request.prompt_token_ids, sampling_params_for(request, sampling_params))
-    finals = run_until_finished(engine, request_ids)
+    prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in prepared]
+    params = [sampling_params_for(request, sampling_params) for request in prepared]
+    decode_sequence, llm.decode_sequence = getattr(llm, "decode_sequence", False), False
+    try:  # chat parses RequestOutputs; DeepInfer 0.1's text-only return is for generate
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    finally:
+        llm.decode_sequence = decode_sequence
     stop_token_ids = list(getattr(engine, "eos_token_ids", None) or [engine.tokenizer.eos_token_id])
-    return [parse_output(encoding, request, finals[request_id], stop_token_ids)
-            for request_id, request in zip(request_ids, prepared)]
+    return [parse_output(encoding, request, output, stop_token_ids) for request, output in zip(prepared, outputs)]
 
 
 def chat_encoding_of(llm: Any) -> ChatEncoding:
@@ -185,21 +188,6 @@ def chat_encoding_of(llm: Any) -> ChatEncoding:
         encoding = load_chat_encoding(llm.engine.tokenizer, llm.engine.model_config)
         llm._chat_encoding = encoding
     return encoding
-
-
-def run_until_finished(engine: Any, request_ids: list[str]) -> dict[str, RequestOutput]:
-    """Step `engine` until every request in `request_ids` has finished; their final outputs by id."""
-    pending, finals = set(request_ids), {}
-    try:
-        while pending:
-            for output in engine.step():
-                if output.finished and output.request_id in pending:
-                    pending.discard(output.request_id)
-                    finals[output.request_id] = output
-    finally:
-        for request_id in pending:  # interrupted: free what the rest hold
-            engine.abort(request_id)
-    return finals
 
 
 def _error_message(body: str) -> str:

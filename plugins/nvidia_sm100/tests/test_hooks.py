@@ -13,9 +13,19 @@ from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
 from deepinfer_core import hookspecs
 from deepinfer_core.backends import AttentionSpec, MoESpec, SamplingSpec
 
-ATTENTION = AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=128, dtype=torch.bfloat16)
-MOE = MoESpec(hidden_size=4096, intermediate_size=2048, num_experts=256, top_k=6, scoring_func="sqrtsoftplus",
-              routed_scaling_factor=1.5, swiglu_limit=10.0, dtype=torch.bfloat16)
+ATTENTION = AttentionSpec(
+    num_heads=64, head_dim=512, sliding_window=128, compress_rate=128, dtype=torch.bfloat16
+)
+MOE = MoESpec(
+    hidden_size=4096,
+    intermediate_size=2048,
+    num_experts=256,
+    top_k=6,
+    scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    dtype=torch.bfloat16,
+)
 SAMPLING = SamplingSpec(vocab_size=129280)
 
 

@@ -11,8 +11,15 @@ from deepinfer_core.backends import MoESpec, MoEWeights
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.testing import conformance
 
-SMALL = MoESpec(hidden_size=256, intermediate_size=128, num_experts=16, top_k=4, scoring_func="sqrtsoftplus",
-                routed_scaling_factor=1.5, swiglu_limit=7.0)
+SMALL = MoESpec(
+    hidden_size=256,
+    intermediate_size=128,
+    num_experts=16,
+    top_k=4,
+    scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5,
+    swiglu_limit=7.0,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,8 +37,16 @@ def test_v4_flash_shapes_match_reference_on_gpu(cuda_device: torch.device, num_t
     """Real sizes exercise every tile config; the reference runs the same bf16 weights on the GPU."""
     from deepinfer_nvidia_sm100.moe import TritonMoE
 
-    spec = MoESpec(hidden_size=4096, intermediate_size=2048, num_experts=64, top_k=6, scoring_func="sqrtsoftplus",
-                   routed_scaling_factor=1.5, swiglu_limit=10.0, dtype=torch.bfloat16)
+    spec = MoESpec(
+        hidden_size=4096,
+        intermediate_size=2048,
+        num_experts=64,
+        top_k=6,
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        dtype=torch.bfloat16,
+    )
     gen = torch.Generator(device=cuda_device).manual_seed(num_tokens)
     opts = {"device": cuda_device, "generator": gen}
     weights = MoEWeights(
@@ -43,9 +58,11 @@ def test_v4_flash_shapes_match_reference_on_gpu(cuda_device: torch.device, num_t
     x = torch.randn(num_tokens, 4096, **opts).bfloat16()
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=cuda_device)
     out = TritonMoE(spec).forward(x, input_ids, weights)
-    float_weights = dataclasses.replace(weights, router=weights.router.float(), gate_up=weights.gate_up.float(),
-                                        down=weights.down.float())
+    float_weights = dataclasses.replace(
+        weights, router=weights.router.float(), gate_up=weights.gate_up.float(), down=weights.down.float()
+    )
     expected = ReferenceMoE(dataclasses.replace(spec, dtype=torch.float32), cuda_device).forward(
-        x.float(), input_ids, float_weights)
+        x.float(), input_ids, float_weights
+    )
     error = float((out.float() - expected).norm() / expected.norm())
     assert error < 1e-2, error

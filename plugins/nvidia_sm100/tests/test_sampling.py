@@ -22,7 +22,9 @@ def test_draws_the_reference_tokens(cuda_device: torch.device) -> None:
     spec = SamplingSpec(vocab_size=129280)
     logits, params = random_sampling_case(spec, seed=3)
     expected = ReferenceSampler(spec, torch.device("cpu")).sample(logits, params).token_ids
-    moved = {name: getattr(params, name).to(cuda_device)
-             for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
+    moved = {
+        name: getattr(params, name).to(cuda_device)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+    }
     actual = CudaSampler(spec).sample(logits.to(cuda_device), type(params)(**{**params.__dict__, **moved}))
     assert actual.token_ids.cpu().tolist() == expected.tolist()

@@ -63,7 +63,9 @@ class TritonAttention:
         self._ieee = spec.dtype == torch.float32
         self._head_dim_pow2 = max(16, triton.next_power_of_2(spec.head_dim))
         self._block_n = 32 if self._head_dim_pow2 >= 256 else 64
-        self._num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+        self._num_sms = (
+            torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+        )
 
     def _num_splits(self, num_tokens: int, num_keys: int) -> int:
         programs = num_tokens * triton.cdiv(self.spec.num_heads, BLOCK_H)
@@ -92,7 +94,9 @@ class TritonAttention:
         if has_comp and spec.is_sparse and topk_indices is None:
             raise ValueError("CSA attention needs topk_indices from indexer_topk")
         if has_comp:
-            num_comp = topk_indices.shape[1] if spec.is_sparse else max_visible_entries(metadata, spec.compress_rate)
+            num_comp = (
+                topk_indices.shape[1] if spec.is_sparse else max_visible_entries(metadata, spec.compress_rate)
+            )
         else:
             num_comp = 0
         q, kv, window = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(window)
@@ -106,28 +110,79 @@ class TritonAttention:
         is_split = num_splits > 1
         part_acc = part_ml = out
         if is_split:
-            part_acc = torch.empty(num_tokens, num_splits, spec.num_heads, self._head_dim_pow2, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(num_tokens, num_splits, 2, spec.num_heads, dtype=torch.float32, device=q.device)
+            part_acc = torch.empty(
+                num_tokens,
+                num_splits,
+                spec.num_heads,
+                self._head_dim_pow2,
+                dtype=torch.float32,
+                device=q.device,
+            )
+            part_ml = torch.empty(
+                num_tokens, num_splits, 2, spec.num_heads, dtype=torch.float32, device=q.device
+            )
         comp = compressed if has_comp else kv
         topk = topk_indices if has_comp and spec.is_sparse else metadata.positions
         block_tables = metadata.block_tables
         grid = (num_tokens, triton.cdiv(spec.num_heads, BLOCK_H), num_splits)
         attention_kernel[grid](
-            q, kv, window, comp, sinks, out, part_acc, part_ml,
-            index.token_req, metadata.positions, metadata.start_positions, index.q_start, metadata.slots,
-            index.win_start, block_tables, topk,
-            spec.num_heads, spec.head_dim, self.scale, num_comp, keys_per_split,
-            q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1), comp.stride(0),
-            block_tables.stride(0), topk.stride(0), out.stride(0), out.stride(1),
-            HEAD_DIM=self._head_dim_pow2, BLOCK_H=BLOCK_H, BLOCK_N=self._block_n,
-            WINDOW=spec.sliding_window, RATE=max(spec.compress_rate, 1), EPB=max(spec.entries_per_block, 1),
-            IS_SPARSE=spec.is_sparse, HAS_COMP=has_comp, IS_SPLIT=is_split, IEEE=self._ieee,
-            num_warps=4, num_stages=2,
+            q,
+            kv,
+            window,
+            comp,
+            sinks,
+            out,
+            part_acc,
+            part_ml,
+            index.token_req,
+            metadata.positions,
+            metadata.start_positions,
+            index.q_start,
+            metadata.slots,
+            index.win_start,
+            block_tables,
+            topk,
+            spec.num_heads,
+            spec.head_dim,
+            self.scale,
+            num_comp,
+            keys_per_split,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            window.stride(0),
+            window.stride(1),
+            comp.stride(0),
+            block_tables.stride(0),
+            topk.stride(0),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=self._head_dim_pow2,
+            BLOCK_H=BLOCK_H,
+            BLOCK_N=self._block_n,
+            WINDOW=spec.sliding_window,
+            RATE=max(spec.compress_rate, 1),
+            EPB=max(spec.entries_per_block, 1),
+            IS_SPARSE=spec.is_sparse,
+            HAS_COMP=has_comp,
+            IS_SPLIT=is_split,
+            IEEE=self._ieee,
+            num_warps=4,
+            num_stages=2,
         )
         if is_split:
             combine_kernel[(num_tokens, spec.num_heads)](
-                part_acc, part_ml, sinks, out, spec.num_heads, spec.head_dim, num_splits, out.stride(0), out.stride(1),
-                HEAD_DIM=self._head_dim_pow2, NUM_SPLITS_POW2=triton.next_power_of_2(num_splits),
+                part_acc,
+                part_ml,
+                sinks,
+                out,
+                spec.num_heads,
+                spec.head_dim,
+                num_splits,
+                out.stride(0),
+                out.stride(1),
+                HEAD_DIM=self._head_dim_pow2,
+                NUM_SPLITS_POW2=triton.next_power_of_2(num_splits),
             )
         return out
 
@@ -151,13 +206,29 @@ class TritonAttention:
         scores = torch.empty(num_tokens, cap, dtype=torch.float32, device=q.device)
         block_n = 64
         indexer_scores_kernel[(num_tokens, triton.cdiv(cap, block_n))](
-            q, weights, index_keys, metadata.block_tables, index.token_req, metadata.positions, scores,
-            cap, spec.index_n_heads, spec.index_head_dim, spec.index_head_dim**-0.5,
-            q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), metadata.block_tables.stride(0),
+            q,
+            weights,
+            index_keys,
+            metadata.block_tables,
+            index.token_req,
+            metadata.positions,
+            scores,
+            cap,
+            spec.index_n_heads,
+            spec.index_head_dim,
+            spec.index_head_dim**-0.5,
+            q.stride(0),
+            q.stride(1),
+            weights.stride(0),
+            index_keys.stride(0),
+            metadata.block_tables.stride(0),
             scores.stride(0),
             N_HEADS=max(16, triton.next_power_of_2(spec.index_n_heads)),
             HEAD_DIM=max(16, triton.next_power_of_2(spec.index_head_dim)),
-            RATE=spec.compress_rate, EPB=spec.entries_per_block, BLOCK_N=block_n, IEEE=self._ieee,
+            RATE=spec.compress_rate,
+            EPB=spec.entries_per_block,
+            BLOCK_N=block_n,
+            IEEE=self._ieee,
         )
         values, picked = scores.topk(min(spec.index_topk, cap), dim=-1)
         picked = torch.where(values == float("-inf"), -1, picked)

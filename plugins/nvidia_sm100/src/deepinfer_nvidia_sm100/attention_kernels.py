@@ -17,11 +17,31 @@ import triton.language as tl
 
 @triton.jit
 def _key_rows(
-    j, pos, req, start_pos, q_start, slot, win_lo,
-    kv_ptr, window_ptr, comp_ptr, topk_ptr, block_tables_ptr, token,
-    stride_kv, stride_ws, stride_wp, stride_comp, stride_topk, stride_bt, num_comp,
-    WINDOW: tl.constexpr, RATE: tl.constexpr, EPB: tl.constexpr,
-    IS_SPARSE: tl.constexpr, HAS_COMP: tl.constexpr,
+    j,
+    pos,
+    req,
+    start_pos,
+    q_start,
+    slot,
+    win_lo,
+    kv_ptr,
+    window_ptr,
+    comp_ptr,
+    topk_ptr,
+    block_tables_ptr,
+    token,
+    stride_kv,
+    stride_ws,
+    stride_wp,
+    stride_comp,
+    stride_topk,
+    stride_bt,
+    num_comp,
+    WINDOW: tl.constexpr,
+    RATE: tl.constexpr,
+    EPB: tl.constexpr,
+    IS_SPARSE: tl.constexpr,
+    HAS_COMP: tl.constexpr,
 ):
     """Row pointers and validity of virtual keys `j` ([BLOCK_N]) of one query token."""
     in_window = j < WINDOW
@@ -50,15 +70,47 @@ def _key_rows(
 
 @triton.jit
 def attention_kernel(
-    q_ptr, kv_ptr, window_ptr, comp_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    token_req_ptr, positions_ptr, start_pos_ptr, q_start_ptr, slots_ptr, win_start_ptr,
-    block_tables_ptr, topk_ptr,
-    num_heads, head_dim, scale, num_comp, keys_per_split,
-    stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_comp, stride_bt, stride_topk,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, RATE: tl.constexpr, EPB: tl.constexpr,
-    IS_SPARSE: tl.constexpr, HAS_COMP: tl.constexpr, IS_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    window_ptr,
+    comp_ptr,
+    sinks_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    token_req_ptr,
+    positions_ptr,
+    start_pos_ptr,
+    q_start_ptr,
+    slots_ptr,
+    win_start_ptr,
+    block_tables_ptr,
+    topk_ptr,
+    num_heads,
+    head_dim,
+    scale,
+    num_comp,
+    keys_per_split,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_ws,
+    stride_wp,
+    stride_comp,
+    stride_bt,
+    stride_topk,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    RATE: tl.constexpr,
+    EPB: tl.constexpr,
+    IS_SPARSE: tl.constexpr,
+    HAS_COMP: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -85,13 +137,36 @@ def attention_kernel(
     for j0 in range(j_begin, j_begin + keys_per_split, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         row_ptrs, valid = _key_rows(
-            j, pos, req, start_pos, q_start, slot, win_lo,
-            kv_ptr, window_ptr, comp_ptr, topk_ptr, block_tables_ptr, token,
-            stride_kv, stride_ws, stride_wp, stride_comp, stride_topk, stride_bt, num_comp,
-            WINDOW, RATE, EPB, IS_SPARSE, HAS_COMP,
+            j,
+            pos,
+            req,
+            start_pos,
+            q_start,
+            slot,
+            win_lo,
+            kv_ptr,
+            window_ptr,
+            comp_ptr,
+            topk_ptr,
+            block_tables_ptr,
+            token,
+            stride_kv,
+            stride_ws,
+            stride_wp,
+            stride_comp,
+            stride_topk,
+            stride_bt,
+            num_comp,
+            WINDOW,
+            RATE,
+            EPB,
+            IS_SPARSE,
+            HAS_COMP,
         )
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            k = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
+            k = tl.load(
+                row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0
+            )
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -124,8 +199,17 @@ def attention_kernel(
 
 @triton.jit
 def combine_kernel(
-    part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, num_heads, head_dim, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS_POW2: tl.constexpr,
+    part_acc_ptr,
+    part_ml_ptr,
+    sinks_ptr,
+    out_ptr,
+    num_heads,
+    head_dim,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS_POW2: tl.constexpr,
 ):
     """Merge the splits' partial softmax states of one (token, head) and add the sink."""
     token = tl.program_id(0)
@@ -144,16 +228,38 @@ def combine_kernel(
     acc_ptrs = part_acc_ptr + (base[:, None] * num_heads + head) * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0)
     out = tl.sum(acc * scale[:, None], axis=0) / denom
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
 
 
 @triton.jit
 def indexer_scores_kernel(
-    q_ptr, w_ptr, keys_ptr, block_tables_ptr, token_req_ptr, positions_ptr, scores_ptr,
-    num_entries_cap, n_heads, head_dim, scale,
-    stride_qt, stride_qh, stride_wt, stride_keys, stride_bt, stride_st,
-    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, RATE: tl.constexpr, EPB: tl.constexpr,
-    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    w_ptr,
+    keys_ptr,
+    block_tables_ptr,
+    token_req_ptr,
+    positions_ptr,
+    scores_ptr,
+    num_entries_cap,
+    n_heads,
+    head_dim,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_keys,
+    stride_bt,
+    stride_st,
+    N_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    RATE: tl.constexpr,
+    EPB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """scores[t, e] = scale * sum_h w[t, h] * relu(q[t, h] . key[e]); -inf for entries not yet visible."""
     token = tl.program_id(0)
@@ -172,7 +278,11 @@ def indexer_scores_kernel(
     safe = tl.where(visible, entry, 0)
     block = tl.load(block_tables_ptr + req * stride_bt + safe // EPB, mask=visible, other=0)
     rows = (block * EPB + safe % EPB).to(tl.int64)
-    k = tl.load(keys_ptr + rows[:, None] * stride_keys + offs_d[None, :], mask=visible[:, None] & d_valid[None, :], other=0.0)
+    k = tl.load(
+        keys_ptr + rows[:, None] * stride_keys + offs_d[None, :],
+        mask=visible[:, None] & d_valid[None, :],
+        other=0.0,
+    )
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:

@@ -89,7 +89,9 @@ class TritonMoE:
         self._scoring = SCORING_CODES[spec.scoring_func]
         self._ieee = spec.dtype == torch.float32
 
-    def route(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `[T, top_k]` int32 expert ids and fp32 weights (normalised, scaled)."""
         spec = self.spec
         num_tokens = x.shape[0]
@@ -103,11 +105,20 @@ class TritonMoE:
         bias = weights.score_bias if weights.score_bias is not None and not spec.is_hash else None
         tid2eid = weights.tid2eid.contiguous() if spec.is_hash else logits
         route_kernel[(num_tokens,)](
-            logits, bias if bias is not None else logits, tid2eid, input_ids.contiguous(), ids, topk_weights,
-            spec.num_experts, float(spec.routed_scaling_factor),
-            TOP_K=spec.top_k, TOP_K_POW2=triton.next_power_of_2(spec.top_k),
+            logits,
+            bias if bias is not None else logits,
+            tid2eid,
+            input_ids.contiguous(),
+            ids,
+            topk_weights,
+            spec.num_experts,
+            float(spec.routed_scaling_factor),
+            TOP_K=spec.top_k,
+            TOP_K_POW2=triton.next_power_of_2(spec.top_k),
             BLOCK_E=triton.next_power_of_2(spec.num_experts),
-            SCORING=self._scoring, HAS_BIAS=bias is not None, IS_HASH=spec.is_hash,
+            SCORING=self._scoring,
+            HAS_BIAS=bias is not None,
+            IS_HASH=spec.is_hash,
         )
         return ids, topk_weights
 
@@ -117,7 +128,11 @@ class TritonMoE:
         return self.experts(x, ids, topk_weights, weights)
 
     def experts(
-        self, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoEWeights,
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        weights: MoEWeights,
         config: GemmConfig | None = None,
     ) -> torch.Tensor:
         """Weighted sum over each token's picked experts of `down(swiglu(gate_up @ x))`."""
@@ -136,19 +151,48 @@ class TritonMoE:
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
         gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
-            x, gate_up, act, rows.sorted_rows, rows.block_expert,
-            num_rows, hidden, inter, float(spec.swiglu_limit),
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-            TOP_K=spec.top_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            HAS_LIMIT=spec.swiglu_limit > 0, IEEE=self._ieee,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            x,
+            gate_up,
+            act,
+            rows.sorted_rows,
+            rows.block_expert,
+            num_rows,
+            hidden,
+            inter,
+            float(spec.swiglu_limit),
+            x.stride(0),
+            gate_up.stride(0),
+            gate_up.stride(1),
+            act.stride(0),
+            TOP_K=spec.top_k,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            HAS_LIMIT=spec.swiglu_limit > 0,
+            IEEE=self._ieee,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
         down_kernel[(num_blocks, triton.cdiv(hidden, config.block_n))](
-            act, down, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1),
-            num_rows, hidden, inter,
-            act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=self._ieee,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            act,
+            down,
+            out,
+            rows.sorted_rows,
+            rows.block_expert,
+            topk_weights.reshape(-1),
+            num_rows,
+            hidden,
+            inter,
+            act.stride(0),
+            down.stride(0),
+            down.stride(1),
+            out.stride(0),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            IEEE=self._ieee,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         return out.view(num_tokens, spec.top_k, hidden).sum(dim=1).to(x.dtype)

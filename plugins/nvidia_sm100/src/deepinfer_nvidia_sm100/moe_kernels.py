@@ -15,16 +15,28 @@ SCORING_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 @triton.jit
 def route_kernel(
-    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, ids_out_ptr, weights_out_ptr,
-    num_experts, routed_scaling_factor,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
-    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, IS_HASH: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    tid2eid_ptr,
+    input_ids_ptr,
+    ids_out_ptr,
+    weights_out_ptr,
+    num_experts,
+    routed_scaling_factor,
+    TOP_K: tl.constexpr,
+    TOP_K_POW2: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_HASH: tl.constexpr,
 ):
     """One program per token: score the experts, pick `TOP_K`, normalise and scale the weights."""
     token = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     in_range = offs < num_experts
-    logits = tl.load(logits_ptr + token * num_experts + offs, mask=in_range, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + token * num_experts + offs, mask=in_range, other=float("-inf")).to(
+        tl.float32
+    )
     if SCORING == 0:
         shifted = tl.exp(logits - tl.max(logits, axis=0))
         scores = shifted / tl.sum(shifted, axis=0)
@@ -63,11 +75,25 @@ def route_kernel(
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, sorted_rows_ptr, block_expert_ptr,
-    num_rows, hidden, inter, swiglu_limit,
-    stride_x, stride_we, stride_wn, stride_act,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    hidden,
+    inter,
+    swiglu_limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_act,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """act[r, n] = silu(min(g, limit)) * clamp(u, -limit, limit), with g, u = gate_up[e] @ x[token(r)]."""
     pid_m = tl.program_id(0)
@@ -113,10 +139,23 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    act_ptr, w_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, row_weights_ptr,
-    num_rows, hidden, inter,
-    stride_act, stride_we, stride_wn, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    row_weights_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """out[row, n] = weight[row] * (down[e] @ act[r])[n], written at the row's original place."""
     pid_m = tl.program_id(0)

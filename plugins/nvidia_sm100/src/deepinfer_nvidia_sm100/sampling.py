@@ -29,7 +29,13 @@ def _mix64(x):
 
 @triton.jit
 def gumbel_argmax_kernel(
-    scaled_ptr, seeds_ptr, steps_ptr, out_ptr, vocab_size, stride_row, BLOCK: tl.constexpr,
+    scaled_ptr,
+    seeds_ptr,
+    steps_ptr,
+    out_ptr,
+    vocab_size,
+    stride_row,
+    BLOCK: tl.constexpr,
 ):
     """out[row] = argmax_v(scaled[row, v] + gumbel(seed, step, v)), first index on ties."""
     row = tl.program_id(0)
@@ -62,7 +68,13 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     if scaled.shape[0] == 0:
         return out
     gumbel_argmax_kernel[(scaled.shape[0],)](
-        scaled, seeds.contiguous(), steps.contiguous(), out, scaled.shape[1], scaled.stride(0), BLOCK=BLOCK_V,
+        scaled,
+        seeds.contiguous(),
+        steps.contiguous(),
+        out,
+        scaled.shape[1],
+        scaled.stride(0),
+        BLOCK=BLOCK_V,
     )
     return out
 
@@ -88,11 +100,15 @@ class CudaSampler:
         is_sampled = params.temperature > 0
         vocab_size = logits.shape[-1]
         # one read-back of three flags decides which optional passes run
-        flags = torch.stack([
-            is_sampled.any(),
-            (is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))).any(),
-            (is_sampled & (params.min_p > 0)).any(),
-        ]).tolist()
+        flags = torch.stack(
+            [
+                is_sampled.any(),
+                (
+                    is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))
+                ).any(),
+                (is_sampled & (params.min_p > 0)).any(),
+            ]
+        ).tolist()
         if flags[0]:
             temperature = torch.where(is_sampled, params.temperature, 1.0)
             scaled = masked / temperature[:, None]

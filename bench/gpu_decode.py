@@ -1,0 +1,363 @@
+"""The "v4flash-LxE" GPU workload (shared/BENCH.md): DeepInfer's engine against transformers' `generate`.
+
+    python bench/gpu_decode.py [--layers 2] [--experts 256] [--batches 1,16,64,256] [--new-tokens 33]
+
+DeepSeek-V4-Flash per-layer shapes, `--layers` layers alternating CSA/HCA, `--experts` routed experts,
+random weights (normal, std 0.02; random hash tables), bf16, 512-token random prompts, greedy with
+`ignore_eos`. Both sides run on the same weight tensors in one process: transformers 5.23
+`DeepseekV4ForCausalLM.generate` with experts implementation `grouped_mm`, and DeepInfer's `Engine`
+(whatever backends the plugins choose; on an H200 the nvidia_sm100 plugin's).
+
+Per batch size: TTFT (a 1-token request: prefill plus the first token), prefill tokens/s, decode
+tokens/s (new tokens after the first over the time they add) and peak memory; each throughput also as a
+fraction of its floor, computed from the counts below: decode is memory-bound (bytes a step touches /
+4.17 TB/s), prefill compute-bound (FLOPs / 744 TFLOP/s). `--tiny` runs a small config on the CPU to
+check the script itself.
+"""
+
+# Timing lambdas are called within the loop iteration that defines them.
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import tempfile
+import time
+
+import torch
+
+BANDWIDTH = 4.17e12
+MATMUL_FLOPS = 744e12
+PROMPT_LEN = 512
+
+
+@dataclasses.dataclass
+class Counts:
+    """What one step reads or computes, from the model's own parameter sizes."""
+
+    dense_bytes: int
+    """Every parameter read each step: attention, norms, hc, routers, shared experts, lm_head."""
+    expert_bytes: int
+    """One routed expert's gate_up + down."""
+    dense_flops_per_token: int
+    """2 x parameters a token multiplies (embedding and lm_head excluded)."""
+    lm_head_flops: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    head_dim: int
+    num_heads: int
+    layer_rates: list[int]
+    index_topk: int
+    index_head_dim: int
+    element_size: int
+
+
+def count(model, config) -> Counts:
+    size = {}
+    for name, p in model.named_parameters():
+        kind = (
+            "experts"
+            if ".mlp.experts." in name
+            else "embed"
+            if "embed_tokens" in name
+            else ("lm_head" if name.startswith("lm_head") else "dense")
+        )
+        size[kind] = size.get(kind, 0) + p.numel() * p.element_size()
+    elem = next(model.parameters()).element_size()
+    expert_params = 3 * config.moe_intermediate_size * config.hidden_size
+    rates = [config.compress_rates.get(t, 0) for t in config.layer_types]
+    dense_params = size["dense"] // elem  # attention, routers, shared experts, norms, hc
+    per_token_params = dense_params + config.num_hidden_layers * config.num_experts_per_tok * expert_params
+    return Counts(
+        dense_bytes=size["dense"] + size["lm_head"],
+        expert_bytes=expert_params * elem,
+        dense_flops_per_token=2 * per_token_params,
+        lm_head_flops=2 * size["lm_head"] // elem,
+        num_layers=config.num_hidden_layers,
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        head_dim=config.head_dim,
+        num_heads=config.num_attention_heads,
+        layer_rates=rates,
+        index_topk=config.index_topk,
+        index_head_dim=config.index_head_dim,
+        element_size=elem,
+    )
+
+
+def expected_touched(counts: Counts, num_tokens: int) -> float:
+    """Expected distinct experts of one layer when `num_tokens` tokens each pick `top_k` at random."""
+    e, k = counts.num_experts, counts.top_k
+    return e * (1 - (1 - k / e) ** num_tokens)
+
+
+def decode_floor_tok_s(counts: Counts, batch: int, context: int) -> float:
+    kv = 0
+    for rate in counts.layer_rates:
+        entries = context // rate if rate else 0
+        read = 128 + (min(entries, counts.index_topk) if rate == 4 else entries)
+        kv += read * counts.head_dim + (entries * counts.index_head_dim if rate == 4 else 0)
+    step_bytes = (
+        counts.dense_bytes
+        + counts.num_layers * expected_touched(counts, batch) * counts.expert_bytes
+        + batch * kv * counts.element_size
+    )
+    return batch / (step_bytes / BANDWIDTH)
+
+
+def prefill_floor_tok_s(counts: Counts, batch: int) -> float:
+    attention = 0
+    for rate in counts.layer_rates:  # mean keys per query over a 512-token prompt
+        entries = PROMPT_LEN / 2 / rate if rate else 0
+        keys = min(128, PROMPT_LEN / 2) + (min(entries, counts.index_topk) if rate else 0)
+        attention += 4 * counts.num_heads * counts.head_dim * keys
+        if rate == 4:
+            attention += 2 * 64 * counts.index_head_dim * entries
+    flops = batch * PROMPT_LEN * (counts.dense_flops_per_token + attention) + batch * counts.lm_head_flops
+    return batch * PROMPT_LEN / (flops / MATMUL_FLOPS)
+
+
+def build_config(args):
+    from transformers import DeepseekV4Config
+
+    kinds = ["compressed_sparse_attention", "heavily_compressed_attention"]
+    shape = {
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+    }
+    if args.tiny:
+        shape = {
+            "vocab_size": 1000,
+            "hidden_size": 128,
+            "moe_intermediate_size": 64,
+            "num_attention_heads": 16,
+            "head_dim": 64,
+            "q_lora_rank": 64,
+            "o_groups": 2,
+            "o_lora_rank": 32,
+            "index_n_heads": 4,
+            "index_head_dim": 32,
+            "index_topk": 16,
+        }
+    return DeepseekV4Config(
+        num_hidden_layers=args.layers,
+        layer_types=[kinds[i % 2] for i in range(args.layers)],
+        n_routed_experts=args.experts,
+        num_experts_per_tok=6,
+        sliding_window=128,
+        initializer_range=0.02,
+        num_nextn_predict_layers=0,
+        eos_token_id=1,
+        bos_token_id=0,
+        **shape,
+    )
+
+
+def build_model(config, device, dtype):
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM._from_config(config, dtype=dtype, experts_implementation="grouped_mm")
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):  # hash layers: random distinct experts per token id
+                gate.tid2eid.copy_(
+                    torch.rand(config.vocab_size, config.n_routed_experts).argsort(-1)[
+                        :, : config.num_experts_per_tok
+                    ]
+                )
+    return model.eval()
+
+
+def timed(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_reset() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def hf_generate(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            prompts,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones_like(prompts),
+            pad_token_id=0,
+        )[:, prompts.shape[1] :]
+
+
+def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from deepinfer_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ids = []
+    for prompt in prompts:
+        ids.append(f"r{engine_generate.counter}")
+        engine_generate.counter += 1
+        engine.add_request(ids[-1], prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+engine_generate.counter = 0
+
+
+def measure(name: str, run, batch: int, new_tokens: int, counts: Counts) -> dict:
+    """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add."""
+    run(1)  # warm-up at this batch size (kernel compilation, allocator)
+    peak_reset()
+    ttft = timed(lambda: run(1))
+    full = timed(lambda: run(new_tokens))
+    decode_s = max(full - ttft, 1e-9)
+    prefill = batch * PROMPT_LEN / ttft
+    decode = batch * (new_tokens - 1) / decode_s
+    row = {
+        "side": name,
+        "batch": batch,
+        "ttft_s": round(ttft, 4),
+        "prefill_tok_s": round(prefill, 1),
+        "decode_tok_s": round(decode, 1),
+        "peak_gib": round(peak_gib(), 2),
+        "prefill_of_floor": round(prefill / prefill_floor_tok_s(counts, batch), 4),
+        "decode_of_floor": round(decode / decode_floor_tok_s(counts, batch, PROMPT_LEN + new_tokens // 2), 4),
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--sides", default="transformers,deepinfer")
+    parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
+    parser.add_argument("--commit", default="?", help="recorded in the output")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    config = build_config(args)
+    model = build_model(config, device, dtype)
+    counts = count(model, config)
+    batches = [int(b) for b in args.batches.split(",")]
+    header = {
+        "workload": f"v4flash-{args.layers}x{args.experts}",
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "commit": args.commit,
+        "torch": torch.__version__,
+        "new_tokens": args.new_tokens,
+        "prompt_len": PROMPT_LEN,
+    }
+    print(json.dumps(header), flush=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(2, config.vocab_size, (max(batches), PROMPT_LEN), generator=gen)
+    rows = []
+    sides = args.sides.split(",")
+    engine = (
+        build_engine(config, model, device, dtype, max(batches), args.new_tokens)
+        if "deepinfer" in sides
+        else None
+    )
+    for batch in batches:
+        batch_prompts = prompts[:batch]
+        if "transformers" in sides:
+            dev_prompts = batch_prompts.to(device)
+            rows.append(
+                measure(
+                    "transformers",
+                    lambda n: hf_generate(model, dev_prompts, n),
+                    batch,
+                    args.new_tokens,
+                    counts,
+                )
+            )
+        if engine is not None:
+            lists = batch_prompts.tolist()
+            rows.append(
+                measure(
+                    "deepinfer", lambda n: engine_generate(engine, lists, n), batch, args.new_tokens, counts
+                )
+            )
+    if engine is not None and "transformers" in sides:
+        ours = engine_generate(engine, prompts[:1].tolist(), 8)[0]
+        theirs = hf_generate(model, prompts[:1].to(device), 8)[0].tolist()
+        print(
+            json.dumps(
+                {"greedy_tokens_equal_bs1_8": ours == theirs, "deepinfer": ours, "transformers": theirs}
+            )
+        )
+    print_table(rows)
+
+
+def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int):
+    """The engine on the transformers model's own tensors (no second copy of the weights)."""
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.engine import Engine
+
+    directory = tempfile.mkdtemp(prefix="v4flash-")
+    config.save_pretrained(directory)
+    blocks_per_seq = math.ceil((PROMPT_LEN + new_tokens + 8) / 128)
+    engine_config = EngineConfig(
+        model=directory,
+        dtype="float32" if dtype == torch.float32 else "bfloat16",
+        device=device,
+        max_num_seqs=max_batch,
+        max_model_len=PROMPT_LEN + new_tokens + 8,
+        num_kv_blocks=2 * max_batch * blocks_per_seq + 8,
+    )
+    weights = dict(model.state_dict())
+    return Engine(engine_config, weights=weights)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'side':13s} {'batch':>5s} {'TTFT s':>8s} {'prefill tok/s':>14s} {'of floor':>9s} "
+        f"{'decode tok/s':>13s} {'of floor':>9s} {'peak GiB':>9s}"
+    )
+    for r in rows:
+        print(
+            f"{r['side']:13s} {r['batch']:5d} {r['ttft_s']:8.3f} {r['prefill_tok_s']:14.1f} {r['prefill_of_floor']:9.4f} "
+            f"{r['decode_tok_s']:13.1f} {r['decode_of_floor']:9.4f} {r['peak_gib']:9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

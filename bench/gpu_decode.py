@@ -344,7 +344,22 @@ def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int,
         num_kv_blocks=2 * max_batch * blocks_per_seq + 8,
     )
     weights = dict(model.state_dict())
-    return Engine(engine_config, weights=weights)
+    engine = Engine(engine_config, weights=weights)
+    net = engine.runner.model
+    names = lambda objs: sorted({type(o).__name__ for o in objs})
+    print(
+        json.dumps(
+            {
+                "backends": {
+                    "attention": names(net.attention_backends),
+                    "moe": names(net.moe_backends),
+                    "sampler": type(engine.runner.sampler).__name__,
+                }
+            }
+        ),
+        flush=True,
+    )
+    return engine
 
 
 def print_table(rows: list[dict]) -> None:

@@ -230,3 +230,21 @@ def test_models_health_and_metrics(oai: openai.OpenAI, live_server: LiveServer) 
     assert int(samples["deepinfer_time_to_first_token_seconds_count"]) >= 1
     assert samples["deepinfer_num_requests_running"] == "0"
     assert "deepinfer_prefix_cache_hit_rate" in samples and "deepinfer_e2e_request_latency_seconds_sum" in samples
+
+
+def test_logprobs_come_from_the_engine(oai: openai.OpenAI) -> None:
+    response = oai.chat.completions.create(model=SERVED_NAME, messages=USER, max_tokens=4, temperature=0,
+                                           logprobs=True, top_logprobs=2, extra_body=NO_THINKING)
+    entries = response.choices[0].logprobs.content
+    assert len(entries) >= 1
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob == pytest.approx(max(top.logprob for top in entry.top_logprobs))
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(live_server: LiveServer) -> None:
+    body = {"model": SERVED_NAME, "messages": USER, "max_tokens": 1500, **NO_THINKING}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live_server.base_url}/v1/chat/completions", json=body, timeout=1.0)
+    assert not wait_until_idle(live_server, timeout_s=10)["busy"]

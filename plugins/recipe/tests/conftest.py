@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from deepinfer_recipe.tokenizer import DeepseekTokenizer, bundled_v4_tokenizer_file
 
 V41_SYSTEM_ID = 128799

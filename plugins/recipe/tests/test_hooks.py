@@ -3,11 +3,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pluggy
-
-from deepinfer_core import hookspecs
 from deepinfer_recipe import hooks
 from deepinfer_recipe.encoding import RecipeChatEncoding
 from deepinfer_recipe.tokenizer import DeepseekTokenizer
+
+from deepinfer_core import hookspecs
 
 
 def plugin_manager() -> pluggy.PluginManager:

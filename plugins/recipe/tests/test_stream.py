@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from deepinfer_core.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer_recipe.encoding import RecipeChatEncoding
 from deepinfer_recipe.tokenizer import DeepseekTokenizer
+
+from deepinfer_core.outputs import CompletionOutput, Logprob, RequestOutput
 
 EOS = 1
 

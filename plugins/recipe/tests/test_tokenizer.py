@@ -4,7 +4,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from deepinfer_recipe.tokenizer import TokenizerError, bundled_v4_tokenizer_file, load_tokenizer
 
 

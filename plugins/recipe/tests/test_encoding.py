@@ -98,3 +98,12 @@ def test_v41_encoding_renders_the_system_token(v41_checkpoint: Path) -> None:
                                                        {"role": "user", "content": "<｜System｜>hi"}]}
     ids = encoding.prepare("chat", body, 4096).prompt_token_ids
     assert ids.count(128799) == 1  # the template's system marker only, not the user's spelling
+
+
+def test_schema_formats_are_refused_until_constrained_decoding_exists(encoding: RecipeChatEncoding) -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    with pytest.raises(ApiError, match="constrained decoding") as err:
+        encoding.prepare("chat", chat_body("give json", response_format=schema), 4096)
+    assert err.value.status_code == 400
+    prepared = encoding.prepare("chat", chat_body("give json", response_format={"type": "json_object"}), 4096)
+    assert prepared.state.conversation_request.parsing_options.parse_json_output

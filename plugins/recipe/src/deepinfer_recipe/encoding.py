@@ -18,6 +18,8 @@ DEFAULT_MODEL_NAMES = {
     "deepseek_v4": ["DeepSeek-V4-Flash", "DeepSeek-V4-Pro"],
     "deepseek_v41": ["DeepSeek-V4.1-Flash"],
 }
+# Formats whose promise (the output matches a schema or pattern) only constrained decoding can keep.
+UNENFORCED_FORMATS = ("json_schema", "regex")
 
 
 @dataclass
@@ -80,7 +82,7 @@ class RecipeChatEncoding:
             model = request.model
             state = self._read_state(api, request)
             conversation_request = request.convert(self.options)
-            self._reject_images(conversation_request.conversation, api)
+            self._reject_unsupported(conversation_request.conversation, api)
             prompt_token_ids = self.encode(conversation_request.conversation)
             max_tokens = conversation_request.resolve_max_tokens(len(prompt_token_ids), context_limit)
         except dr.ConversionError as exc:
@@ -115,9 +117,13 @@ class RecipeChatEncoding:
         return state
 
     @staticmethod
-    def _reject_images(conversation: dr.Conversation, api: Api) -> None:
+    def _reject_unsupported(conversation: dr.Conversation, api: Api) -> None:
         if any(message.image_sources for message in conversation.messages):
             raise ApiError.from_message(400, "Image inputs are not supported by this server yet.", api)
+        if conversation.response_format in UNENFORCED_FORMATS:
+            raise ApiError.from_message(
+                400, f"response_format {conversation.response_format!r} needs constrained decoding, which this "
+                "server does not do yet; use json_object or text.", api)
 
 
 def _reshape_error_body(status_code: int, body: str, api: Api) -> str:

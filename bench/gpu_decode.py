@@ -240,7 +240,7 @@ engine_generate.counter = 0
 
 def measure(name: str, run, batch: int, new_tokens: int, counts: Counts) -> dict:
     """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add."""
-    run(1)  # warm-up at this batch size (kernel compilation, allocator)
+    run(new_tokens)  # warm-up at this batch size: prefill and decode kernels compile, allocator grows
     peak_reset()
     ttft = timed(lambda: run(1))
     full = timed(lambda: run(new_tokens))
@@ -270,6 +270,9 @@ def main() -> None:
     parser.add_argument("--sides", default="transformers,deepinfer")
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="BATCH", help="profile our decode steps at BATCH"
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -325,6 +328,8 @@ def main() -> None:
             )
         )
     print_table(rows)
+    if engine is not None and args.profile:
+        profile_decode(engine, prompts[: args.profile].tolist())
 
 
 def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int):
@@ -360,6 +365,19 @@ def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int,
         flush=True,
     )
     return engine
+
+
+def profile_decode(engine, prompts: list[list[int]]) -> None:
+    """Where a step's time goes: 4 decode steps after the prefill, by operator (device and host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine_generate(engine, prompts, 5)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        engine_generate(engine, prompts, 5)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
 
 def print_table(rows: list[dict]) -> None:

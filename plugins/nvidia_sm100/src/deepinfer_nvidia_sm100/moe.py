@@ -38,7 +38,7 @@ def pick_config(num_rows: int, num_experts: int) -> GemmConfig:
     """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill."""
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if rows_per_expert <= 64:
         return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)

@@ -16,7 +16,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,12 +55,8 @@ class ServerState:
 
 
 def context_limit_of(engine: Engine) -> int:
-    """Longest prompt + output the engine accepts (its `max_model_len`)."""
-    for owner in ("engine_config", "config"):
-        limit = getattr(getattr(engine, owner, None), "max_model_len", None)
-        if limit:
-            return int(limit)
-    return int(engine.model_config.max_position_embeddings)
+    """Longest prompt + output the engine accepts (its resolved `max_model_len`)."""
+    return int(engine.config.max_model_len)
 
 
 def build_app(
@@ -78,8 +74,6 @@ def build_app(
     :param model_aliases: more names requests may use.
     :param max_body_bytes: larger request bodies are answered with 413.
     """
-
-
     encoding = load_chat_encoding(engine.tokenizer, engine.model_config)
     names = [n for n in (served_model_name, *model_aliases) if n]
     if names and hasattr(encoding, "with_model_names"):
@@ -107,13 +101,16 @@ def _stop_token_ids(engine: Engine) -> list[int]:
     return eos_ids or ([tokenizer_eos] if tokenizer_eos is not None else [])
 
 
+def _generation_endpoint(state: ServerState, api: Api) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handle_generation(state, api, request)
+
+    return endpoint
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-
     for path, api in ROUTES.items():
-        async def endpoint(request: Request, api: Api = api) -> Response:
-            return await handle_generation(state, api, request)
-
-        app.add_api_route(path, endpoint, methods=["POST"], name=api)
+        app.add_api_route(path, _generation_endpoint(state, api), methods=["POST"], name=api)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -273,6 +273,13 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="BATCH", help="profile our decode steps at BATCH"
     )
+    parser.add_argument("--profile-prefill", type=int, default=0, metavar="BATCH", help="profile our prefill")
+    parser.add_argument(
+        "--graph-probe",
+        default="",
+        metavar="BATCHES",
+        help="time one decode forward eagerly and as a captured CUDA graph, at these batch sizes",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -330,6 +337,10 @@ def main() -> None:
     print_table(rows)
     if engine is not None and args.profile:
         profile_decode(engine, prompts[: args.profile].tolist())
+    if engine is not None and args.profile_prefill:
+        profile_prefill(engine, prompts[: args.profile_prefill].tolist())
+    for batch in [int(b) for b in args.graph_probe.split(",") if b]:
+        graph_probe(engine, prompts[:batch].tolist())
 
 
 def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int):
@@ -378,6 +389,58 @@ def profile_decode(engine, prompts: list[list[int]]) -> None:
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def profile_prefill(engine, prompts: list[list[int]]) -> None:
+    """Where a prefill's device time goes, by operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine_generate(engine, prompts, 1)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+def graph_probe(engine, prompts: list[list[int]]) -> None:
+    """Time the model's decode forward eagerly and replayed from a CUDA graph (the runner does not capture
+    graphs yet; this measures what capturing would give, or names the operation that prevents it)."""
+    from deepinfer_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    ids = [f"probe{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    for _ in range(3):  # prefill (sampling the first token), then decode steps
+        engine.step()
+    runner, seqs = engine.runner, list(engine.scheduler.running)
+    ctx, logits_indices, _ = runner.prepare_inputs(seqs, [1] * len(seqs))
+
+    def forward():
+        return runner.model(ctx, runner.kv_cache.layers, logits_indices)
+
+    row = {"graph_probe_batch": len(seqs), "eager_ms": round(event_ms(forward), 3)}
+    try:
+        forward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        row["graph_ms"] = round(event_ms(graph.replay), 3)
+    except Exception as exc:  # report why capture fails; the probe is diagnostic  # noqa: BLE001
+        row["capture_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(json.dumps(row), flush=True)
+    for request_id in ids:
+        engine.abort(request_id)
+
+
+def event_ms(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def print_table(rows: list[dict]) -> None:

@@ -358,6 +358,7 @@ class EngineConfig(BaseModel):
         "bounded", description="How a prefix-cache hit rebuilds the sliding window (see DESIGN.md)."
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
+    enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

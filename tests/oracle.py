@@ -86,4 +86,4 @@ def all_position_logprobs(runner: ModelRunner, seqs: list[FakeSeq], num_new: lis
     return out
 
 
-__all__ = ["random_state_dict", "parity_config"]
+__all__ = ["parity_config", "random_state_dict"]

@@ -4,7 +4,8 @@ Cache layout the backend reads (built by `deepinfer_core.engine.kv_cache`):
 
 - `window`: `[num_slots, sliding_window, head_dim]`, one ring per request state slot; the key of the
   token at absolute position `p` lives at `window[slot, p % sliding_window]`. Shared K=V (MQA, one head).
-- `compressed`: `[num_blocks * entries_per_block, head_dim]`, the paged compressed entries. Entry `e` of a
+- `compressed`: `[num_blocks * entries_per_block + 1, head_dim]`, the paged compressed entries (the
+  last row is scratch space for graph-safe writes; never read it). Entry `e` of a
   request lives at row `block_table[e // entries_per_block] * entries_per_block + e % entries_per_block`.
   Entry `e` summarises tokens `[e * rate, (e + 1) * rate)` and is visible to the query at position `t`
   iff `e < (t + 1) // rate`.
@@ -77,6 +78,11 @@ class AttentionMetadata:
     """Host copy of `start_positions`."""
     window_start_positions_host: list[int] | None = None
     """Per request, the first absolute position whose window key is valid (SWA replay); None: 0."""
+    window_starts: torch.Tensor | None = None
+    """`[num_seqs]` int64 device copy of `window_start_positions_host`; None when all are 0."""
+    max_seq_len: int = 0
+    """Upper bound on `start_position + query_len` over the batch (static under CUDA graphs, so a
+    backend may size buffers from it without reading device tensors)."""
 
     @property
     def num_seqs(self) -> int:

@@ -2,7 +2,8 @@
 
 Per layer (see `deepinfer_core.backends.attention` for how backends read it):
 - `window` `[num_slots, sliding_window, head_dim]`: the sliding-window ring of every layer;
-- CSA/HCA: `compressed` `[num_blocks * 128 / rate, head_dim]`, paged by 128-token blocks, plus the
+- CSA/HCA: `compressed` `[num_blocks * 128 / rate + 1, head_dim]`, paged by 128-token blocks (the last
+  row is a scratch row decode steps write to when they close no window), plus the
   compressor tail rings `kv_tail` / `gate_tail` `[num_slots, tail_rows, proj]` (gate in fp32);
 - CSA: `index_keys` `[num_blocks * 32, index_head_dim]` and the indexer's own tail rings.
 Blocks are per request (block tables); slots are per running request.
@@ -48,12 +49,17 @@ def bytes_per_slot(plans: list[LayerPlan], dtype: torch.dtype) -> int:
 
 
 class KVCache:
-    """Allocates and holds every layer's cache tensors."""
+    """Allocates and holds every layer's cache tensors.
+
+    One extra slot (`scratch_slot`) and one extra block (`scratch_block`) exist beyond what the
+    scheduler hands out: padding rows of captured decode batches read and write only those.
+    """
 
     def __init__(self, plans: list[LayerPlan], num_blocks: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks, self.num_slots = num_blocks, num_slots
-        self.layers = [self._allocate(plan, num_blocks, num_slots, dtype, device) for plan in plans]
+        self.scratch_block, self.scratch_slot = num_blocks, num_slots
+        self.layers = [self._allocate(plan, num_blocks + 1, num_slots + 1, dtype, device) for plan in plans]
 
     @staticmethod
     def _allocate(plan: LayerPlan, num_blocks: int, num_slots: int, dtype, device) -> LayerCache:
@@ -64,13 +70,13 @@ class KVCache:
 
         cache = LayerCache(window=zeros(num_slots, spec.sliding_window, spec.head_dim))
         if plan.has_compressor:
-            rows = num_blocks * spec.entries_per_block
+            rows = num_blocks * spec.entries_per_block + 1
             proj = spec.head_dim * (2 if plan.has_indexer else 1)
             cache.compressed = zeros(rows, spec.head_dim)
             cache.kv_tail = zeros(num_slots, plan.tail_rows, proj)
             cache.gate_tail = zeros(num_slots, plan.tail_rows, proj, dt=torch.float32)
         if plan.has_indexer:
-            cache.index_keys = zeros(num_blocks * spec.entries_per_block, spec.index_head_dim)
+            cache.index_keys = zeros(num_blocks * spec.entries_per_block + 1, spec.index_head_dim)
             cache.index_kv_tail = zeros(num_slots, plan.tail_rows, 2 * spec.index_head_dim)
             cache.index_gate_tail = zeros(num_slots, plan.tail_rows, 2 * spec.index_head_dim, dt=torch.float32)
         return cache

@@ -13,6 +13,7 @@ import torch
 from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionMetadata, SamplerOutput, SamplingSpec
 from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.sampling import prepare_sampling_tensors
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
@@ -34,6 +35,7 @@ class ModelRunner:
         self.num_slots = engine_config.max_num_seqs
         self.num_blocks = self._num_blocks()
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
+        self.graphs = self._capture_graphs()
 
     # -- build phases -------------------------------------------------------------------------------
 
@@ -78,6 +80,19 @@ class ModelRunner:
         )
         return blocks
 
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        backends = [*self.model.attention_backends, *self.model.moe_backends]
+        if self.device.type != "cuda" or self.engine_config.enforce_eager:
+            return None
+        if not all(getattr(b, "supports_cuda_graphs", False) for b in backends):
+            logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
+            return None
+        max_len = self.engine_config.max_model_len
+        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len)
+        graphs.capture()
+        logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
+        return graphs
+
     # -- one step -----------------------------------------------------------------------------------
 
     def execute(self, seqs, num_new_tokens: list[int]) -> tuple[list[int], SamplerOutput | None]:
@@ -85,8 +100,11 @@ class ModelRunner:
 
         :returns: the indices (into `seqs`) that were sampled, and the sampler's output for them.
         """
-        ctx, logits_indices, sampled = self.prepare_inputs(seqs, num_new_tokens)
-        logits = self.model(ctx, self.kv_cache.layers, logits_indices)
+        if self._is_graph_step(seqs, num_new_tokens):
+            logits, sampled = self._run_graph(seqs), list(range(len(seqs)))
+        else:
+            ctx, logits_indices, sampled = self.prepare_inputs(seqs, num_new_tokens)
+            logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         if not sampled:
             return [], None
         rows = [seqs[i] for i in sampled]
@@ -95,6 +113,21 @@ class ModelRunner:
             self.config.eos_token_ids, self.device,
         )
         return sampled, self.sampler.sample(logits, tensors)
+
+    def _is_graph_step(self, seqs, num_new_tokens: list[int]) -> bool:
+        return (
+            self.graphs is not None and self.graphs.can_run(len(seqs)) and all(n == 1 for n in num_new_tokens)
+            and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs)
+        )
+
+    def _run_graph(self, seqs) -> torch.Tensor:
+        tables = torch.zeros(len(seqs), self.graphs.block_tables.shape[1], dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        return self.graphs.run(
+            [s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs], tables,
+            [s.no_write_before for s in seqs], [s.replay_start for s in seqs],
+        )
 
     def prepare_inputs(self, seqs, num_new_tokens: list[int]) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         ids, positions, starts, lens, sampled, ends = [], [], [], [], [], []
@@ -124,8 +157,11 @@ class ModelRunner:
             block_tables=tables.to(dev),
             query_lens=lens,
             start_positions_host=starts,
-            window_start_positions_host=[s.replay_start for s in seqs] if any(s.replay_start for s in seqs) else None,
+            max_seq_len=max(a + n for a, n in zip(starts, lens)),
         )
+        if any(s.replay_start for s in seqs):
+            meta.window_start_positions_host = [s.replay_start for s in seqs]
+            meta.window_starts = torch.tensor(meta.window_start_positions_host, dtype=torch.long, device=dev)
         totals = torch.tensor([a + n for a, n in zip(starts, lens)], dtype=torch.long, device=dev)
         rates = {p.compress_rate for p in self.plans if p.has_compressor}
         ctx = ForwardContext(
@@ -133,7 +169,7 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             rope=self.model.rope_tables(position_t),
             num_entries={rate: totals // rate for rate in rates},
-            no_write_before=[s.no_write_before for s in seqs],
+            no_write_before=torch.tensor([s.no_write_before for s in seqs], dtype=torch.long, device=dev),
         )
         return ctx, torch.tensor(ends, dtype=torch.long, device=dev), sampled
 

@@ -37,13 +37,49 @@ class Compressor(nn.Module):
         kv_tail: torch.Tensor,
         gate_tail: torch.Tensor,
         entries: torch.Tensor,
-        no_write_before: list[int],
+        no_write_before: torch.Tensor,
     ) -> None:
-        """Write every entry this step closes into `entries`, then refresh the tail rings."""
-        rate, ring = self.rate, kv_tail.shape[1]
+        """Write every entry this step closes into `entries`, then refresh the tail rings.
+
+        `entries` has one scratch row at the end: decode steps write every request's candidate entry
+        and send those that close no window (or are already cached) there, so the step needs no
+        host round trip and can be captured in a CUDA graph.
+        """
         positions = metadata.positions
         kv = self.kv_proj(x)
-        gate = self.gate_proj(x).float() + self.position_bias[positions % rate]
+        gate = self.gate_proj(x).float() + self.position_bias[positions % self.rate]
+        if metadata.is_decode_only:
+            self._compress_decode(kv, gate, metadata, rotary, kv_tail, gate_tail, entries, no_write_before)
+        else:
+            self._compress_chunks(kv, gate, metadata, rotary, kv_tail, gate_tail, entries, no_write_before.tolist())
+
+    def _compress_decode(self, kv, gate, metadata: AttentionMetadata, rotary: Rotary, kv_tail, gate_tail, entries,
+                         no_write_before: torch.Tensor) -> None:
+        rate, ring, width = self.rate, kv_tail.shape[1], self.width
+        positions, slots = metadata.positions, metadata.slots
+        kv_tail[slots, positions % ring] = kv.to(kv_tail.dtype)
+        gate_tail[slots, positions % ring] = gate
+        entry = (positions + 1) // rate - 1  # the entry this token would close
+        span = 2 * rate if self.overlap else rate
+        first = entry * rate - (rate if self.overlap else 0)
+        rows = (first[:, None] + torch.arange(span, device=kv.device)) % ring
+        kv_rows, gate_rows = kv_tail[slots[:, None], rows], gate_tail[slots[:, None], rows]
+        if self.overlap:
+            kv_rows = torch.cat((kv_rows[:, :rate, :width], kv_rows[:, rate:, width:]), dim=1)
+            previous = gate_rows[:, :rate, :width].masked_fill((entry == 0).view(-1, 1, 1), float("-inf"))
+            gate_rows = torch.cat((previous, gate_rows[:, rate:, width:]), dim=1)
+        closed = self.kv_norm((kv_rows * gate_rows.softmax(dim=1).to(kv_rows.dtype)).sum(dim=1))
+        entry = entry.clamp(min=0)
+        cos, sin = rotary.cos_sin(entry * rate)
+        closed = apply_rotary(closed, cos, sin)
+        epb = 128 // rate
+        row = metadata.block_tables.gather(1, (entry // epb)[:, None]).squeeze(1) * epb + entry % epb
+        closes = ((positions + 1) % rate == 0) & ((entry + 1) * rate > no_write_before)
+        entries[torch.where(closes, row, entries.shape[0] - 1)] = closed.to(entries.dtype)
+
+    def _compress_chunks(self, kv, gate, metadata: AttentionMetadata, rotary: Rotary, kv_tail, gate_tail, entries,
+                         no_write_before: list[int]) -> None:
+        rate, ring = self.rate, kv_tail.shape[1]
         epb = 128 // rate
         qsl = metadata.query_start_loc.tolist()
         slots = metadata.slots.tolist()
@@ -53,10 +89,10 @@ class Compressor(nn.Module):
             if last == first:
                 continue
             base = max(0, (first - self.overlap) * rate)
-            old = torch.arange(base, start, device=x.device) % ring
+            old = torch.arange(base, start, device=kv.device) % ring
             rows_kv = torch.cat((kv_tail[slots[i], old], kv[qsl[i] : qsl[i + 1]]))[: last * rate - base]
             rows_gate = torch.cat((gate_tail[slots[i], old], gate[qsl[i] : qsl[i + 1]]))[: last * rate - base]
-            ids = torch.arange(first, last, device=x.device)
+            ids = torch.arange(first, last, device=kv.device)
             keep = (ids + 1) * rate > no_write_before[i]
             if not bool(keep.any()):
                 continue

@@ -50,8 +50,9 @@ class ForwardContext:
     """`main` / `compress` cos and sin for every token."""
     num_entries: dict[int, torch.Tensor]
     """Per compress rate, `[num_seqs]` entries each request has after this step."""
-    no_write_before: list[int]
-    """Per request, entries of windows ending at or before this position are already cached."""
+    no_write_before: torch.Tensor
+    """`[num_seqs]` int64: per request, entries of windows ending at or before this position are
+    already cached and must not be rewritten."""
 
 
 class Attention(nn.Module):
@@ -101,6 +102,9 @@ class Attention(nn.Module):
 def write_window(window: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store this step's keys in the window rings (only each request's last `sliding_window` tokens)."""
     ring = window.shape[1]
+    if meta.is_decode_only:  # one token per request: no duplicate targets, no masking (graph-safe)
+        window[meta.slots, meta.positions % ring] = kv.to(window.dtype)
+        return
     lens = meta.query_start_loc.diff()
     ends = (meta.start_positions + lens).repeat_interleave(lens)
     live = meta.positions >= ends - ring

@@ -14,12 +14,17 @@ def gather_entries(pool: torch.Tensor, block_table: torch.Tensor, count: int, en
 
 
 class ReferenceAttention:
-    """Pure-PyTorch `AttentionBackend`; loops over requests, so it favours clarity over speed."""
+    """Pure-PyTorch `AttentionBackend`. Prefill loops over requests (clarity over speed); decode is
+    batched and reads no host data, so it can be captured in a CUDA graph."""
+
+    supports_cuda_graphs = True
 
     def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
 
     def forward(self, q, kv, window, compressed, sinks, metadata: AttentionMetadata, topk_indices=None, num_entries=None):
+        if metadata.is_decode_only:
+            return self._decode(q, kv, window, compressed, sinks, metadata, topk_indices, num_entries)
         out = torch.empty_like(q)
         qsl = metadata.query_start_loc.tolist()
         counts = num_entries.tolist() if num_entries is not None else None
@@ -32,6 +37,31 @@ class ReferenceAttention:
                 keys, bias = torch.cat((keys, entries)), torch.cat((bias, entry_bias), dim=1)
             out[a:b] = self._attend(q[a:b], keys, bias, sinks)
         return out
+
+    def _decode(self, q, kv, window, compressed, sinks, metadata: AttentionMetadata, topk_indices, num_entries):
+        """One query per request, all requests at once, without host round trips."""
+        w, positions, slots = self.spec.sliding_window, metadata.positions, metadata.slots
+        keys = window[slots].clone()  # ring slot j holds position pos - ((pos - j) % w) once kv is in
+        keys[torch.arange(len(slots), device=q.device), positions % w] = kv.to(keys.dtype)
+        key_pos = positions[:, None] - (positions[:, None] - torch.arange(w, device=q.device)) % w
+        first = metadata.window_starts if metadata.window_starts is not None else torch.zeros_like(positions)
+        bias = _mask_bias(key_pos >= first[:, None].clamp(min=0))
+        if compressed is not None:
+            ids = self._decode_entry_ids(metadata, num_entries, topk_indices)
+            visible = (ids >= 0) & (ids < ((positions + 1) // self.spec.compress_rate)[:, None])
+            entries = _gather_rows(compressed, metadata.block_tables, ids.clamp(min=0), self.spec.entries_per_block)
+            keys, bias = torch.cat((keys, entries), dim=1), torch.cat((bias, _mask_bias(visible)), dim=1)
+        scores = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * self.spec.head_dim**-0.5 + bias[:, None]
+        logits = torch.cat((scores, sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)), dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys).to(q.dtype)
+
+    def _decode_entry_ids(self, metadata: AttentionMetadata, num_entries, topk_indices):
+        if topk_indices is not None:
+            return topk_indices
+        bound = max(metadata.max_seq_len // self.spec.compress_rate, 1)
+        ids = torch.arange(bound, device=num_entries.device).expand(len(num_entries), -1)
+        return torch.where(ids < num_entries[:, None], ids, -1)
 
     def _window_keys(self, new_kv, ring, start, metadata: AttentionMetadata, i: int):
         """Keys `[m + n, D]` = ring positions [start - W + 1, start) then the new keys; bias `[n, m + n]`."""
@@ -61,6 +91,8 @@ class ReferenceAttention:
         return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys).to(q.dtype)
 
     def indexer_topk(self, q, weights, index_keys, metadata: AttentionMetadata, num_entries):
+        if metadata.is_decode_only:
+            return self._indexer_decode(q, weights, index_keys, metadata)
         k = self.spec.index_topk
         out = torch.full((q.shape[0], k), -1, dtype=torch.long, device=q.device)
         qsl = metadata.query_start_loc.tolist()
@@ -78,3 +110,29 @@ class ReferenceAttention:
             top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
             out[a:b, : top.shape[1]] = torch.where(top >= limit, -1, top)
         return out
+
+    def _indexer_decode(self, q, weights, index_keys, metadata: AttentionMetadata):
+        rate, k = self.spec.compress_rate, self.spec.index_topk
+        bound = max(metadata.max_seq_len // rate, 1)
+        ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
+        keys = _gather_rows(index_keys, metadata.block_tables, ids, self.spec.entries_per_block)
+        scores = torch.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * self.spec.index_head_dim**-0.5
+        scores = (scores * weights[:, :, None]).sum(dim=1)
+        limit = ((metadata.positions + 1) // rate)[:, None]
+        scores = scores.masked_fill(ids >= limit, float("-inf"))
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        top = torch.where(top >= limit, -1, top)
+        if top.shape[1] < k:
+            top = torch.cat((top, top.new_full((top.shape[0], k - top.shape[1]), -1)), dim=1)
+        return top
+
+
+def _mask_bias(visible: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+def _gather_rows(pool: torch.Tensor, block_tables: torch.Tensor, ids: torch.Tensor, entries_per_block: int) -> torch.Tensor:
+    """Rows of per-request entry numbers `ids` `[B, n]` (>= 0) -> `[B, n, width]`; pages past a request's
+    table read its first block (callers mask them)."""
+    pages = block_tables.gather(1, (ids // entries_per_block).clamp(max=block_tables.shape[1] - 1)).clamp(min=0)
+    return pool[pages * entries_per_block + ids % entries_per_block]

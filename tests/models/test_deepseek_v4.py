@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.oracle import FakeSeq, all_position_logprobs, hf_logprobs, hf_model, make_runner, parity_config, random_state_dict
+from tests.oracle import (
+    FakeSeq,
+    all_position_logprobs,
+    hf_logprobs,
+    hf_model,
+    make_runner,
+    parity_config,
+    random_state_dict,
+)
 
 TOL = 1e-4
 CONFIGS = {

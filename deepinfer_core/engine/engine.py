@@ -27,6 +27,16 @@ from deepinfer_core.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+
+def _show_info_logs() -> None:
+    """Print the engine's INFO lines (cache size, graphs) unless the application configured logging."""
+    package = logging.getLogger("deepinfer_core")
+    if not package.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s deepinfer: %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+
 _FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
 _FINISH_REASON = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -63,6 +73,7 @@ class Engine:
     """Synchronous engine; not thread-safe (see `deepinfer_core.engine.async_engine` for serving)."""
 
     def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None) -> None:
+        _show_info_logs()
         model_config = engine_config.load_model_config()
         self.config = engine_config.resolve(model_config)
         self.model_config: ModelConfig = model_config

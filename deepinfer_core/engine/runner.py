@@ -75,8 +75,10 @@ class ModelRunner:
         if blocks < 1:
             raise MemoryError(f"no room for the KV cache: {per_block} bytes per block; lower max_num_seqs or set num_kv_blocks")
         logger.info(
-            "cache: %d blocks of %d tokens, %.1f bytes/token compressed state, %.2f MiB fixed state per request",
-            blocks, BLOCK_SIZE, per_block / BLOCK_SIZE, per_slot / 2**20,
+            "KV cache: %d blocks of %d tokens (%.1f MiB) + %d request slots (%.1f MiB); %.1f bytes per token "
+            "of compressed state, %.2f MiB fixed state per request (windows, compressor tails)",
+            blocks, BLOCK_SIZE, blocks * per_block / 2**20, self.num_slots, self.num_slots * per_slot / 2**20,
+            per_block / BLOCK_SIZE, per_slot / 2**20,
         )
         return blocks
 

@@ -62,17 +62,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mixed", action="store_true", help="prompt lengths uniform in [64, 512] instead")
     parser.add_argument("--new-tokens", type=int, default=64, help="generated tokens per prompt (default 64)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 under --quick). On a machine shared with busy "
+                             "processes more threads spin in OpenMP barriers: use 1 or OMP_WAIT_POLICY=PASSIVE")
     parser.add_argument("--vocab", type=int, default=129280, help="vocabulary size (default: V4's 129280)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per side; the median is reported")
     parser.add_argument("--hf-experts", default=None,
                         help="transformers' experts_implementation (default: its own default, eager)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile top-20 of DeepInfer's side")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: batch 4, 64-token prompts, 8 new tokens, vocab 32000")
+                        help="smoke run: batch 4, 64-token prompts, 8 new tokens, vocab 32000, 1 thread")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.prompt_len, args.new_tokens, args.vocab, args.mixed = "4", 64, 8, 32000, False
+        args.threads = args.threads or 1
     args.batches = [int(b) for b in args.batch.split(",")]
     if min(args.batches) < 1 or args.new_tokens < 1 or args.prompt_len < 1 or args.repeats < 1:
         parser.error("--batch, --prompt-len, --new-tokens and --repeats must be positive")

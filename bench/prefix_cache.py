@@ -81,11 +81,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="default float32, where the cache-off and exact-replay answers must match bit for bit")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 sessions of 3 turns")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 under --quick). On a machine shared with busy "
+                             "processes more threads spin in OpenMP barriers: use 1 or OMP_WAIT_POLICY=PASSIVE")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 sessions of 3 turns, 1 thread")
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions, args.turns = 4, 3
+        args.threads = args.threads or 1
     if args.sessions < 1 or args.turns < 1:
         parser.error("--sessions and --turns must be >= 1")
     return args

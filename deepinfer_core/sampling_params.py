@@ -58,8 +58,8 @@ class SamplingParams:
     """None: no logprobs. k >= 0: the sampled token's logprob plus the top k, per step. DeepInfer 0.1's
     `True` means k = 0 and `False` means None."""
     prompt_logprobs: int | bool | None = None
-    """Like `logprobs`, for each prompt token. Stored here; an engine that cannot compute prompt
-    logprobs raises `NotImplementedError` naming `prompt_logprobs` when the request is added."""
+    """Like `logprobs`, for each prompt token after the first (`RequestOutput.prompt_logprobs`). Such a
+    request takes no prefix-cache hit, since every prompt position must be computed."""
 
     # DeepInfer 0.1 spellings, folded into the fields above by __post_init__.
     seq_seed: int | None = None

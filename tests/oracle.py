@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
@@ -61,9 +62,14 @@ class FakeSeq:
     num_computed_tokens: int = 0
     replay_start: int = 0
     no_write_before: int = 0
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
 
     @property
     def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
         return len(self.token_ids)
 
 
@@ -76,7 +82,7 @@ def make_runner(tmp_path: Path, config: dict, weights, num_slots=8, num_blocks=6
 
 def all_position_logprobs(runner: ModelRunner, seqs: list[FakeSeq], num_new: list[int]) -> list[torch.Tensor]:
     """Run one step and return, per sequence, the logprobs at each of its computed positions."""
-    ctx, _, _ = runner.prepare_inputs(seqs, num_new)
+    ctx = runner.prepare_inputs(seqs, num_new)[0]
     logits = runner.model(ctx, runner.kv_cache.layers, torch.arange(sum(num_new)))
     out, offset = [], 0
     for seq, n in zip(seqs, num_new):

@@ -21,7 +21,7 @@ from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
-from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.tokenizer import load_tokenizer
 
@@ -63,6 +63,7 @@ class _Request:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     seq_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,11 +122,11 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
-        if sampling_params.prompt_logprobs is not None:
-            raise NotImplementedError("prompt_logprobs: the engine does not compute prompt logprobs yet")
         params = sampling_params
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt_token_ids)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = (base_seed + index) % 2**64
@@ -164,10 +165,12 @@ class Engine:
                 request = self._seq_owner[seq.request_id]
                 request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
                 request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
-            sampled, output = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            result = self.runner.execute(batch.seqs, batch.num_new_tokens)
             self.scheduler.postprocess(batch)
-            if output is not None:
-                self._append_tokens([batch.seqs[i] for i in sampled], _to_cpu(output), touched)
+            for i, (first, logits) in result.prompt_logits.items():
+                self._record_prompt_logprobs(batch.seqs[i], first, logits)
+            if result.output is not None:
+                self._append_tokens([batch.seqs[i] for i in result.sampled], _to_cpu(result.output), touched)
         return [self._finish_output(request) for request in touched.values()]
 
     def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request]) -> None:
@@ -192,6 +195,24 @@ class Engine:
                     completion.stop_reason = token
                 self.scheduler.finish(seq, _FINISH_STATUS[reason])
             touched[request.request_id] = request
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """Fill prompt positions `first ..` (a recomputed chunk overwrites them with equal values)."""
+        request = self._seq_owner[seq.request_id]
+        if request.seq_ids[0] != seq.request_id:
+            return  # the n completions share one prompt
+        logprobs = logits.float().log_softmax(-1).cpu()
+        targets = torch.tensor(seq.token_ids[first : first + logprobs.shape[0]])
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+        k = request.params.prompt_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        for j, token in enumerate(targets.tolist()):
+            entry = {token: Logprob(float(chosen[j]), int(ranks[j]), self._decode_token(token))}
+            if top is not None:
+                for rank, (t, v) in enumerate(zip(top.indices[j].tolist(), top.values[j].tolist()), start=1):
+                    entry.setdefault(t, Logprob(v, rank, self._decode_token(t)))
+            request.prompt_logprobs[first + j] = entry
 
     def _finish_output(self, request: _Request) -> RequestOutput:
         finished = request.finished
@@ -219,7 +240,7 @@ class Engine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=outputs, finished=request.finished, num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics,
+            metrics=request.metrics, prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
         )
 
     # -- text ---------------------------------------------------------------------------------------

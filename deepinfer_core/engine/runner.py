@@ -7,6 +7,7 @@ whose last known token was computed this step.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,19 @@ from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardCont
 from deepinfer_core.models.layer_plan import build_layer_plan
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one executed step produced."""
+
+    sampled: list[int]
+    """Indices (into the step's sequences) that were sampled, in `output` row order."""
+    output: SamplerOutput | None
+    """The sampler's output for them (None when nothing was sampled)."""
+    prompt_logits: dict[int, tuple[int, torch.Tensor]]
+    """Per sequence asking for prompt logprobs: (position of the first prompt token predicted,
+    fp32 logits `[count, vocab]` predicting prompt tokens from that position on)."""
 
 
 class ModelRunner:
@@ -97,24 +111,24 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def execute(self, seqs, num_new_tokens: list[int]) -> tuple[list[int], SamplerOutput | None]:
-        """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed.
-
-        :returns: the indices (into `seqs`) that were sampled, and the sampler's output for them.
-        """
+    def execute(self, seqs, num_new_tokens: list[int]) -> StepResult:
+        """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed."""
         if self._is_graph_step(seqs, num_new_tokens):
-            logits, sampled = self._run_graph(seqs), list(range(len(seqs)))
-        else:
-            ctx, logits_indices, sampled = self.prepare_inputs(seqs, num_new_tokens)
-            logits = self.model(ctx, self.kv_cache.layers, logits_indices)
+            return self._sample(seqs, list(range(len(seqs))), self._run_graph(seqs), {})
+        ctx, logits_indices, sampled, prompt_spans = self.prepare_inputs(seqs, num_new_tokens)
+        logits = self.model(ctx, self.kv_cache.layers, logits_indices)
+        prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
+        return self._sample(seqs, sampled, logits[: len(sampled)], prompt_logits)
+
+    def _sample(self, seqs, sampled: list[int], logits: torch.Tensor, prompt_logits: dict) -> StepResult:
         if not sampled:
-            return [], None
+            return StepResult([], None, prompt_logits)
         rows = [seqs[i] for i in sampled]
         tensors = prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows], [s.num_output_tokens for s in rows],
             self.config.eos_token_ids, self.device,
         )
-        return sampled, self.sampler.sample(logits, tensors)
+        return StepResult(sampled, self.sampler.sample(logits, tensors), prompt_logits)
 
     def _is_graph_step(self, seqs, num_new_tokens: list[int]) -> bool:
         return (
@@ -131,17 +145,25 @@ class ModelRunner:
             [s.no_write_before for s in seqs], [s.replay_start for s in seqs],
         )
 
-    def prepare_inputs(self, seqs, num_new_tokens: list[int]) -> tuple[ForwardContext, torch.Tensor, list[int]]:
+    def prepare_inputs(self, seqs, num_new_tokens: list[int]):
+        """Flat step tensors. Logits rows: first one per sampled sequence (in `sampled` order), then, per
+        sequence that asked for prompt logprobs, a span `(first target position, row, count)`."""
         ids, positions, starts, lens, sampled, ends = [], [], [], [], [], []
+        prompt_spans, prompt_rows = {}, []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start = seq.num_computed_tokens
+            offset = len(ids)
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             starts.append(start)
             lens.append(n)
             if start + n == seq.num_tokens:
                 sampled.append(i)
-                ends.append(sum(lens) - 1)
+                ends.append(offset + n - 1)
+            count = min(start + n, seq.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
+            if seq.sampling_params.prompt_logprobs is not None and count > 0:
+                prompt_spans[i] = (start + 1, len(prompt_rows), count)
+                prompt_rows.extend(range(offset, offset + count))
         dev = self.device
         width = max(len(s.block_table) for s in seqs) or 1
         tables = torch.full((len(seqs), width), -1, dtype=torch.long)
@@ -173,7 +195,9 @@ class ModelRunner:
             num_entries={rate: totals // rate for rate in rates},
             no_write_before=torch.tensor([s.no_write_before for s in seqs], dtype=torch.long, device=dev),
         )
-        return ctx, torch.tensor(ends, dtype=torch.long, device=dev), sampled
+        logits_rows = torch.tensor(ends + prompt_rows, dtype=torch.long, device=dev)
+        prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
+        return ctx, logits_rows, sampled, prompt_spans
 
 
 def _match_param_dtypes(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

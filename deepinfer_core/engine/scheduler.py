@@ -277,7 +277,8 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self._finish_here(seq)
                 continue
-            if self.config.enable_prefix_caching:
+            if self.config.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
+                # prompt logprobs need every prompt position computed, so such requests take no hit
                 self.block_manager.match_prefix(seq, self.config.sliding_window, self.config.swa_replay)
             num_new_tokens = min(seq.num_uncomputed_tokens, step.budget)
             if not self.block_manager.can_allocate(seq, num_new_tokens):

@@ -8,7 +8,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from tests.oracle import hf_greedy, hf_model, parity_config, random_state_dict, write_config
+from tests.oracle import hf_greedy, hf_logprobs, hf_model, parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")  # window 16, CSA rate 4, HCA rate 128: one HCA entry per block
 WEIGHTS = random_state_dict(CONFIG, seed=11)
@@ -181,3 +181,18 @@ def _entries(engine: Engine, blocks: list[int]) -> list[torch.Tensor]:
                 rows = torch.cat([torch.arange(b * per_block, (b + 1) * per_block) for b in blocks])
                 out.append(pool[rows].clone())
     return out
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(tmp_path, oracle):
+    prompt = random_prompts([150], seed=9)[0]
+    engine = make_engine(tmp_path, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=4)
+    done = run(engine, [prompt], [2], prompt_logprobs=3)
+    got = done["0"].prompt_logprobs
+    expected = hf_logprobs(oracle, prompt)
+    assert got[0] is None and len(got) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry, token = got[position], prompt[position]
+        assert abs(entry[token].logprob - float(expected[position - 1, token])) < 1e-4
+        assert entry[token].rank == int((expected[position - 1] > expected[position - 1, token]).sum()) + 1
+        top = expected[position - 1].topk(3).indices.tolist()
+        assert set(top) <= set(entry) and [entry[t].rank for t in top] == [1, 2, 3]

@@ -412,7 +412,7 @@ def graph_probe(engine, prompts: list[list[int]]) -> None:
     for _ in range(3):  # prefill (sampling the first token), then decode steps
         engine.step()
     runner, seqs = engine.runner, list(engine.scheduler.running)
-    ctx, logits_indices, _ = runner.prepare_inputs(seqs, [1] * len(seqs))
+    ctx, logits_indices = runner.prepare_inputs(seqs, [1] * len(seqs))[:2]
 
     def forward():
         return runner.model(ctx, runner.kv_cache.layers, logits_indices)

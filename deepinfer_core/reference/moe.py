@@ -7,6 +7,9 @@ import torch.nn.functional as F
 
 from deepinfer_core.backends import MoESpec, MoEWeights
 
+GATHER_LIMIT = 2**25
+"""Largest number of expert-weight elements the gathered path may copy in one step."""
+
 SCORING = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
     "sigmoid": torch.sigmoid,
@@ -42,6 +45,20 @@ class ReferenceMoE:
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         ids, routing = route(x, input_ids, weights, self.spec)
+        spec = self.spec
+        if ids.numel() * 3 * spec.intermediate_size * spec.hidden_size <= GATHER_LIMIT:
+            return self._gathered(x, ids, routing, weights)
+        return self._per_expert(x, ids, routing, weights)
+
+    def _gathered(self, x, ids, routing, weights: MoEWeights) -> torch.Tensor:
+        """Few tokens (decode): gather each assignment's expert weights and run one batched matmul."""
+        flat = ids.flatten()
+        h = torch.bmm(weights.gate_up[flat], x.repeat_interleave(ids.shape[1], dim=0)[:, :, None])
+        h = swiglu(h.squeeze(-1), self.spec.swiglu_limit)
+        y = torch.bmm(weights.down[flat], h[:, :, None]).squeeze(-1).view(*ids.shape, -1)
+        return (y * routing[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
+
+    def _per_expert(self, x, ids, routing, weights: MoEWeights) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)

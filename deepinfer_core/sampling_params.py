@@ -45,7 +45,8 @@ class SamplingParams:
     """Seed of this request's draws, in [0, 2**64). Draws depend only on (seed, token index), never on
     the batch. None: the engine picks a random seed."""
     stop: str | list[str] | None = None
-    """Stop strings. Not supported yet: any non-empty value raises `NotImplementedError('stop strings')`."""
+    """Stop strings: the completion ends (finish reason "stop", `stop_reason` the string) as soon as its
+    text contains one; the text is cut before it. Needs the checkpoint's tokenizer."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end the completion (finish reason "stop", `stop_reason` the id)."""
     ignore_eos: bool = False
@@ -142,9 +143,12 @@ class SamplingParams:
             )
 
     def _validate_stops(self) -> None:
-        if self.stop:
-            raise NotImplementedError("stop strings: use stop_token_ids to stop on token ids")
-        self.stop = None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+                raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            self.stop = list(self.stop) or None
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:

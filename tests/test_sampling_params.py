@@ -60,10 +60,11 @@ def test_wrong_types_raise_type_error():
         SamplingParams(ignore_eos="yes")
 
 
-def test_stop_strings_are_not_implemented():
-    with pytest.raises(NotImplementedError, match="stop strings"):
-        SamplingParams(stop=["\n\n"])
+def test_stop_strings_are_normalised_and_checked():
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
     assert SamplingParams(stop=[]).stop is None
+    with pytest.raises(TypeError, match="stop"):
+        SamplingParams(stop=["ok", ""])
 
 
 def test_edges_of_the_ranges_are_accepted():

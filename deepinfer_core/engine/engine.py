@@ -50,7 +50,9 @@ class _Completion:
     seq: Sequence
     logprobs: list | None
     cumulative_logprob: float = 0.0
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
+    text_end: int | None = None
+    """Where the text is cut when a stop string matched."""
 
 
 @dataclass
@@ -123,6 +125,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
         params = sampling_params
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer (none found); use stop_token_ids")
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
         if params.prompt_logprobs is not None:
@@ -190,11 +194,25 @@ class Engine:
             metrics.num_generation_tokens += 1
             reason = check_stop(request.params, token, seq.num_output_tokens, self.eos_token_ids,
                                 seq.num_tokens >= self.config.max_model_len)
+            if (request.params.stop and reason != "stop" and seq.num_output_tokens >= request.params.min_tokens
+                    and self._match_stop_string(completion)):
+                reason = "stop"
+            elif reason == "stop" and token in request.params.stop_token_ids:
+                completion.stop_reason = token
             if reason is not None:
-                if reason == "stop" and token in request.params.stop_token_ids:
-                    completion.stop_reason = token
                 self.scheduler.finish(seq, _FINISH_STATUS[reason])
             touched[request.request_id] = request
+
+    def _match_stop_string(self, completion: _Completion) -> bool:
+        """Whether the text now contains a stop string (only the newest token's tail is searched)."""
+        stops = completion.seq.sampling_params.stop
+        text = self.decode(completion.seq.output_token_ids)
+        tail = len(self.decode(completion.seq.output_token_ids[-1:])) + max(map(len, stops))
+        hits = [(i, stop) for stop in stops if (i := text.find(stop, max(0, len(text) - tail))) >= 0]
+        if not hits:
+            return False
+        completion.text_end, completion.stop_reason = min(hits)
+        return True
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """Fill prompt positions `first ..` (a recomputed chunk overwrites them with equal values)."""
@@ -230,7 +248,7 @@ class Engine:
             ids = seq.output_token_ids
             outputs.append(CompletionOutput(
                 index=index,
-                text=self.decode(ids),
+                text=self.decode(ids)[: completion.text_end],
                 token_ids=ids,
                 cumulative_logprob=completion.cumulative_logprob if completion.logprobs is not None else None,
                 logprobs=list(completion.logprobs) if completion.logprobs is not None else None,

@@ -196,3 +196,20 @@ def test_prompt_logprobs_match_transformers_across_chunks(tmp_path, oracle):
         assert entry[token].rank == int((expected[position - 1] > expected[position - 1, token]).sum()) + 1
         top = expected[position - 1].topk(3).indices.tolist()
         assert set(top) <= set(entry) and [entry[t].rank for t in top] == [1, 2, 3]
+
+
+def test_stop_strings_cut_the_text_and_end_the_completion(tmp_path):
+    engine = make_engine(tmp_path, max_num_seqs=2, num_kv_blocks=4)
+    prompt = random_prompts([20], seed=3)[0]
+    full = run(engine, [prompt], [24])["0"].outputs[0]
+    assert engine.tokenizer is not None and len(full.text) > 12
+    stop = full.text[8:12]
+    first = full.text.find(stop)
+    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["\x00unseen", stop]))
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    cut = out.outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:first] and len(cut.token_ids) < len(full.token_ids)
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]

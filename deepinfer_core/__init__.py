@@ -5,4 +5,4 @@ from deepinfer_core.llm import LLM
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "hookimpl"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "hookimpl"]

@@ -13,7 +13,8 @@ returning `None`; it may say why by calling `decline("reason")`, which `deepinfe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -21,8 +22,16 @@ if TYPE_CHECKING:
     import torch
 
     from deepinfer_core.backends import (
-        AttentionBackend, AttentionSpec, EplbBackend, EplbSpec, MoEBackend, MoESpec,
-        SamplingBackend, SamplingSpec, VerifyBackend, VerifySpec,
+        AttentionBackend,
+        AttentionSpec,
+        EplbBackend,
+        EplbSpec,
+        MoEBackend,
+        MoESpec,
+        SamplingBackend,
+        SamplingSpec,
+        VerifyBackend,
+        VerifySpec,
     )
 
 PROJECT_NAME = "deepinfer"

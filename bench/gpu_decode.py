@@ -1,6 +1,7 @@
 """The "v4flash-LxE" GPU workload (shared/BENCH.md): DeepInfer's engine against transformers' `generate`.
 
     python bench/gpu_decode.py [--layers 2] [--experts 256] [--batches 1,16,64,256] [--new-tokens 33]
+        [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16]
 
 DeepSeek-V4-Flash per-layer shapes, `--layers` layers alternating CSA/HCA, `--experts` routed experts,
 random weights (normal, std 0.02; random hash tables), bf16, 512-token random prompts, greedy with
@@ -12,7 +13,9 @@ Per batch size: TTFT (a 1-token request: prefill plus the first token), prefill 
 tokens/s (new tokens after the first over the time they add) and peak memory; each throughput also as a
 fraction of its floor, computed from the counts below: decode is memory-bound (bytes a step touches /
 4.17 TB/s), prefill compute-bound (FLOPs / 744 TFLOP/s). `--tiny` runs a small config on the CPU to
-check the script itself.
+check the script itself. Our decode steps replay CUDA graphs when every backend supports them (`--eager`
+turns that off); `--parity` compares their greedy tokens with eager decode, `--profile` prints the
+device time of decode steps by kernel (graphs and eager), `--profile-prefill` that of a prefill.
 """
 
 # Timing lambdas are called within the loop iteration that defines them.
@@ -27,6 +30,7 @@ import json
 import math
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -271,15 +275,17 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
     parser.add_argument(
-        "--profile", type=int, default=0, metavar="BATCH", help="profile our decode steps at BATCH"
+        "--profile", default="", metavar="BATCHES", help="profile our decode steps at these batch sizes"
     )
     parser.add_argument("--profile-prefill", type=int, default=0, metavar="BATCH", help="profile our prefill")
     parser.add_argument(
-        "--graph-probe",
-        default="",
-        metavar="BATCHES",
-        help="time one decode forward eagerly and as a captured CUDA graph, at these batch sizes",
+        "--parity",
+        type=int,
+        default=0,
+        metavar="BATCH",
+        help="greedy tokens of the engine with CUDA-graph decode against the same engine run eagerly",
     )
+    parser.add_argument("--eager", action="store_true", help="never capture CUDA graphs (enforce_eager)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -295,6 +301,7 @@ def main() -> None:
         "torch": torch.__version__,
         "new_tokens": args.new_tokens,
         "prompt_len": PROMPT_LEN,
+        "eager": args.eager,
     }
     print(json.dumps(header), flush=True)
     gen = torch.Generator().manual_seed(1)
@@ -302,7 +309,7 @@ def main() -> None:
     rows = []
     sides = args.sides.split(",")
     engine = (
-        build_engine(config, model, device, dtype, max(batches), args.new_tokens)
+        build_engine(config, model, device, dtype, max(batches), args.new_tokens, args.eager)
         if "deepinfer" in sides
         else None
     )
@@ -335,15 +342,30 @@ def main() -> None:
             )
         )
     print_table(rows)
-    if engine is not None and args.profile:
-        profile_decode(engine, prompts[: args.profile].tolist())
+    profile_batches = [int(b) for b in args.profile.split(",") if b]
+    eager = None
+    if engine is not None and (args.parity or profile_batches):
+        eager_batch = max([args.parity, *profile_batches])
+        eager = build_engine(config, model, device, dtype, eager_batch, args.new_tokens, True)
+    if args.parity:
+        graph_parity(engine, eager, prompts[: args.parity].tolist(), min(16, args.new_tokens))
+    for batch in profile_batches if engine is not None else []:
+        label = "graphs" if engine.runner.graphs else "eager"
+        profile_decode(engine, prompts[:batch].tolist(), label)
+        profile_decode(eager, prompts[:batch].tolist(), "eager")
     if engine is not None and args.profile_prefill:
         profile_prefill(engine, prompts[: args.profile_prefill].tolist())
-    for batch in [int(b) for b in args.graph_probe.split(",") if b]:
-        graph_probe(engine, prompts[:batch].tolist())
 
 
-def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int):
+def build_engine(
+    config,
+    model,
+    device: str,
+    dtype: torch.dtype,
+    max_batch: int,
+    new_tokens: int,
+    enforce_eager: bool = False,
+):
     """The engine on the transformers model's own tensors (no second copy of the weights)."""
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
@@ -358,9 +380,17 @@ def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int,
         max_num_seqs=max_batch,
         max_model_len=PROMPT_LEN + new_tokens + 8,
         num_kv_blocks=2 * max_batch * blocks_per_seq + 8,
+        enforce_eager=enforce_eager,
     )
     weights = dict(model.state_dict())
-    engine = Engine(engine_config, weights=weights)
+    start = time.perf_counter()
+    try:
+        engine = Engine(engine_config, weights=weights)
+    except RuntimeError:  # graph capture failed: say where, then measure eagerly
+        print(json.dumps({"capture_error": traceback.format_exc()}), flush=True)
+        engine_config = engine_config.model_copy(update={"enforce_eager": True})
+        engine = Engine(engine_config, weights=weights)
+    build_s = time.perf_counter() - start  # graph capture included
     net = engine.runner.model
     names = lambda objs: sorted({type(o).__name__ for o in objs})
     print(
@@ -370,7 +400,9 @@ def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int,
                     "attention": names(net.attention_backends),
                     "moe": names(net.moe_backends),
                     "sampler": type(engine.runner.sampler).__name__,
-                }
+                },
+                "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None,
+                "build_s": round(build_s, 2),
             }
         ),
         flush=True,
@@ -378,69 +410,98 @@ def build_engine(config, model, device: str, dtype: torch.dtype, max_batch: int,
     return engine
 
 
-def profile_decode(engine, prompts: list[list[int]]) -> None:
-    """Where a step's time goes: 4 decode steps after the prefill, by operator (device and host time)."""
+def profile_decode(engine, prompts: list[list[int]], label: str, steps: int = 4) -> None:
+    """Device time of `steps` decode steps by kernel (after the prefill and one decode step), and the
+    wall time a step takes."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine_generate(engine, prompts, 5)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        engine_generate(engine, prompts, 5)
-    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    from deepinfer_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    ids = [f"profile-{label}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.is_prefill for s in scheduler.running):
+        engine.step()
+    engine.step()  # one decode step before the profiled ones
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - start) / steps
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events) / steps
+    print(
+        json.dumps(
+            {
+                "profile": label,
+                "batch": len(prompts),
+                "step_wall_ms": round(wall * 1e3, 3),
+                "step_device_ms": round(total_us / 1e3, 3),
+            }
+        ),
+        flush=True,
+    )
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        share = e.self_device_time_total / max(total_us * steps, 1e-9)
+        print(
+            f"  {e.self_device_time_total / steps / 1e3:8.3f} ms {share:6.1%} x{e.count // steps:<4d} {e.key[:90]}"
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def profile_prefill(engine, prompts: list[list[int]]) -> None:
-    """Where a prefill's device time goes, by operator."""
+    """Where a prefill's device time goes, by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
+    engine_generate(engine, prompts, 1)
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         engine_generate(engine, prompts, 1)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        sync()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events)
+    print(
+        json.dumps(
+            {
+                "profile": "prefill",
+                "batch": len(prompts),
+                "wall_ms": round(wall * 1e3, 3),
+                "device_ms": round(total_us / 1e3, 3),
+            }
+        ),
+        flush=True,
+    )
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(
+            f"  {e.self_device_time_total / 1e3:8.3f} ms {e.self_device_time_total / total_us:6.1%} "
+            f"x{e.count:<5d} {e.key[:90]}"
+        )
 
 
-def graph_probe(engine, prompts: list[list[int]]) -> None:
-    """Time the model's decode forward eagerly and replayed from a CUDA graph (the runner does not capture
-    graphs yet; this measures what capturing would give, or names the operation that prevents it)."""
-    from deepinfer_core.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    ids = [f"probe{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
-    for _ in range(3):  # prefill (sampling the first token), then decode steps
-        engine.step()
-    runner, seqs = engine.runner, list(engine.scheduler.running)
-    ctx, logits_indices = runner.prepare_inputs(seqs, [1] * len(seqs))[:2]
-
-    def forward():
-        return runner.model(ctx, runner.kv_cache.layers, logits_indices)
-
-    row = {"graph_probe_batch": len(seqs), "eager_ms": round(event_ms(forward), 3)}
-    try:
-        forward()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
-        row["graph_ms"] = round(event_ms(graph.replay), 3)
-    except Exception as exc:  # report why capture fails; the probe is diagnostic  # noqa: BLE001
-        row["capture_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+def graph_parity(engine, eager, prompts: list[list[int]], new_tokens: int) -> None:
+    """Greedy tokens of CUDA-graph decode against eager decode of the same engine configuration, on
+    prompts cut to different lengths (so requests close compressed windows at different steps)."""
+    cut = [p[: len(p) - 37 * i % len(p)] or p[:1] for i, p in enumerate(prompts)]
+    ours, theirs = engine_generate(engine, cut, new_tokens), engine_generate(eager, cut, new_tokens)
+    mismatched = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    row = {
+        "graph_vs_eager_tokens_equal": not mismatched,
+        "batch": len(cut),
+        "new_tokens": new_tokens,
+        "graphs": engine.runner.graphs is not None,
+        "mismatched_requests": mismatched,
+    }
+    if mismatched:
+        a, b = ours[mismatched[0]], theirs[mismatched[0]]
+        row["first_mismatch"] = {"graphs": a, "eager": b}
     print(json.dumps(row), flush=True)
-    for request_id in ids:
-        engine.abort(request_id)
-
-
-def event_ms(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,9 +1,12 @@
 """V4 attention on NVIDIA GPUs: one Triton kernel for decode and prefill, plus the CSA indexer scores.
 
 See `attention_kernels.py` for how a program walks a query's window and compressed entries. Per-token
-metadata (request, first new position, ring slot) is derived here with device ops only; the sizes that
-shape the launch (`num_comp`, the split count) come from host lists in `AttentionMetadata`, so nothing
-is read back from the device.
+metadata (request, first new position, ring slot) is derived here with device ops only, and the sizes
+that shape a launch (`num_comp`, the split count, the indexer's score width) come from tensor shapes and
+`AttentionMetadata.max_seq_len`, never from device values. A decode step (one token per request) reads
+no host list but `len(query_lens)`, so it can be captured in a CUDA graph and replayed with new inputs:
+under graphs `max_seq_len` is the static `max_model_len` bound, and each program stops at its own
+token's visible keys.
 """
 
 from __future__ import annotations
@@ -24,28 +27,43 @@ MAX_SPLITS = 32
 class TokenIndex:
     """Per-token and per-request device tensors the kernels index with."""
 
+    is_decode: bool
+    """One token per request: token `t` belongs to request `t` (the kernels skip `token_req`)."""
     token_req: torch.Tensor
-    """`[T]` int32 request of each token."""
+    """`[T]` int32 request of each token (`query_start_loc` itself, unread, in decode steps)."""
     q_start: torch.Tensor
     """`[num_seqs]` int64 first flat token of each request."""
-    win_start: torch.Tensor
-    """`[num_seqs]` int64 first position whose window key is valid."""
+    win_start: torch.Tensor | None
+    """`[num_seqs]` int64 first position whose window key is valid; None when every one is 0."""
 
 
 def prepare_token_index(metadata: AttentionMetadata, num_tokens: int) -> TokenIndex:
-    """Map flat tokens to their requests; read the SWA-replay window starts (0 when absent)."""
+    """Map flat tokens to their requests; take the SWA-replay window starts (None when all are 0).
+
+    Decode steps use device tensors only (`window_starts`); the host list serves callers that build
+    metadata without the device copy, outside CUDA graphs.
+    """
     device = metadata.query_start_loc.device
-    tokens = torch.arange(num_tokens, device=device)
-    token_req = torch.searchsorted(metadata.query_start_loc[1:], tokens, right=True).to(torch.int32)
-    if metadata.window_start_positions_host is None:
-        win_start = torch.zeros(metadata.num_seqs, dtype=torch.int64, device=device)
+    is_decode = num_tokens == metadata.num_seqs and metadata.is_decode_only
+    if is_decode:
+        token_req = metadata.query_start_loc
     else:
+        tokens = torch.arange(num_tokens, device=device)
+        token_req = torch.searchsorted(metadata.query_start_loc[1:], tokens, right=True).to(torch.int32)
+    win_start = metadata.window_starts
+    if win_start is None and metadata.window_start_positions_host is not None:
         win_start = torch.tensor(metadata.window_start_positions_host, dtype=torch.int64, device=device)
-    return TokenIndex(token_req=token_req, q_start=metadata.query_start_loc[:-1], win_start=win_start)
+    return TokenIndex(is_decode, token_req, metadata.query_start_loc[:-1], win_start)
 
 
 def max_visible_entries(metadata: AttentionMetadata, rate: int) -> int:
-    """Most compressed entries any query of the step can see."""
+    """An upper bound on the compressed entries any query of the step can see.
+
+    From `max_seq_len` (static under CUDA graphs); metadata built without it (0) falls back to the
+    host lists, which are current whenever no graph is replayed.
+    """
+    if metadata.max_seq_len > 0:
+        return metadata.max_seq_len // rate
     ends = [s + n for s, n in zip(metadata.start_positions_host, metadata.query_lens)]
     return max(ends, default=0) // rate
 
@@ -56,6 +74,9 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 class TritonAttention:
     """`AttentionBackend` for CUDA devices of compute capability >= 9.0."""
+
+    supports_cuda_graphs = True
+    """Decode steps read no device value on the host and size every launch statically."""
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
@@ -103,10 +124,7 @@ class TritonAttention:
         if has_comp:
             compressed = _last_dim_contiguous(compressed)
         index = prepare_token_index(metadata, num_tokens)
-        num_keys = spec.sliding_window + num_comp
-        num_splits = self._num_splits(num_tokens, num_keys)
-        keys_per_split = triton.cdiv(triton.cdiv(num_keys, num_splits), self._block_n) * self._block_n
-        num_splits = triton.cdiv(num_keys, keys_per_split)
+        num_splits = self._num_splits(num_tokens, spec.sliding_window + num_comp)
         is_split = num_splits > 1
         part_acc = part_ml = out
         if is_split:
@@ -139,14 +157,13 @@ class TritonAttention:
             metadata.start_positions,
             index.q_start,
             metadata.slots,
-            index.win_start,
+            index.win_start if index.win_start is not None else metadata.slots,
             block_tables,
             topk,
             spec.num_heads,
             spec.head_dim,
             self.scale,
             num_comp,
-            keys_per_split,
             q.stride(0),
             q.stride(1),
             kv.stride(0),
@@ -166,6 +183,8 @@ class TritonAttention:
             IS_SPARSE=spec.is_sparse,
             HAS_COMP=has_comp,
             IS_SPLIT=is_split,
+            IS_DECODE=index.is_decode,
+            HAS_WIN_START=index.win_start is not None,
             IEEE=self._ieee,
             num_warps=4,
             num_stages=2,
@@ -194,13 +213,16 @@ class TritonAttention:
         metadata: AttentionMetadata,
         num_entries: torch.Tensor,
     ) -> torch.Tensor:
-        """Score visible entries with the lightning indexer and keep the top `index_topk` per query."""
+        """Score visible entries with the lightning indexer and keep the top `index_topk` per query.
+
+        Scores are `[T, cap]` with `cap` the static bound of `max_visible_entries`; entries a token cannot
+        see score -inf (their blocks skip the loads) and come out as -1.
+        """
         spec = self.spec
         num_tokens = q.shape[0]
-        topk = torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
         cap = max_visible_entries(metadata, spec.compress_rate)
         if num_tokens == 0 or cap == 0:
-            return topk
+            return torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
         q, index_keys = _last_dim_contiguous(q), _last_dim_contiguous(index_keys)
         index = prepare_token_index(metadata, num_tokens)
         scores = torch.empty(num_tokens, cap, dtype=torch.float32, device=q.device)
@@ -228,9 +250,13 @@ class TritonAttention:
             RATE=spec.compress_rate,
             EPB=spec.entries_per_block,
             BLOCK_N=block_n,
+            IS_DECODE=index.is_decode,
             IEEE=self._ieee,
         )
         values, picked = scores.topk(min(spec.index_topk, cap), dim=-1)
         picked = torch.where(values == float("-inf"), -1, picked)
+        if picked.shape[1] == spec.index_topk:
+            return picked
+        topk = torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
         topk[:, : picked.shape[1]] = picked
         return topk

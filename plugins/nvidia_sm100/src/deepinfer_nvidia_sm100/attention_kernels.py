@@ -4,9 +4,11 @@ All query heads share one K=V head, so a program takes one query token and `BLOC
 of its matrix products, and walks that token's keys: a virtual list whose first `window` items are the
 window positions `pos - window + 1 .. pos` (read from the request's ring, or from this step's `kv` for
 positions at or after the request's first new token) and whose next `num_comp` items are compressed
-entries (the indexer's picks for CSA, entries `0..` for HCA), read through the block table. With
-more than one split (decode, few tokens) each program walks one slice of that list and writes a partial
-softmax state that `combine_kernel` merges with the sink.
+entries (the indexer's picks for CSA, entries `0..` for HCA), read through the block table. A program stops
+at its own token's last visible key (the launch is sized for the step's bound, which under CUDA graphs
+is the static `max_model_len`). With more than one split (decode, few tokens) split `s` of `S` walks key
+blocks `s, s + S, ...`, so the splits share the real keys evenly whatever the bound, and writes a
+partial softmax state that `combine_kernel` merges with the sink.
 """
 
 from __future__ import annotations
@@ -90,7 +92,6 @@ def attention_kernel(
     head_dim,
     scale,
     num_comp,
-    keys_per_split,
     stride_qt,
     stride_qh,
     stride_kv,
@@ -110,17 +111,34 @@ def attention_kernel(
     IS_SPARSE: tl.constexpr,
     HAS_COMP: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    HAS_WIN_START: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(token_req_ptr + token)
     pos = tl.load(positions_ptr + token)
-    start_pos = tl.load(start_pos_ptr + req)
-    q_start = tl.load(q_start_ptr + req)
+    if IS_DECODE:
+        req = token
+        start_pos = pos
+        q_start = token
+    else:
+        req = tl.load(token_req_ptr + token)
+        start_pos = tl.load(start_pos_ptr + req)
+        q_start = tl.load(q_start_ptr + req)
     slot = tl.load(slots_ptr + req)
-    win_lo = tl.maximum(tl.load(win_start_ptr + req), 0)
+    if HAS_WIN_START:
+        win_lo = tl.maximum(tl.load(win_start_ptr + req), 0)
+    else:
+        win_lo = 0
+    # keys this token can see: its window, then its compressed entries (HCA: only those closed so far)
+    num_keys = WINDOW
+    if HAS_COMP:
+        if IS_SPARSE:
+            num_keys += num_comp
+        else:
+            num_keys += tl.minimum(num_comp, (pos + 1) // RATE)
 
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_valid = offs_h < num_heads
@@ -133,8 +151,7 @@ def attention_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    j_begin = split * keys_per_split
-    for j0 in range(j_begin, j_begin + keys_per_split, BLOCK_N):
+    for j0 in range(split * BLOCK_N, num_keys, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         row_ptrs, valid = _key_rows(
             j,
@@ -259,34 +276,44 @@ def indexer_scores_kernel(
     RATE: tl.constexpr,
     EPB: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    IS_DECODE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """scores[t, e] = scale * sum_h w[t, h] * relu(q[t, h] . key[e]); -inf for entries not yet visible."""
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
-    req = tl.load(token_req_ptr + token)
-    pos = tl.load(positions_ptr + token)
-    offs_h = tl.arange(0, N_HEADS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    h_valid = offs_h < n_heads
-    d_valid = offs_d < head_dim
-    q_ptrs = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)
-    w = tl.load(w_ptr + token * stride_wt + offs_h, mask=h_valid, other=0.0).to(tl.float32)
-    entry = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    visible = entry < (pos + 1) // RATE
-    safe = tl.where(visible, entry, 0)
-    block = tl.load(block_tables_ptr + req * stride_bt + safe // EPB, mask=visible, other=0)
-    rows = (block * EPB + safe % EPB).to(tl.int64)
-    k = tl.load(
-        keys_ptr + rows[:, None] * stride_keys + offs_d[None, :],
-        mask=visible[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if IS_DECODE:
+        req = token
     else:
-        s = tl.dot(q, tl.trans(k))
-    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
-    score = tl.where(visible, score, float("-inf"))
-    tl.store(scores_ptr + token * stride_st + entry, score, mask=entry < num_entries_cap)
+        req = tl.load(token_req_ptr + token)
+    pos = tl.load(positions_ptr + token)
+    entry = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cap = entry < num_entries_cap
+    if pid_n * BLOCK_N >= (pos + 1) // RATE:  # no visible entry in this block: skip the loads
+        tl.store(
+            scores_ptr + token * stride_st + entry, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_cap
+        )
+    else:
+        offs_h = tl.arange(0, N_HEADS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        h_valid = offs_h < n_heads
+        d_valid = offs_d < head_dim
+        q_ptrs = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)
+        w = tl.load(w_ptr + token * stride_wt + offs_h, mask=h_valid, other=0.0).to(tl.float32)
+        visible = entry < (pos + 1) // RATE
+        safe = tl.where(visible, entry, 0)
+        block = tl.load(block_tables_ptr + req * stride_bt + safe // EPB, mask=visible, other=0)
+        rows = (block * EPB + safe % EPB).to(tl.int64)
+        k = tl.load(
+            keys_ptr + rows[:, None] * stride_keys + offs_d[None, :],
+            mask=visible[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
+        score = tl.where(visible, score, float("-inf"))
+        tl.store(scores_ptr + token * stride_st + entry, score, mask=in_cap)

@@ -84,6 +84,9 @@ def sort_rows_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int
 class TritonMoE:
     """`MoEBackend` for CUDA devices of compute capability >= 9.0."""
 
+    supports_cuda_graphs = True
+    """Every launch and buffer is sized from the token count alone; no value is read back."""
+
     def __init__(self, spec: MoESpec) -> None:
         self.spec = spec
         self._scoring = SCORING_CODES[spec.scoring_func]

@@ -45,90 +45,57 @@ class Compressor(nn.Module):
         and send those that close no window (or are already cached) there, so the step needs no
         host round trip and can be captured in a CUDA graph.
         """
-        positions = metadata.positions
         kv = self.kv_proj(x)
-        gate = self.gate_proj(x).float() + self.position_bias[positions % self.rate]
-        if metadata.is_decode_only:
-            self._compress_decode(kv, gate, metadata, rotary, kv_tail, gate_tail, entries, no_write_before)
-        else:
-            self._compress_chunks(kv, gate, metadata, rotary, kv_tail, gate_tail, entries, no_write_before.tolist())
+        gate = self.gate_proj(x).float() + self.position_bias[metadata.positions % self.rate]
+        self._close_windows(kv, gate, metadata, rotary, kv_tail, gate_tail, entries, no_write_before)
+        _write_tails(kv, gate, metadata, kv_tail, gate_tail)
 
-    def _compress_decode(self, kv, gate, metadata: AttentionMetadata, rotary: Rotary, kv_tail, gate_tail, entries,
-                         no_write_before: torch.Tensor) -> None:
+    def _close_windows(self, kv, gate, metadata: AttentionMetadata, rotary: Rotary, kv_tail, gate_tail, entries,
+                       no_write_before: torch.Tensor) -> None:
+        """Every token that ends a window closes one entry, from its window's rows (and, for CSA, the
+        previous window's), taken from this step's rows or, before the chunk, from the tail ring."""
         rate, ring, width = self.rate, kv_tail.shape[1], self.width
-        positions, slots = metadata.positions, metadata.slots
-        kv_tail[slots, positions % ring] = kv.to(kv_tail.dtype)
-        gate_tail[slots, positions % ring] = gate
-        entry = (positions + 1) // rate - 1  # the entry this token would close
+        positions = metadata.positions
+        lens = metadata.query_start_loc.diff()
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=kv.device), lens, output_size=len(positions))
+        entry = (positions + 1) // rate - 1
+        keep = ((positions + 1) % rate == 0) & ((entry + 1) * rate > no_write_before[seq])
+        if metadata.is_decode_only:  # every token, no host read: rows that keep nothing go to scratch
+            token = torch.arange(len(positions), device=kv.device)
+        else:
+            token = keep.nonzero().squeeze(1)
+            if token.numel() == 0:
+                return
+            keep, entry, seq = keep[token], entry[token], seq[token]
         span = 2 * rate if self.overlap else rate
-        first = entry * rate - (rate if self.overlap else 0)
-        rows = (first[:, None] + torch.arange(span, device=kv.device)) % ring
-        kv_rows, gate_rows = kv_tail[slots[:, None], rows], gate_tail[slots[:, None], rows]
+        row_pos = positions[token, None] - span + 1 + torch.arange(span, device=kv.device)
+        in_step = (row_pos >= metadata.start_positions[seq, None])[..., None]
+        flat = (token[:, None] - (positions[token, None] - row_pos)).clamp(min=0)
+        ring_at = (metadata.slots[seq, None], row_pos % ring)
+        kv_rows = torch.where(in_step, kv[flat], kv_tail[ring_at].to(kv.dtype))
+        gate_rows = torch.where(in_step, gate[flat], gate_tail[ring_at])
         if self.overlap:
             kv_rows = torch.cat((kv_rows[:, :rate, :width], kv_rows[:, rate:, width:]), dim=1)
             previous = gate_rows[:, :rate, :width].masked_fill((entry == 0).view(-1, 1, 1), float("-inf"))
             gate_rows = torch.cat((previous, gate_rows[:, rate:, width:]), dim=1)
         closed = self.kv_norm((kv_rows * gate_rows.softmax(dim=1).to(kv_rows.dtype)).sum(dim=1))
         entry = entry.clamp(min=0)
-        cos, sin = rotary.cos_sin(entry * rate)
-        closed = apply_rotary(closed, cos, sin)
+        closed = apply_rotary(closed, *rotary.cos_sin(entry * rate))
         epb = 128 // rate
-        row = metadata.block_tables.gather(1, (entry // epb)[:, None]).squeeze(1) * epb + entry % epb
-        closes = ((positions + 1) % rate == 0) & ((entry + 1) * rate > no_write_before)
-        entries[torch.where(closes, row, entries.shape[0] - 1)] = closed.to(entries.dtype)
+        target = metadata.block_tables[seq, entry // epb] * epb + entry % epb
+        entries[torch.where(keep, target, entries.shape[0] - 1)] = closed.to(entries.dtype)
 
-    def _compress_chunks(self, kv, gate, metadata: AttentionMetadata, rotary: Rotary, kv_tail, gate_tail, entries,
-                         no_write_before: list[int]) -> None:
-        rate, ring = self.rate, kv_tail.shape[1]
-        epb = 128 // rate
-        qsl = metadata.query_start_loc.tolist()
-        slots = metadata.slots.tolist()
-        for i, start in enumerate(metadata.start_positions_host):
-            end = start + metadata.query_lens[i]
-            first, last = start // rate, end // rate
-            if last == first:
-                continue
-            base = max(0, (first - self.overlap) * rate)
-            old = torch.arange(base, start, device=kv.device) % ring
-            rows_kv = torch.cat((kv_tail[slots[i], old], kv[qsl[i] : qsl[i + 1]]))[: last * rate - base]
-            rows_gate = torch.cat((gate_tail[slots[i], old], gate[qsl[i] : qsl[i + 1]]))[: last * rate - base]
-            ids = torch.arange(first, last, device=kv.device)
-            keep = (ids + 1) * rate > no_write_before[i]
-            if not bool(keep.any()):
-                continue
-            closed = self._close(rows_kv, rows_gate, has_previous=first > 0)
-            cos, sin = rotary.cos_sin(ids * rate)
-            closed = apply_rotary(closed, cos, sin)
-            ids, closed = ids[keep], closed[keep]
-            rows = metadata.block_tables[i, ids // epb] * epb + ids % epb
-            entries[rows] = closed.to(entries.dtype)
-        self._write_tails(kv, gate, metadata, kv_tail, gate_tail)
 
-    def _close(self, kv: torch.Tensor, gate: torch.Tensor, has_previous: bool) -> torch.Tensor:
-        """Rows of consecutive windows -> one entry per closed window, `[num_closed, width]`."""
-        rate, width = self.rate, self.width
-        kv = kv.view(-1, rate, kv.shape[-1])
-        gate = gate.view(-1, rate, gate.shape[-1])
-        if self.overlap:
-            if not has_previous:  # window 0 has no predecessor: its Ca half gets zero weight
-                kv = torch.cat((kv.new_zeros(1, rate, kv.shape[-1]), kv))
-                gate = torch.cat((gate.new_full((1, rate, gate.shape[-1]), float("-inf")), gate))
-            kv = torch.cat((kv[:-1, :, :width], kv[1:, :, width:]), dim=1)
-            gate = torch.cat((gate[:-1, :, :width], gate[1:, :, width:]), dim=1)
-        weights = gate.softmax(dim=1).to(kv.dtype)
-        return self.kv_norm((kv * weights).sum(dim=1))
-
-    @staticmethod
-    def _write_tails(kv, gate, metadata: AttentionMetadata, kv_tail, gate_tail) -> None:
-        # Only each request's last `ring` rows matter; skipping the rest keeps index_put free of duplicates.
-        ring = kv_tail.shape[1]
+def _write_tails(kv, gate, metadata: AttentionMetadata, kv_tail, gate_tail) -> None:
+    """Store this step's rows in the tail rings (only each request's last `ring` rows, so no two rows
+    target one ring slot)."""
+    positions, slots, ring = metadata.positions, metadata.slots, kv_tail.shape[1]
+    if not metadata.is_decode_only:
         lens = metadata.query_start_loc.diff()
-        ends = (metadata.start_positions + lens).repeat_interleave(lens)
-        live = metadata.positions >= ends - ring
-        token_slots = metadata.slots.repeat_interleave(lens)[live]
-        ring_rows = metadata.positions[live] % ring
-        kv_tail[token_slots, ring_rows] = kv[live].to(kv_tail.dtype)
-        gate_tail[token_slots, ring_rows] = gate[live].to(gate_tail.dtype)
+        live = positions >= (metadata.start_positions + lens).repeat_interleave(lens) - ring
+        positions, slots, kv, gate = positions[live], slots.repeat_interleave(lens)[live], kv[live], gate[live]
+    kv_tail[slots, positions % ring] = kv.to(kv_tail.dtype)
+    gate_tail[slots, positions % ring] = gate.to(gate_tail.dtype)
 
 
 class IndexerScorer(nn.Module):

@@ -80,6 +80,9 @@ class AttentionMetadata:
     """Per request, the first absolute position whose window key is valid (SWA replay); None: 0."""
     window_starts: torch.Tensor | None = None
     """`[num_seqs]` int64 device copy of `window_start_positions_host`; None when all are 0."""
+    needs_static_shapes: bool = False
+    """True while a CUDA graph is captured or replayed: no op may depend on device values through the
+    host (no `.item()`, `.tolist()`, `nonzero`, boolean indexing), and host lists are stale."""
     max_seq_len: int = 0
     """Upper bound on `start_position + query_len` over the batch (static under CUDA graphs, so a
     backend may size buffers from it without reading device tensors)."""

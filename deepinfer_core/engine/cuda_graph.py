@@ -94,6 +94,7 @@ class DecodeGraphs:
             query_lens=[1] * size,
             start_positions_host=[0] * size,  # stale under replay: decode paths read device tensors only
             window_starts=self.window_starts[:size],
+            needs_static_shapes=True,
             max_seq_len=self.max_seq_len,
         )
         model = self.runner.model

@@ -60,7 +60,7 @@ class Compressor(nn.Module):
         seq = torch.repeat_interleave(torch.arange(len(lens), device=kv.device), lens, output_size=len(positions))
         entry = (positions + 1) // rate - 1
         keep = ((positions + 1) % rate == 0) & ((entry + 1) * rate > no_write_before[seq])
-        if metadata.is_decode_only:  # every token, no host read: rows that keep nothing go to scratch
+        if metadata.needs_static_shapes:  # every token, no host read: rows that keep nothing go to scratch
             token = torch.arange(len(positions), device=kv.device)
         else:
             token = keep.nonzero().squeeze(1)

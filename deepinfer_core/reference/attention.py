@@ -45,12 +45,14 @@ class ReferenceAttention:
         keys[torch.arange(len(slots), device=q.device), positions % w] = kv.to(keys.dtype)
         key_pos = positions[:, None] - (positions[:, None] - torch.arange(w, device=q.device)) % w
         first = metadata.window_starts if metadata.window_starts is not None else torch.zeros_like(positions)
-        bias = _mask_bias(key_pos >= first[:, None].clamp(min=0))
+        visible = key_pos >= first[:, None].clamp(min=0)
         if compressed is not None:
             ids = self._decode_entry_ids(metadata, num_entries, topk_indices)
-            visible = (ids >= 0) & (ids < ((positions + 1) // self.spec.compress_rate)[:, None])
+            entry_visible = (ids >= 0) & (ids < ((positions + 1) // self.spec.compress_rate)[:, None])
             entries = _gather_rows(compressed, metadata.block_tables, ids.clamp(min=0), self.spec.entries_per_block)
-            keys, bias = torch.cat((keys, entries), dim=1), torch.cat((bias, _mask_bias(visible)), dim=1)
+            keys, visible = torch.cat((keys, entries), dim=1), torch.cat((visible, entry_visible), dim=1)
+        keys = keys.masked_fill(~visible[..., None], 0)  # rows it may not read must not reach the output
+        bias = _mask_bias(visible)
         scores = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * self.spec.head_dim**-0.5 + bias[:, None]
         logits = torch.cat((scores, sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)), dim=-1)
         probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
@@ -59,7 +61,7 @@ class ReferenceAttention:
     def _decode_entry_ids(self, metadata: AttentionMetadata, num_entries, topk_indices):
         if topk_indices is not None:
             return topk_indices
-        bound = max(metadata.max_seq_len // self.spec.compress_rate, 1)
+        bound = max(_max_seq_len(metadata) // self.spec.compress_rate, 1)
         ids = torch.arange(bound, device=num_entries.device).expand(len(num_entries), -1)
         return torch.where(ids < num_entries[:, None], ids, -1)
 
@@ -113,7 +115,7 @@ class ReferenceAttention:
 
     def _indexer_decode(self, q, weights, index_keys, metadata: AttentionMetadata):
         rate, k = self.spec.compress_rate, self.spec.index_topk
-        bound = max(metadata.max_seq_len // rate, 1)
+        bound = max(_max_seq_len(metadata) // rate, 1)
         ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
         keys = _gather_rows(index_keys, metadata.block_tables, ids, self.spec.entries_per_block)
         scores = torch.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * self.spec.index_head_dim**-0.5
@@ -125,6 +127,13 @@ class ReferenceAttention:
         if top.shape[1] < k:
             top = torch.cat((top, top.new_full((top.shape[0], k - top.shape[1]), -1)), dim=1)
         return top
+
+
+def _max_seq_len(metadata: AttentionMetadata) -> int:
+    """The static bound when set, else the batch's own (host lists are valid outside graphs)."""
+    if metadata.max_seq_len or metadata.needs_static_shapes:
+        return metadata.max_seq_len
+    return max(a + n for a, n in zip(metadata.start_positions_host, metadata.query_lens))
 
 
 def _mask_bias(visible: torch.Tensor) -> torch.Tensor:

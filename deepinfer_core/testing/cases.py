@@ -134,6 +134,7 @@ def random_attention_case(spec: AttentionSpec, query_lens: list[int], start_posi
         start_positions=torch.tensor(start_positions, dtype=torch.int64),
         positions=positions, slots=slots, block_tables=block_tables,
         query_lens=list(query_lens), start_positions_host=list(start_positions),
+        max_seq_len=max(a + n for a, n in zip(start_positions, query_lens)),
     )
     case = AttentionCase(
         q=torch.randn(num_tokens, spec.num_heads, spec.head_dim, generator=gen),

@@ -242,8 +242,39 @@ def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[l
 engine_generate.counter = 0
 
 
-def measure(name: str, run, batch: int, new_tokens: int, counts: Counts) -> dict:
-    """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add."""
+def steady_decode(
+    engine, prompts: list[list[int]], new_tokens: int, max_steps: int = 16
+) -> tuple[float, int]:
+    """Decode tokens/s over the steps in which every request of the batch decodes (after the last prefill
+    chunk, before the first request finishes), and how many such steps were timed. Chunked prefill
+    staggers the requests, so `full - ttft` also counts steps that carry prefill chunks or a partial
+    batch; transformers' `generate` prefills the whole batch in one forward and has no such steps."""
+    from deepinfer_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(f"r{engine_generate.counter}", prompt, params)
+        engine_generate.counter += 1
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.is_prefill for s in scheduler.running):
+        engine.step()
+    engine.step()
+    steps = 0
+    sync()
+    start = time.perf_counter()
+    while len(scheduler.running) == len(prompts) and steps < max_steps:
+        engine.step()
+        steps += 1
+    sync()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (len(prompts) * steps / elapsed if steps else float("nan")), steps
+
+
+def measure(name: str, run, batch: int, new_tokens: int, counts: Counts, steady=None) -> dict:
+    """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add (and, given
+    `steady`, decode over steps where the whole batch decodes)."""
     run(new_tokens)  # warm-up at this batch size: prefill and decode kernels compile, allocator grows
     peak_reset()
     ttft = timed(lambda: run(1))
@@ -261,6 +292,12 @@ def measure(name: str, run, batch: int, new_tokens: int, counts: Counts) -> dict
         "prefill_of_floor": round(prefill / prefill_floor_tok_s(counts, batch), 4),
         "decode_of_floor": round(decode / decode_floor_tok_s(counts, batch, PROMPT_LEN + new_tokens // 2), 4),
     }
+    if steady is not None:
+        tok_s, steps = steady()
+        row["steady_decode_tok_s"] = round(tok_s, 1)
+        row["steady_steps"] = steps
+        floor = decode_floor_tok_s(counts, batch, PROMPT_LEN + new_tokens // 2)
+        row["steady_decode_of_floor"] = round(tok_s / floor, 4)
     print(json.dumps(row), flush=True)
     return row
 
@@ -286,6 +323,12 @@ def main() -> None:
         help="greedy tokens of the engine with CUDA-graph decode against the same engine run eagerly",
     )
     parser.add_argument("--eager", action="store_true", help="never capture CUDA graphs (enforce_eager)")
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="our per-step token budget (default: the engine's)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -302,6 +345,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "prompt_len": PROMPT_LEN,
         "eager": args.eager,
+        "max_batched_tokens": args.max_batched_tokens,
     }
     print(json.dumps(header), flush=True)
     gen = torch.Generator().manual_seed(1)
@@ -309,7 +353,9 @@ def main() -> None:
     rows = []
     sides = args.sides.split(",")
     engine = (
-        build_engine(config, model, device, dtype, max(batches), args.new_tokens, args.eager)
+        build_engine(
+            config, model, device, dtype, max(batches), args.new_tokens, args.eager, args.max_batched_tokens
+        )
         if "deepinfer" in sides
         else None
     )
@@ -330,7 +376,12 @@ def main() -> None:
             lists = batch_prompts.tolist()
             rows.append(
                 measure(
-                    "deepinfer", lambda n: engine_generate(engine, lists, n), batch, args.new_tokens, counts
+                    "deepinfer",
+                    lambda n: engine_generate(engine, lists, n),
+                    batch,
+                    args.new_tokens,
+                    counts,
+                    steady=lambda: steady_decode(engine, lists, args.new_tokens),
                 )
             )
     if engine is not None and "transformers" in sides:
@@ -365,6 +416,7 @@ def build_engine(
     max_batch: int,
     new_tokens: int,
     enforce_eager: bool = False,
+    max_batched_tokens: int | None = None,
 ):
     """The engine on the transformers model's own tensors (no second copy of the weights)."""
     from deepinfer_core.config import EngineConfig
@@ -381,6 +433,7 @@ def build_engine(
         max_model_len=PROMPT_LEN + new_tokens + 8,
         num_kv_blocks=2 * max_batch * blocks_per_seq + 8,
         enforce_eager=enforce_eager,
+        max_num_batched_tokens=max_batched_tokens,
     )
     weights = dict(model.state_dict())
     start = time.perf_counter()
@@ -507,12 +560,14 @@ def graph_parity(engine, eager, prompts: list[list[int]], new_tokens: int) -> No
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'side':13s} {'batch':>5s} {'TTFT s':>8s} {'prefill tok/s':>14s} {'of floor':>9s} "
-        f"{'decode tok/s':>13s} {'of floor':>9s} {'peak GiB':>9s}"
+        f"{'decode tok/s':>13s} {'of floor':>9s} {'steady tok/s':>13s} {'of floor':>9s} {'peak GiB':>9s}"
     )
     for r in rows:
+        steady = r.get("steady_decode_tok_s", float("nan")), r.get("steady_decode_of_floor", float("nan"))
         print(
-            f"{r['side']:13s} {r['batch']:5d} {r['ttft_s']:8.3f} {r['prefill_tok_s']:14.1f} {r['prefill_of_floor']:9.4f} "
-            f"{r['decode_tok_s']:13.1f} {r['decode_of_floor']:9.4f} {r['peak_gib']:9.2f}"
+            f"{r['side']:13s} {r['batch']:5d} {r['ttft_s']:8.3f} {r['prefill_tok_s']:14.1f} "
+            f"{r['prefill_of_floor']:9.4f} {r['decode_tok_s']:13.1f} {r['decode_of_floor']:9.4f} "
+            f"{steady[0]:13.1f} {steady[1]:9.4f} {r['peak_gib']:9.2f}"
         )
 
 

@@ -19,6 +19,7 @@ from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block,
 from deepinfer_core.engine.sampling import prepare_sampling_tensors
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
 from deepinfer_core.models.layer_plan import build_layer_plan
+from deepinfer_core.models.layers import HyperConnection, HyperHead
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class ModelRunner:
         self.plans = build_layer_plan(model_config, self.dtype)
         self.model = self._load_model(weights)
         self._bind_backends()
+        if device.type == "cuda" and engine_config.compile_hyper_connections:
+            self._compile_hyper_connections()
         self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
         self.num_slots = engine_config.max_num_seqs
         self.num_blocks = self._num_blocks()
@@ -72,6 +75,12 @@ class ModelRunner:
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans], self.device)
+
+    def _compile_hyper_connections(self) -> None:
+        # mHC's Sinkhorn loop is ~120 tiny kernels per call; compiled, it is one fused kernel.
+        for module in self.model.modules():
+            if isinstance(module, (HyperConnection, HyperHead)):
+                module.compile(dynamic=True, fullgraph=True)
 
     def _num_blocks(self) -> int:
         cfg = self.engine_config
@@ -137,9 +146,8 @@ class ModelRunner:
         )
 
     def _run_graph(self, seqs) -> torch.Tensor:
-        tables = torch.zeros(len(seqs), self.graphs.block_tables.shape[1], dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        width = self.graphs.block_tables.shape[1]
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
         return self.graphs.run(
             [s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs], tables,
             [s.no_write_before for s in seqs], [s.replay_start for s in seqs],

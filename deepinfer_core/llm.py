@@ -91,8 +91,8 @@ class LLM:
                         bar.update(1)
                         bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:
-            for request_id in list(self.engine._requests):
-                self.engine.abort(request_id)
+            for request_id in self.engine.unfinished_request_ids():
+                self.engine.abort(request_id)  # an interrupted generate leaves nothing queued
             raise
         finally:
             bar.close()

@@ -155,6 +155,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
     # -- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

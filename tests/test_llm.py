@@ -89,3 +89,20 @@ def test_official_quantised_layout_generates_like_transformers_layout(model_dir,
     fp8 = LLM(str(write_checkpoint(tmp_path / "fp8", tiny_config(), seed=1, layout="official", quant="fp8+fp4")),
               dtype="float32", max_model_len=256, num_kv_blocks=8)
     assert len(fp8.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+
+def test_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    real_step, calls = llm.engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+    free = llm.engine.block_manager.num_free_blocks
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": list(range(2, 50))}] * 3, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == free

@@ -16,6 +16,7 @@ import torch
 from deepinfer_core import plugins
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
@@ -53,6 +54,8 @@ class _Completion:
     stop_reason: int | str | None = None
     text_end: int | None = None
     """Where the text is cut when a stop string matched."""
+    partial_text: IncrementalText | None = None
+    """Text of an unfinished completion, decoded incrementally."""
 
 
 @dataclass
@@ -251,7 +254,7 @@ class Engine:
             ids = seq.output_token_ids
             outputs.append(CompletionOutput(
                 index=index,
-                text=self.decode(ids)[: completion.text_end],
+                text=self._text(completion, ids),
                 token_ids=ids,
                 cumulative_logprob=completion.cumulative_logprob if completion.logprobs is not None else None,
                 logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
@@ -271,6 +274,14 @@ class Engine:
         if self.tokenizer is None or not token_ids:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _text(self, completion: _Completion, ids: list[int]) -> str:
+        """Exact full decode once finished; while generating, an incremental decode (O(1) a step)."""
+        if completion.seq.is_finished or self.tokenizer is None:
+            return self.decode(ids)[: completion.text_end]
+        if completion.partial_text is None:
+            completion.partial_text = IncrementalText(self.tokenizer)
+        return completion.partial_text.update(ids)
 
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -123,20 +123,27 @@ class ModelRunner:
     def execute(self, seqs, num_new_tokens: list[int]) -> StepResult:
         """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed."""
         if self._is_graph_step(seqs, num_new_tokens):
-            return self._sample(seqs, list(range(len(seqs))), self._run_graph(seqs), {})
+            sampled = list(range(len(seqs)))
+            tensors = self._sampling_tensors(seqs, sampled)  # before the launch: its copies then need no wait
+            return self._sample(sampled, self._run_graph(seqs), tensors, {})
         ctx, logits_indices, sampled, prompt_spans = self.prepare_inputs(seqs, num_new_tokens)
+        tensors = self._sampling_tensors(seqs, sampled)
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        return self._sample(seqs, sampled, logits[: len(sampled)], prompt_logits)
+        return self._sample(sampled, logits[: len(sampled)], tensors, prompt_logits)
 
-    def _sample(self, seqs, sampled: list[int], logits: torch.Tensor, prompt_logits: dict) -> StepResult:
+    def _sampling_tensors(self, seqs, sampled: list[int]):
         if not sampled:
-            return StepResult([], None, prompt_logits)
+            return None
         rows = [seqs[i] for i in sampled]
-        tensors = prepare_sampling_tensors(
+        return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows], [s.num_output_tokens for s in rows],
             self.config.eos_token_ids, self.device,
         )
+
+    def _sample(self, sampled: list[int], logits: torch.Tensor, tensors, prompt_logits: dict) -> StepResult:
+        if not sampled:
+            return StepResult([], None, prompt_logits)
         return StepResult(sampled, self.sampler.sample(logits, tensors), prompt_logits)
 
     def _is_graph_step(self, seqs, num_new_tokens: list[int]) -> bool:

@@ -54,15 +54,23 @@ def prepare_sampling_tensors(
             f"{len(params)}, {len(seeds)} and {len(num_generated)}"
         )
     banned = [banned_token_ids(p, n, eos_token_ids) for p, n in zip(params, num_generated, strict=True)]
+    # Two host-to-device copies in all, built on the host first (each copy waits for the device stream).
+    floats = torch.tensor(
+        [[0.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        dtype=torch.float32,
+    ).to(device, non_blocking=True)
+    ints = torch.tensor(
+        [[p.top_k for p in params], [seed_to_int64(s) for s in seeds], list(num_generated)], dtype=torch.int64
+    ).to(device, non_blocking=True)
+    temperature, top_p, min_p = floats.unbind(0)
+    top_k, seed_values, steps = ints.unbind(0)
     return SamplingTensors(
-        temperature=torch.tensor(
-            [0.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32, device=device
-        ),
-        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-        seeds=torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
-        steps=torch.tensor(list(num_generated), dtype=torch.int64, device=device),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seed_values,
+        steps=steps,
         num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         banned_token_ids=banned if any(banned) else None,
     )

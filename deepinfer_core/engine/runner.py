@@ -20,6 +20,7 @@ from deepinfer_core.engine.sampling import prepare_sampling_tensors
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
 from deepinfer_core.models.layer_plan import build_layer_plan
 from deepinfer_core.models.layers import HyperConnection, HyperHead
+from deepinfer_core.models.weights import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ class ModelRunner:
         with torch.device("meta"):
             model = DeepseekV4ForCausalLM(self.config, self.plans, self.dtype)
         if weights is None:
-            from deepinfer_core.models.weights import load_weights
-
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device)
         weights = {name: t.to(self.device) for name, t in weights.items()}
         model.load_state_dict(_match_param_dtypes(model, weights), strict=True, assign=True)

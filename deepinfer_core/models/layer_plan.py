@@ -51,6 +51,10 @@ def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
     for i, layer_type in enumerate(config.layer_types):
         kind = ATTENTION_KINDS[layer_type]
         rate = 0 if kind == "sliding" else int(config.compress_rates[layer_type])
+        if rate and 128 % rate:
+            raise NotImplementedError(
+                f"compress rate {rate} of {layer_type}: the paged cache needs rates dividing its 128-token block"
+            )
         is_csa = kind == "csa"
         attention = AttentionSpec(
             num_heads=config.num_attention_heads,

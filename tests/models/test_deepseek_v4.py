@@ -72,3 +72,13 @@ def run_chunked_then_decode(runner, prompt, prefill):
     while seq.num_computed_tokens < seq.num_tokens:
         parts += all_position_logprobs(runner, [seq], [1])
     return torch.cat(parts)
+
+
+def test_compress_rates_must_divide_the_cache_block():
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models.layer_plan import build_layer_plan
+
+    config = ModelConfig.from_dict(parity_config("sliding_csa_hca", compress_rates={
+        "compressed_sparse_attention": 4, "heavily_compressed_attention": 48}))
+    with pytest.raises(NotImplementedError, match="128-token block"):
+        build_layer_plan(config, torch.float32)

@@ -19,7 +19,7 @@ from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block,
 from deepinfer_core.engine.sampling import prepare_sampling_tensors
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
 from deepinfer_core.models.layer_plan import build_layer_plan
-from deepinfer_core.models.layers import HyperConnection, HyperHead, HyperResidual
+from deepinfer_core.models.layers import HyperConnection, HyperHead
 from deepinfer_core.models.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -76,10 +76,9 @@ class ModelRunner:
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans], self.device)
 
     def _compile_hyper_connections(self) -> None:
-        # mHC's Sinkhorn loop is ~120 tiny kernels per call, and its residual mixing a batched 4x4 GEMM
-        # per token; compiled, each is a fused kernel or two.
+        # mHC's Sinkhorn loop is ~120 tiny kernels per call; compiled, it is one fused kernel.
         for module in self.model.modules():
-            if isinstance(module, (HyperConnection, HyperHead, HyperResidual)):
+            if isinstance(module, (HyperConnection, HyperHead)):
                 module.compile(dynamic=True, fullgraph=True)
 
     def _num_blocks(self) -> int:

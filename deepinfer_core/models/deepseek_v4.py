@@ -19,9 +19,9 @@ from deepinfer_core.models.layers import (
     GroupedLinear,
     HyperConnection,
     HyperHead,
-    HyperResidual,
     RMSNorm,
     SharedExpert,
+    hyper_residual,
     unweighted_rms_norm,
 )
 from deepinfer_core.models.rope import Rotary, apply_rotary
@@ -166,7 +166,6 @@ class DeepseekV4Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, plan, dtype) for plan in plans)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
-        self.hyper_residual = HyperResidual()
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -201,9 +200,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             post, comb, collapsed = layer.attn_hc(streams)
             out = layer.self_attn(layer.input_layernorm(collapsed), ctx, caches[i], self.attention_backends[i],
                                   self.rotary[layer.self_attn.plan.rope])
-            streams = self.model.hyper_residual(streams, out, post, comb)
+            streams = hyper_residual(streams, out, post, comb)
             post, comb, collapsed = layer.ffn_hc(streams)
             out = layer.mlp(layer.post_attention_layernorm(collapsed), ctx.input_ids, self.moe_backends[i], self.moe_weights[i])
-            streams = self.model.hyper_residual(streams, out, post, comb)
+            streams = hyper_residual(streams, out, post, comb)
         hidden = self.model.norm(self.model.hc_head(streams[logits_indices]))
         return F.linear(hidden, self.lm_head.weight).float()

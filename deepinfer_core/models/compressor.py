@@ -41,9 +41,9 @@ class Compressor(nn.Module):
     ) -> None:
         """Write every entry this step closes into `entries`, then refresh the tail rings.
 
-        `entries` has one scratch row at the end: decode steps write every request's candidate entry
-        and send those that close no window (or are already cached) there, so the step needs no
-        host round trip and can be captured in a CUDA graph.
+        `entries` has one scratch row at the end: under CUDA graphs (`needs_static_shapes`) every token
+        computes a candidate entry and those that close no window (or are already cached) are written
+        there, so the step needs no host round trip; otherwise only closing tokens are computed.
         """
         kv = self.kv_proj(x)
         gate = self.gate_proj(x).float() + self.position_bias[metadata.positions % self.rate]

@@ -38,6 +38,9 @@ class SamplingTensors:
     """Top logprobs to return per row (max over the batch); 0 for none."""
     banned_token_ids: list[list[int]] | None = None
     """Per row, token ids to mask out this step (for `min_tokens` and EOS handling)."""
+    needs_logprobs: bool = True
+    """False when no row asked for logprobs: the sampler may then skip the log-softmax and return
+    NaN logprobs and zero ranks."""
 
 
 @dataclass

@@ -73,6 +73,7 @@ def prepare_sampling_tensors(
         steps=steps,
         num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         banned_token_ids=banned if any(banned) else None,
+        needs_logprobs=any(p.logprobs is not None for p in params),
     )
 
 

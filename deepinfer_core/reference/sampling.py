@@ -64,7 +64,6 @@ class ReferenceSampler:
         """Sample one token per row; see `SamplingBackend.sample`."""
         self._check(logits, params)
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         masked = _mask_banned(logits, params.banned_token_ids)
         token_ids = masked.argmax(dim=-1)
         is_sampled = params.temperature > 0
@@ -79,6 +78,10 @@ class ReferenceSampler:
                 params.seeds[rows],
                 params.steps[rows],
             )
+        if not params.needs_logprobs and params.num_logprobs == 0:
+            nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
+            return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
         chosen = raw_logprobs.gather(1, token_ids[:, None])
         ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)

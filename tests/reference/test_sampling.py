@@ -206,3 +206,13 @@ def test_seeded_uniforms_follow_the_documented_function():
     got = seeded_uniforms(torch.tensor([seed - 2**64]), torch.tensor([step]), VOCAB)[0].tolist()
     assert got == expected
     assert all(0 < u < 1 for u in got)
+
+
+def test_logprobs_can_be_skipped_without_changing_tokens(sampler):
+    logits = random_logits(6, seed=4)
+    params = make_params(6, temperature=[0.0, 0.7, 1.0, 0.0, 1.3, 0.5], seeds=[1, 2, 3, 4, 5, 6])
+    full = sampler.sample(logits, params)
+    params.needs_logprobs = False
+    lean = sampler.sample(logits, params)
+    assert torch.equal(full.token_ids, lean.token_ids)
+    assert torch.isnan(lean.logprobs).all() and not torch.isnan(full.logprobs).any()

@@ -48,7 +48,7 @@ class Compressor(nn.Module):
         kv = self.kv_proj(x)
         gate = self.gate_proj(x).float() + self.position_bias[metadata.positions % self.rate]
         self._close_windows(kv, gate, metadata, rotary, kv_tail, gate_tail, entries, no_write_before)
-        _write_tails(kv, gate, metadata, kv_tail, gate_tail)
+        write_rings(metadata, kv_tail, kv, gate_tail, gate)
 
     def _close_windows(self, kv, gate, metadata: AttentionMetadata, rotary: Rotary, kv_tail, gate_tail, entries,
                        no_write_before: torch.Tensor) -> None:
@@ -86,16 +86,19 @@ class Compressor(nn.Module):
         entries[torch.where(keep, target, entries.shape[0] - 1)] = closed.to(entries.dtype)
 
 
-def _write_tails(kv, gate, metadata: AttentionMetadata, kv_tail, gate_tail) -> None:
-    """Store this step's rows in the tail rings (only each request's last `ring` rows, so no two rows
-    target one ring slot)."""
-    positions, slots, ring = metadata.positions, metadata.slots, kv_tail.shape[1]
+def write_rings(metadata: AttentionMetadata, *rings_and_rows: torch.Tensor) -> None:
+    """Store this step's rows in per-request rings (`ring[slot, position % len]`), given as pairs
+    `ring, rows` of equal ring length; only each request's last `len` rows are written, so no two rows
+    target one ring slot (and decode steps need no masking, which keeps them graph-safe)."""
+    ring = rings_and_rows[0].shape[1]
+    positions, slots = metadata.positions, metadata.slots
+    live = None
     if not metadata.is_decode_only:
         lens = metadata.query_start_loc.diff()
         live = positions >= (metadata.start_positions + lens).repeat_interleave(lens) - ring
-        positions, slots, kv, gate = positions[live], slots.repeat_interleave(lens)[live], kv[live], gate[live]
-    kv_tail[slots, positions % ring] = kv.to(kv_tail.dtype)
-    gate_tail[slots, positions % ring] = gate.to(gate_tail.dtype)
+        positions, slots = positions[live], slots.repeat_interleave(lens)[live]
+    for target, rows in zip(rings_and_rows[::2], rings_and_rows[1::2]):
+        target[slots, positions % ring] = (rows if live is None else rows[live]).to(target.dtype)
 
 
 class IndexerScorer(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, AttentionMetadata, MoEBackend, MoEWeights
-from deepinfer_core.models.compressor import Compressor, Indexer
+from deepinfer_core.models.compressor import Compressor, Indexer, write_rings
 from deepinfer_core.models.layer_plan import LayerPlan
 from deepinfer_core.models.layers import (
     GroupedLinear,
@@ -94,21 +94,9 @@ class Attention(nn.Module):
             topk = backend.indexer_topk(index_q, index_w, cache.index_keys, meta, num_entries)
 
         out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
-        write_window(cache.window, kv, meta)
+        write_rings(meta, cache.window, kv)
         out = apply_rotary(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, self.o_groups, -1)))
-
-
-def write_window(window: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store this step's keys in the window rings (only each request's last `sliding_window` tokens)."""
-    ring = window.shape[1]
-    if meta.is_decode_only:  # one token per request: no duplicate targets, no masking (graph-safe)
-        window[meta.slots, meta.positions % ring] = kv.to(window.dtype)
-        return
-    lens = meta.query_start_loc.diff()
-    ends = (meta.start_positions + lens).repeat_interleave(lens)
-    live = meta.positions >= ends - ring
-    window[meta.slots.repeat_interleave(lens)[live], meta.positions[live] % ring] = kv[live].to(window.dtype)
 
 
 class Router(nn.Module):

@@ -9,8 +9,8 @@ from deepinfer_core.backends import AttentionMetadata, AttentionSpec
 
 def gather_entries(pool: torch.Tensor, block_table: torch.Tensor, count: int, entries_per_block: int) -> torch.Tensor:
     """A request's first `count` paged entries, in order: `[count, width]`."""
-    ids = torch.arange(count, device=pool.device)
-    return pool[block_table[ids // entries_per_block] * entries_per_block + ids % entries_per_block]
+    ids = torch.arange(count, device=pool.device)[None]
+    return _gather_rows(pool, block_table[None], ids, entries_per_block)[0]
 
 
 class ReferenceAttention:

@@ -152,8 +152,7 @@ class ModelRunner:
         )
 
     def _run_graph(self, seqs) -> torch.Tensor:
-        width = self.graphs.block_tables.shape[1]
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
+        tables = _block_tables(seqs, self.graphs.block_tables.shape[1], fill=0)
         return self.graphs.run(
             [s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs], tables,
             [s.no_write_before for s in seqs], [s.replay_start for s in seqs],
@@ -179,10 +178,7 @@ class ModelRunner:
                 prompt_spans[i] = (start + 1, len(prompt_rows), count)
                 prompt_rows.extend(range(offset, offset + count))
         dev = self.device
-        width = max(len(s.block_table) for s in seqs) or 1
-        tables = torch.full((len(seqs), width), -1, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        tables = _block_tables(seqs, max(len(s.block_table) for s in seqs) or 1, fill=-1)
         start_loc = [0]
         for n in lens:
             start_loc.append(start_loc[-1] + n)
@@ -212,6 +208,11 @@ class ModelRunner:
         logits_rows = torch.tensor(ends + prompt_rows, dtype=torch.long, device=dev)
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
         return ctx, logits_rows, sampled, prompt_spans
+
+
+def _block_tables(seqs, width: int, fill: int) -> torch.Tensor:
+    """Host `[len(seqs), width]` int64 block tables, each row padded with `fill`."""
+    return torch.tensor([s.block_table + [fill] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
 
 
 def _match_param_dtypes(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

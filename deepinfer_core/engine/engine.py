@@ -210,11 +210,12 @@ class Engine:
             touched[request.request_id] = request
 
     def _match_stop_string(self, completion: _Completion) -> bool:
-        """Whether the text now contains a stop string (only the newest token's tail is searched)."""
+        """Whether the text now contains a stop string (only matches ending in the new text are searched)."""
         stops = completion.seq.sampling_params.stop
-        text = self.decode(completion.seq.output_token_ids)
-        tail = len(self.decode(completion.seq.output_token_ids[-1:])) + max(map(len, stops))
-        hits = [(i, stop) for stop in stops if (i := text.find(stop, max(0, len(text) - tail))) >= 0]
+        seen = len(completion.partial_text.text) if completion.partial_text is not None else 0
+        text = self._text(completion, completion.seq.output_token_ids)  # incremental: the seq is not finished
+        start = max(0, seen - max(map(len, stops)) + 1)
+        hits = [(i, stop) for stop in stops if (i := text.find(stop, start)) >= 0]
         if not hits:
             return False
         completion.text_end, completion.stop_reason = min(hits)

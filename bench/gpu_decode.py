@@ -323,7 +323,6 @@ def main() -> None:
         help="greedy tokens of the engine with CUDA-graph decode against the same engine run eagerly",
     )
     parser.add_argument("--eager", action="store_true", help="never capture CUDA graphs (enforce_eager)")
-    parser.add_argument("--compile-hc", action="store_true", help="compile_hyper_connections=True (torch.compile mHC)")
     parser.add_argument(
         "--max-batched-tokens",
         type=int,
@@ -346,7 +345,6 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "prompt_len": PROMPT_LEN,
         "eager": args.eager,
-        "compile_hc": args.compile_hc,
         "max_batched_tokens": args.max_batched_tokens,
     }
     print(json.dumps(header), flush=True)
@@ -357,7 +355,6 @@ def main() -> None:
     engine = (
         build_engine(
             config, model, device, dtype, max(batches), args.new_tokens, args.eager, args.max_batched_tokens,
-            compile_hc=args.compile_hc,
         )
         if "deepinfer" in sides
         else None
@@ -420,7 +417,6 @@ def build_engine(
     new_tokens: int,
     enforce_eager: bool = False,
     max_batched_tokens: int | None = None,
-    compile_hc: bool = False,
 ):
     """The engine on the transformers model's own tensors (no second copy of the weights)."""
     from deepinfer_core.config import EngineConfig
@@ -438,7 +434,6 @@ def build_engine(
         num_kv_blocks=2 * max_batch * blocks_per_seq + 8,
         enforce_eager=enforce_eager,
         max_num_batched_tokens=max_batched_tokens,
-        compile_hyper_connections=compile_hc,
     )
     weights = dict(model.state_dict())
     start = time.perf_counter()

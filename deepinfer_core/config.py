@@ -359,9 +359,6 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
-    compile_hyper_connections: bool = Field(
-        False, description="On CUDA, fuse the mHC mixing (Sinkhorn) with torch.compile; costs compile time at start."
-    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

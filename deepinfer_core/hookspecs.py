@@ -26,6 +26,8 @@ if TYPE_CHECKING:
         AttentionSpec,
         EplbBackend,
         EplbSpec,
+        LayerOps,
+        LayerOpsSpec,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -90,6 +92,19 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
     :param device: the device the model runs on.
     :param decline: call with a reason when returning `None`.
     :returns: an object satisfying `MoEBackend`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
+    """Build the layer ops (mHC mixing, RMSNorm, RoPE, compressor window close) for the model.
+
+    Called once per model; the ops serve every layer, between its matmuls.
+
+    :param spec: the model's `LayerOpsSpec`.
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `LayerOps`, or `None` to let the next plugin try.
     """
 
 

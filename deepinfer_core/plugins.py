@@ -32,6 +32,8 @@ from deepinfer_core.backends import (
     AttentionSpec,
     EplbBackend,
     EplbSpec,
+    LayerOps,
+    LayerOpsSpec,
     MoEBackend,
     MoESpec,
     SamplingBackend,
@@ -51,6 +53,7 @@ ACCELERATOR_DEVICE_TYPES = {"nvidia": "cuda", "ascend": "npu", "cpu": "cpu"}
 FACTORY_PROTOCOLS: dict[str, type] = {
     "make_attention": AttentionBackend,
     "make_moe": MoEBackend,
+    "make_layer_ops": LayerOps,
     "make_eplb": EplbBackend,
     "make_sampler": SamplingBackend,
     "make_verifier": VerifyBackend,
@@ -299,6 +302,11 @@ def make_moe(spec: MoESpec, device: torch.device) -> MoEBackend:
     return _make("make_moe", spec, device)
 
 
+def make_layer_ops(spec: LayerOpsSpec, device: torch.device) -> LayerOps:
+    """Build the layer ops for `spec` on `device`; raises `BackendUnavailableError` if none can."""
+    return _make("make_layer_ops", spec, device)
+
+
 def make_eplb(spec: EplbSpec, device: torch.device) -> EplbBackend:
     """Build the EPLB backend for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_eplb", spec, device)
@@ -383,13 +391,14 @@ def representative_specs(config: ModelConfig | None = None,
     Attention and MoE specs come from the model's layer plan, one per distinct layer kind.
     """
     from deepinfer_core.config import ModelConfig
-    from deepinfer_core.models.layer_plan import build_layer_plan
+    from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
 
     config = config or ModelConfig()
     plans = build_layer_plan(config, dtype)
     return {
         "make_attention": list(dict.fromkeys(plan.attention for plan in plans)),
         "make_moe": list(dict.fromkeys(plan.moe for plan in plans)),
+        "make_layer_ops": [layer_ops_spec(config, dtype)],
         "make_eplb": [EplbSpec(num_layers=len(plans), num_experts=config.n_routed_experts,
                                num_slots=config.n_routed_experts)],
         "make_sampler": [SamplingSpec(vocab_size=config.vocab_size)],

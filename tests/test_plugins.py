@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.backends import AttentionSpec, EplbSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.eplb import ReferenceEplb
+from deepinfer_core.reference.layer_ops import ReferenceLayerOps
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.reference.sampling import ReferenceSampler
 from deepinfer_core.reference.verify import ReferenceVerifier
@@ -26,6 +27,7 @@ MOE = MoESpec(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2, scorin
 EPLB = EplbSpec(num_layers=2, num_experts=4, num_slots=6, num_ranks=2)
 SAMPLING = SamplingSpec(vocab_size=16)
 VERIFY = VerifySpec(vocab_size=16, max_draft_tokens=2)
+LAYER_OPS = LayerOpsSpec(hidden_size=8, hc_mult=2, hc_sinkhorn_iters=3, hc_eps=1e-6, rms_norm_eps=1e-6)
 
 
 class ChipAttention(ReferenceAttention):
@@ -84,6 +86,7 @@ def test_reference_serves_every_factory_hook(isolated_plugin_manager):
     assert type(plugins.make_attention(ATTENTION, CPU)) is ReferenceAttention
     assert type(plugins.make_moe(MOE, CPU)) is ReferenceMoE
     assert type(plugins.make_eplb(EPLB, CPU)) is ReferenceEplb
+    assert type(plugins.make_layer_ops(LAYER_OPS, CPU)) is ReferenceLayerOps
     assert type(plugins.make_sampler(SAMPLING, CPU)) is ReferenceSampler
     assert type(plugins.make_verifier(VERIFY, CPU)) is ReferenceVerifier
 
@@ -117,6 +120,25 @@ def test_plugin_wins_eplb_and_verifier(isolated_plugin_manager):
     assert type(plugins.make_eplb(EPLB, CPU)) is ChipEplb
     assert type(plugins.make_verifier(VERIFY, CPU)) is ChipVerifier
     assert type(plugins.make_sampler(SAMPLING, CPU)) is ReferenceSampler
+
+
+def test_plugin_wins_layer_ops_for_its_dtype_only(isolated_plugin_manager):
+    class ChipLayerOps(ReferenceLayerOps):
+        pass
+
+    class Chip:
+        @hookimpl
+        def make_layer_ops(self, spec, device, decline):
+            if spec.dtype != torch.bfloat16:
+                decline("bf16 only")
+                return None
+            return ChipLayerOps(spec)
+
+    isolated_plugin_manager.register(Chip(), name="chip")
+    bf16 = LayerOpsSpec(**{**LAYER_OPS.__dict__, "dtype": torch.bfloat16})
+    assert type(plugins.make_layer_ops(bf16, CPU)) is ChipLayerOps
+    assert plugins.make_layer_ops(bf16, CPU).spec == bf16
+    assert type(plugins.make_layer_ops(LAYER_OPS, CPU)) is ReferenceLayerOps
 
 
 def test_declining_plugin_falls_through_to_the_reference(isolated_plugin_manager):
@@ -376,6 +398,7 @@ def test_representative_specs_follow_the_model_config():
     assert [s.is_hash for s in specs["make_moe"]] == [True, False]
     assert specs["make_eplb"] == [EplbSpec(num_layers=3, num_experts=8, num_slots=8)]
     assert specs["make_sampler"] == [SamplingSpec(vocab_size=100)]
+    assert [(s.hidden_size, s.hc_mult, s.dtype) for s in specs["make_layer_ops"]] == [(4096, 4, torch.bfloat16)]
 
 
 def test_trace_prints_each_call_and_winner(isolated_plugin_manager, monkeypatch, capsys):

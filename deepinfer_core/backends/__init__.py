@@ -8,14 +8,29 @@ every other implementation is tested against (`deepinfer_core.testing`).
 
 from deepinfer_core.backends.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from deepinfer_core.backends.eplb import EplbBackend, EplbSpec
+from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOps, LayerOpsSpec
 from deepinfer_core.backends.moe import MoEBackend, MoESpec, MoEWeights
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingBackend, SamplingSpec, SamplingTensors
 from deepinfer_core.backends.verify import VerifyBackend, VerifyOutput, VerifySpec
 
 __all__ = [
-    "AttentionBackend", "AttentionMetadata", "AttentionSpec",
-    "EplbBackend", "EplbSpec",
-    "MoEBackend", "MoESpec", "MoEWeights",
-    "SamplerOutput", "SamplingBackend", "SamplingSpec", "SamplingTensors",
-    "VerifyBackend", "VerifyOutput", "VerifySpec",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "AttentionSpec",
+    "CompressorWeights",
+    "EplbBackend",
+    "EplbSpec",
+    "HyperWeights",
+    "LayerOps",
+    "LayerOpsSpec",
+    "MoEBackend",
+    "MoESpec",
+    "MoEWeights",
+    "SamplerOutput",
+    "SamplingBackend",
+    "SamplingSpec",
+    "SamplingTensors",
+    "VerifyBackend",
+    "VerifyOutput",
+    "VerifySpec",
 ]

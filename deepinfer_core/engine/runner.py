@@ -18,8 +18,7 @@ from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.sampling import prepare_sampling_tensors
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
-from deepinfer_core.models.layer_plan import build_layer_plan
-from deepinfer_core.models.layers import HyperConnection, HyperHead
+from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
 from deepinfer_core.models.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,6 @@ class ModelRunner:
         self.plans = build_layer_plan(model_config, self.dtype)
         self.model = self._load_model(weights)
         self._bind_backends()
-        if device.type == "cuda" and engine_config.compile_hyper_connections:
-            self._compile_hyper_connections()
         self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
         self.num_slots = engine_config.max_num_seqs
         self.num_blocks = self._num_blocks()
@@ -73,13 +70,9 @@ class ModelRunner:
                 attention[plan.attention] = plugins.make_attention(plan.attention, self.device)
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
-        self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans], self.device)
-
-    def _compile_hyper_connections(self) -> None:
-        # mHC's Sinkhorn loop is ~120 tiny kernels per call; compiled, it is one fused kernel.
-        for module in self.model.modules():
-            if isinstance(module, (HyperConnection, HyperHead)):
-                module.compile(dynamic=True, fullgraph=True)
+        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
+                                 ops, self.device)
 
     def _num_blocks(self) -> int:
         cfg = self.engine_config

@@ -13,18 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, AttentionMetadata, MoEBackend, MoEWeights
+from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
 from deepinfer_core.models.compressor import Compressor, Indexer, write_rings
 from deepinfer_core.models.layer_plan import LayerPlan
-from deepinfer_core.models.layers import (
-    GroupedLinear,
-    HyperConnection,
-    HyperHead,
-    RMSNorm,
-    SharedExpert,
-    hyper_residual,
-    unweighted_rms_norm,
-)
-from deepinfer_core.models.rope import Rotary, apply_rotary
+from deepinfer_core.models.layers import GroupedLinear, HyperConnection, HyperHead, RMSNorm, SharedExpert
+from deepinfer_core.models.rope import Rotary
 
 
 @dataclass
@@ -59,43 +52,53 @@ class Attention(nn.Module):
     def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
         super().__init__()
         self.plan = plan
-        heads, dim, eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
-        self.num_heads, self.head_dim, self.eps, self.o_groups = heads, dim, eps, config.o_groups
+        heads, dim = config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim, self.o_groups = heads, dim, config.o_groups
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False, dtype=dtype)
-        self.q_a_norm = RMSNorm(config.q_lora_rank, eps)
+        self.q_a_norm = RMSNorm(config.q_lora_rank)
         self.q_b_proj = nn.Linear(config.q_lora_rank, heads * dim, bias=False, dtype=dtype)
         self.kv_proj = nn.Linear(config.hidden_size, dim, bias=False, dtype=dtype)
-        self.kv_norm = RMSNorm(dim, eps)
+        self.kv_norm = RMSNorm(dim)
         self.o_a_proj = GroupedLinear(heads * dim // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups, dtype)
         self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
         if plan.has_compressor:
-            self.compressor = Compressor(config.hidden_size, dim, plan.compress_rate, plan.has_indexer, eps, dtype)
+            self.compressor = Compressor(config.hidden_size, dim, plan.compress_rate, plan.has_indexer, dtype)
             if plan.has_indexer:
                 self.compressor.indexer = Indexer(config, dtype)
 
+    def bind(self, rotary: Rotary) -> None:
+        """Gather the compressors' parameters once (their entries are RoPE'd with `rotary`)."""
+        self.compressor_weights: CompressorWeights | None = None
+        self.indexer_weights: CompressorWeights | None = None
+        if self.plan.has_compressor:
+            self.compressor_weights = self.compressor.weights(rotary)
+        if self.plan.has_indexer:
+            self.indexer_weights = self.compressor.indexer.weights(rotary)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, backend: AttentionBackend,
-                rotary: Rotary) -> torch.Tensor:
+                ops: LayerOps) -> torch.Tensor:
         meta, num_tokens = ctx.metadata, x.shape[0]
         cos, sin = ctx.rope[self.plan.rope]
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), self.eps)
-        q = apply_rotary(q, cos, sin)
-        kv = apply_rotary(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q_residual = ops.rms_norm(self.q_a_proj(x), self.q_a_norm.weight)
+        q = ops.rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), None, cos, sin)
+        kv = ops.rms_norm(self.kv_proj(x), self.kv_norm.weight, cos, sin)
 
         topk = num_entries = None
         if self.plan.has_compressor:
-            self.compressor.compress(x, meta, rotary, cache.kv_tail, cache.gate_tail, cache.compressed, ctx.no_write_before)
+            self.compressor.compress(x, meta, ops, self.compressor_weights, cache.kv_tail, cache.gate_tail,
+                                     cache.compressed, ctx.no_write_before)
             num_entries = ctx.num_entries[self.plan.compress_rate]
         if self.plan.has_indexer:
             indexer = self.compressor.indexer
-            indexer.compress(x, meta, rotary, cache.index_kv_tail, cache.index_gate_tail, cache.index_keys, ctx.no_write_before)
-            index_q, index_w = indexer.queries(x, q_residual, cos, sin)
+            indexer.compress(x, meta, ops, self.indexer_weights, cache.index_kv_tail, cache.index_gate_tail,
+                             cache.index_keys, ctx.no_write_before)
+            index_q, index_w = indexer.queries(x, q_residual, ops, cos, sin)
             topk = backend.indexer_topk(index_q, index_w, cache.index_keys, meta, num_entries)
 
         out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
         write_rings(meta, cache.window, kv)
-        out = apply_rotary(out, cos, -sin)
+        out = ops.rotary(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, self.o_groups, -1)))
 
 
@@ -138,13 +141,12 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
         super().__init__()
-        hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self.self_attn = Attention(config, plan, dtype)
         self.mlp = MoE(config, plan, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
+        self.input_layernorm = RMSNorm(config.hidden_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size)
+        self.attn_hc = HyperConnection(config.hc_mult, config.hidden_size)
+        self.ffn_hc = HyperConnection(config.hc_mult, config.hidden_size)
 
 
 class DeepseekV4Backbone(nn.Module):
@@ -152,8 +154,8 @@ class DeepseekV4Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, plan, dtype) for plan in plans)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size)
+        self.hc_head = HyperHead(config.hc_mult, config.hidden_size)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -167,14 +169,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.attention_backends: list[AttentionBackend] = []
         self.moe_backends: list[MoEBackend] = []
         self.moe_weights: list[MoEWeights] = []
+        self.ops: LayerOps | None = None
         self.rotary: dict[str, Rotary] = {}
 
-    def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], device: torch.device) -> None:
-        """Attach one attention and one MoE backend per layer; call after the weights are loaded."""
+    def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], ops: LayerOps,
+                      device: torch.device) -> None:
+        """Attach one attention and one MoE backend per layer and the layer ops; call after the weights
+        are loaded."""
         rope_dim = self.config.qk_rope_head_dim
         self.rotary = {name: Rotary(params, rope_dim, device) for name, params in self.config.rope_parameters.items()}
-        self.attention_backends, self.moe_backends = list(attention), list(moe)
+        self.attention_backends, self.moe_backends, self.ops = list(attention), list(moe), ops
         self.moe_weights = [layer.mlp.routed_weights() for layer in self.model.layers]
+        for layer in self.model.layers:
+            layer.self_attn.bind(self.rotary[layer.self_attn.plan.rope])
+        self.hc_weights = [(layer.attn_hc.weights(), layer.ffn_hc.weights()) for layer in self.model.layers]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {name: rotary.cos_sin(positions) for name, rotary in self.rotary.items()}
@@ -182,15 +190,18 @@ class DeepseekV4ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's tokens; return fp32 logits `[len(logits_indices), vocab]`."""
+        ops, layers = self.ops, self.model.layers
         x = self.model.embed_tokens(ctx.input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.model.layers):
-            post, comb, collapsed = layer.attn_hc(streams)
-            out = layer.self_attn(layer.input_layernorm(collapsed), ctx, caches[i], self.attention_backends[i],
-                                  self.rotary[layer.self_attn.plan.rope])
-            streams = hyper_residual(streams, out, post, comb)
-            post, comb, collapsed = layer.ffn_hc(streams)
-            out = layer.mlp(layer.post_attention_layernorm(collapsed), ctx.input_ids, self.moe_backends[i], self.moe_weights[i])
-            streams = hyper_residual(streams, out, post, comb)
-        hidden = self.model.norm(self.model.hc_head(streams[logits_indices]))
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1)  # read through its strides, never copied
+        post, comb, x = ops.hc_pre(streams, self.hc_weights[0][0], layers[0].input_layernorm.weight)
+        for i, layer in enumerate(layers):
+            out = layer.self_attn(x, ctx, caches[i], self.attention_backends[i], ops)
+            streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i][1],
+                                                     layer.post_attention_layernorm.weight)
+            out = layer.mlp(x, ctx.input_ids, self.moe_backends[i], self.moe_weights[i])
+            if i + 1 < len(layers):
+                streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i + 1][0],
+                                                         layers[i + 1].input_layernorm.weight)
+        hidden = ops.hc_post_head(streams, out, post, comb, logits_indices, self.model.hc_head.weights(),
+                                  self.model.norm.weight)
         return F.linear(hidden, self.lm_head.weight).float()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.backends import AttentionSpec, MoESpec
+from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec
 
 ATTENTION_KINDS = {
     "sliding_attention": "sliding",
@@ -79,3 +79,10 @@ def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
         )
         plans.append(LayerPlan(i, kind, "main" if kind == "sliding" else "compress", attention, moe))
     return plans
+
+
+def layer_ops_spec(config, dtype: torch.dtype) -> LayerOpsSpec:
+    """The model-wide `LayerOpsSpec` (mHC, norms, rope, compressors) for `config`."""
+    return LayerOpsSpec(hidden_size=config.hidden_size, hc_mult=config.hc_mult,
+                        hc_sinkhorn_iters=config.hc_sinkhorn_iters, hc_eps=config.hc_eps,
+                        rms_norm_eps=config.rms_norm_eps, dtype=dtype)

@@ -65,16 +65,3 @@ class Rotary:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq
         return freqs.cos() * self.scaling, freqs.sin() * self.scaling
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i+1) of the trailing rope channels of `x` `[N, ..., D]` by `cos/sin` `[N, R/2]`.
-
-    Pass `-sin` for the inverse rotation V4 applies to the attention output.
-    """
-    rope_dim = 2 * cos.shape[-1]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    rope = x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)

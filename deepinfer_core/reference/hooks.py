@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backends import AttentionSpec, EplbSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
 from deepinfer_core.hookspecs import hookimpl
 
 
@@ -34,6 +34,13 @@ def make_moe(spec: MoESpec, device: torch.device):
     from deepinfer_core.reference.moe import ReferenceMoE
 
     return ReferenceMoE(spec, device)
+
+
+@hookimpl(trylast=True)
+def make_layer_ops(spec: LayerOpsSpec, device: torch.device):
+    from deepinfer_core.reference.layer_ops import ReferenceLayerOps
+
+    return ReferenceLayerOps(spec)
 
 
 @hookimpl(trylast=True)

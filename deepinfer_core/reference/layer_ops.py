@@ -1,0 +1,135 @@
+"""Reference layer ops: mHC, RMSNorm, RoPE and the compressor window close in plain PyTorch.
+
+Numerics follow transformers' `DeepseekV4ForCausalLM`: fp32 for norms, mixing weights and gates, one
+cast to the activation dtype where transformers casts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.backends.attention import AttentionMetadata
+from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOpsSpec
+from deepinfer_core.models.compressor import write_rings
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of the trailing rope channels of `x` `[N, ..., D]` by `cos/sin` `[N, R/2]`."""
+    rope_dim = 2 * cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rope = x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
+
+
+def hyper_mix(streams: torch.Tensor, hc: HyperWeights, spec: LayerOpsSpec) -> tuple[torch.Tensor, ...]:
+    """`(pre, post, comb)` mixing weights (fp32) of one block site for `streams` `[T, n, D]`."""
+    n, eps = spec.hc_mult, spec.hc_eps
+    flat = unweighted_rms_norm(streams.flatten(1).float(), spec.rms_norm_eps)
+    pre_w, post_w, comb_w = F.linear(flat, hc.fn).split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * hc.scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * hc.scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * hc.scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(spec.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hyper_residual(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams `[T, n, D]`: `post[j] * out + sum_i comb[i, j] * streams[i]`."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class ReferenceLayerOps:
+    def __init__(self, spec: LayerOpsSpec) -> None:
+        self.spec = spec
+
+    def hc_pre(self, streams, hc: HyperWeights, norm_weight):
+        pre, post, comb = hyper_mix(streams, hc, self.spec)
+        return post, comb, weighted_rms_norm(collapse(streams, pre), norm_weight, self.spec.rms_norm_eps)
+
+    def hc_post_pre(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight):
+        new = hyper_residual(streams, block_out, post, comb)
+        return (new, *self.hc_pre(new, hc, norm_weight))
+
+    def hc_post_head(self, streams, block_out, post, comb, rows, head: HyperWeights, norm_weight):
+        new = hyper_residual(streams[rows], block_out[rows], post[rows], comb[rows])
+        flat = unweighted_rms_norm(new.flatten(1).float(), self.spec.rms_norm_eps)
+        pre = torch.sigmoid(F.linear(flat, head.fn) * head.scale + head.base) + self.spec.hc_eps
+        return weighted_rms_norm(collapse(new, pre), norm_weight, self.spec.rms_norm_eps)
+
+    def rms_norm(self, x, weight, cos=None, sin=None):
+        eps = self.spec.rms_norm_eps
+        x = unweighted_rms_norm(x, eps) if weight is None else weighted_rms_norm(x, weight, eps)
+        return x if cos is None else apply_rotary(x, cos, sin)
+
+    def rotary(self, x, cos, sin):
+        return apply_rotary(x, cos, sin)
+
+    def compress(self, kv, gate, weights: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
+                 entries, no_write_before) -> None:
+        gate = gate.float() + weights.position_bias[metadata.positions % weights.rate]
+        self._close_windows(kv, gate, weights, metadata, kv_tail, gate_tail, entries, no_write_before)
+        write_rings(metadata, kv_tail, kv, gate_tail, gate)
+
+    def _close_windows(self, kv, gate, w: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
+                       entries, no_write_before) -> None:
+        """Every token that ends a window closes one entry, from its window's rows (and, for CSA, the
+        previous window's), taken from this step's rows or, before the chunk, from the tail ring.
+
+        Under CUDA graphs (`needs_static_shapes`) every token computes a candidate entry and those that
+        close no window (or are already cached) are written to the pool's scratch row, so the step needs
+        no host round trip; otherwise only closing tokens are computed."""
+        rate, ring, width = w.rate, kv_tail.shape[1], w.width
+        positions = metadata.positions
+        lens = metadata.query_start_loc.diff()
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=kv.device), lens, output_size=len(positions))
+        entry = (positions + 1) // rate - 1
+        keep = ((positions + 1) % rate == 0) & ((entry + 1) * rate > no_write_before[seq])
+        if metadata.needs_static_shapes:
+            token = torch.arange(len(positions), device=kv.device)
+        else:
+            token = keep.nonzero().squeeze(1)
+            if token.numel() == 0:
+                return
+            keep, entry, seq = keep[token], entry[token], seq[token]
+        span = 2 * rate if w.overlap else rate
+        row_pos = positions[token, None] - span + 1 + torch.arange(span, device=kv.device)
+        in_step = (row_pos >= metadata.start_positions[seq, None])[..., None]
+        flat = (token[:, None] - (positions[token, None] - row_pos)).clamp(min=0)
+        ring_at = (metadata.slots[seq, None], row_pos % ring)
+        kv_rows = torch.where(in_step, kv[flat], kv_tail[ring_at].to(kv.dtype))
+        gate_rows = torch.where(in_step, gate[flat], gate_tail[ring_at])
+        if w.overlap:
+            kv_rows = torch.cat((kv_rows[:, :rate, :width], kv_rows[:, rate:, width:]), dim=1)
+            previous = gate_rows[:, :rate, :width].masked_fill((entry == 0).view(-1, 1, 1), float("-inf"))
+            gate_rows = torch.cat((previous, gate_rows[:, rate:, width:]), dim=1)
+        pooled = (kv_rows * gate_rows.softmax(dim=1).to(kv_rows.dtype)).sum(dim=1)
+        closed = weighted_rms_norm(pooled, w.norm_weight, self.spec.rms_norm_eps)
+        entry = entry.clamp(min=0)
+        freqs = (entry * rate).to(torch.float32)[:, None] * w.inv_freq
+        closed = apply_rotary(closed, freqs.cos() * w.rope_scaling, freqs.sin() * w.rope_scaling)
+        epb = 128 // rate
+        target = metadata.block_tables[seq, entry // epb] * epb + entry % epb
+        entries[torch.where(keep, target, entries.shape[0] - 1)] = closed.to(entries.dtype)
+

@@ -4,6 +4,7 @@ A plugin calls these from its own tests, on its hardware:
 
     from deepinfer_core.testing import conformance
     conformance.check_attention(MyAttention(spec, device), device)
+    conformance.check_layer_ops(MyLayerOps(spec), device)
 
 Each check builds inputs with `deepinfer_core.testing.cases` (caches poisoned with NaN outside what a
 query may read), runs the candidate on `device` in `dtype` and the reference on the CPU in fp32 on the
@@ -26,6 +27,9 @@ from deepinfer_core.testing.cases import (
     random_sampling_case,
     round_to,
 )
+from deepinfer_core.testing.layer_ops_conformance import check_layer_ops
+
+__all__ = ["check_attention", "check_indexer_selection", "check_layer_ops", "check_moe", "check_sampler", "tolerances"]
 
 CPU = torch.device("cpu")
 TOLERANCES = {

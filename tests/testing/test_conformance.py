@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from deepinfer_core.backends import AttentionSpec, MoESpec, SamplerOutput, SamplingSpec
+from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec, SamplerOutput, SamplingSpec
 from deepinfer_core.reference.attention import ReferenceAttention
+from deepinfer_core.reference.layer_ops import ReferenceLayerOps
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.reference.sampling import ReferenceSampler
 from deepinfer_core.testing import conformance
@@ -120,3 +121,47 @@ def test_broken_moe_fails(backend, message):
 def test_broken_sampler_fails(backend, message):
     with pytest.raises(AssertionError, match=message):
         conformance.check_sampler(backend, CPU)
+
+
+# ------------------------------------------------------------------------------------------------ layer ops
+
+LAYER_OPS = LayerOpsSpec(hidden_size=32, hc_mult=3, hc_sinkhorn_iters=5, hc_eps=1e-6, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hc_mult", [1, 4])
+def test_reference_layer_ops_conform(dtype, hc_mult):
+    spec = dataclasses.replace(LAYER_OPS, hc_mult=hc_mult, dtype=dtype)
+    conformance.check_layer_ops(ReferenceLayerOps(spec), CPU)
+
+
+class LayerOpsWithFewerSinkhornSteps(ReferenceLayerOps):
+    def hc_pre(self, streams, hc, norm_weight):
+        return ReferenceLayerOps(dataclasses.replace(self.spec, hc_sinkhorn_iters=2)).hc_pre(streams, hc, norm_weight)
+
+
+class LayerOpsRotatingTheWrongWay(ReferenceLayerOps):
+    def rms_norm(self, x, weight, cos=None, sin=None):
+        return super().rms_norm(x, weight, cos, None if sin is None else -sin)
+
+
+class LayerOpsRewritingCachedEntries(ReferenceLayerOps):
+    def compress(self, kv, gate, weights, metadata, kv_tail, gate_tail, entries, no_write_before):
+        super().compress(kv, gate, weights, metadata, kv_tail, gate_tail, entries, torch.zeros_like(no_write_before))
+
+
+class LayerOpsSkippingTheRings(ReferenceLayerOps):
+    def compress(self, kv, gate, weights, metadata, kv_tail, gate_tail, entries, no_write_before):
+        gate = gate.float() + weights.position_bias[metadata.positions % weights.rate]
+        self._close_windows(kv, gate, weights, metadata, kv_tail, gate_tail, entries, no_write_before)
+
+
+@pytest.mark.parametrize(("backend", "message"), [
+    (LayerOpsWithFewerSinkhornSteps(LAYER_OPS), "hc_pre: comb"),
+    (LayerOpsRotatingTheWrongWay(LAYER_OPS), "rms_norm"),
+    (LayerOpsRewritingCachedEntries(LAYER_OPS), "entries"),
+    (LayerOpsSkippingTheRings(LAYER_OPS), "kv tail"),
+])
+def test_broken_layer_ops_fail(backend, message):
+    with pytest.raises(AssertionError, match=message):
+        conformance.check_layer_ops(backend, CPU)

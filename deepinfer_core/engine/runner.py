@@ -98,7 +98,7 @@ class ModelRunner:
         return blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
-        backends = [*self.model.attention_backends, *self.model.moe_backends]
+        backends = [*self.model.attention_backends, *self.model.moe_backends, self.model.ops]
         if self.device.type != "cuda" or self.engine_config.enforce_eager:
             return None
         if not all(getattr(b, "supports_cuda_graphs", False) for b in backends):

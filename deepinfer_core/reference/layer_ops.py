@@ -61,6 +61,8 @@ def hyper_residual(streams: torch.Tensor, block_out: torch.Tensor, post: torch.T
 
 
 class ReferenceLayerOps:
+    supports_cuda_graphs = True  # decode steps read no device value on the host (see `_close_windows`)
+
     def __init__(self, spec: LayerOpsSpec) -> None:
         self.spec = spec
 

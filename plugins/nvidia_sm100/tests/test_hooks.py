@@ -11,7 +11,7 @@ from deepinfer_nvidia_sm100 import hooks
 from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
 
 from deepinfer_core import hookspecs
-from deepinfer_core.backends import AttentionSpec, MoESpec, SamplingSpec
+from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec, SamplingSpec
 
 ATTENTION = AttentionSpec(
     num_heads=64, head_dim=512, sliding_window=128, compress_rate=128, dtype=torch.bfloat16
@@ -27,6 +27,8 @@ MOE = MoESpec(
     dtype=torch.bfloat16,
 )
 SAMPLING = SamplingSpec(vocab_size=129280)
+LAYER_OPS = LayerOpsSpec(hidden_size=4096, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+                         dtype=torch.bfloat16)
 
 
 def plugin_manager() -> pluggy.PluginManager:
@@ -54,8 +56,9 @@ def test_every_factory_declines_without_cuda() -> None:
     assert pm.hook.make_attention(spec=ATTENTION, device=device, decline=reasons.append) is None
     assert pm.hook.make_moe(spec=MOE, device=device, decline=reasons.append) is None
     assert pm.hook.make_sampler(spec=SAMPLING, device=device, decline=reasons.append) is None
+    assert pm.hook.make_layer_ops(spec=LAYER_OPS, device=device, decline=reasons.append) is None
     assert reasons[0] == "no CUDA device (torch.cuda.is_available() is False)"
-    assert reasons[1:] == ["device cpu is not a CUDA device"] * 3
+    assert reasons[1:] == ["device cpu is not a CUDA device"] * 4
 
 
 def test_unsupported_dtype_is_named() -> None:

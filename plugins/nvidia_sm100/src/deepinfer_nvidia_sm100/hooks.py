@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from deepinfer_core.backends import (
         AttentionBackend,
         AttentionSpec,
+        LayerOps,
+        LayerOpsSpec,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -70,6 +72,19 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
     from deepinfer_nvidia_sm100.moe import TritonMoE
 
     return TritonMoE(spec)
+
+
+@hookimpl
+def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
+    problem = _spec_problem(device, spec.dtype)
+    if problem is None and spec.hc_mult > 8:
+        problem = f"hc_mult {spec.hc_mult} > 8 not supported"
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
+
+    return TritonLayerOps(spec)
 
 
 @hookimpl

@@ -1,0 +1,38 @@
+"""Triton layer ops: mHC fused across each block boundary, RMSNorm with RoPE, the compressor close.
+
+Per layer a decode step runs two mHC launches (each folds the previous block's output into the
+streams, computes the next block's mixing weights with Sinkhorn, collapses and normalises its input),
+one launch per RMSNorm (+ RoPE), and two per compressor (window close, ring write).
+"""
+
+from __future__ import annotations
+
+from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOpsSpec
+from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels
+
+
+class TritonLayerOps:
+    supports_cuda_graphs = True
+
+    def __init__(self, spec: LayerOpsSpec) -> None:
+        self.spec = spec
+
+    def hc_pre(self, streams, hc: HyperWeights, norm_weight):
+        return hyper_kernels.hc_pre(streams, hc, norm_weight, self.spec)
+
+    def hc_post_pre(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight):
+        return hyper_kernels.hc_post_pre(streams, block_out, post, comb, hc, norm_weight, self.spec)
+
+    def hc_post_head(self, streams, block_out, post, comb, rows, head: HyperWeights, norm_weight):
+        return hyper_kernels.hc_post_head(streams, block_out, post, comb, rows, head, norm_weight, self.spec)
+
+    def rms_norm(self, x, weight, cos=None, sin=None):
+        return layer_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, cos, sin)
+
+    def rotary(self, x, cos, sin):
+        return layer_kernels.rotary(x, cos, sin)
+
+    def compress(self, kv, gate, weights: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
+                 entries, no_write_before) -> None:
+        layer_kernels.compress(kv, gate, weights, metadata, kv_tail, gate_tail, entries, no_write_before,
+                               self.spec.rms_norm_eps)

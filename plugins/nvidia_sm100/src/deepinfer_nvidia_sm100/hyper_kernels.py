@@ -1,0 +1,335 @@
+"""Triton kernels of the mHC block boundaries: `hc_pre`, `hc_post_pre` and `hc_post_head`, one launch each.
+
+The grid is token blocks x splits of the hidden dim. Phase 1, per program and its slice of `D`: fold the
+block output into the new streams (`post[j] * out + sum_i comb[i, j] * old[i]`, rounded to the stream dtype
+and stored) and accumulate, per token, the slice's sum of squares and its dot products with every `fn` row.
+With one split the program goes straight on; otherwise it stores its partial sums and bumps its block's
+arrival counter, and the block's last program to arrive adds the partials up (in split order, so results do
+not depend on arrival order) and goes on. Phase 2, in registers: the mixing weights (sigmoid, softmax,
+Sinkhorn). Phase 3: the collapse `sum_i pre[i] * stream[i]`, stored; phase 4: its weighted RMSNorm in place.
+
+Splitting `D` spreads decode's read of `fn` (1.5 MB at V4-Flash, fp32) over the GPU instead of one SM.
+The `fn` rows land in the accumulator's columns as a `[C // NP, NP]` grid (`NP = next_pow2(n)`): row 0 holds
+`pre`, row 1 `post`, rows `2 + i` hold `comb[i, :]`, so the Sinkhorn runs on a masked slice of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.backends.layer_ops import HyperWeights, LayerOpsSpec
+
+BLOCK_D = 64
+"""Hidden channels per phase-1 step (of every stream at once)."""
+SMALL_BATCH = 8
+"""Up to this many tokens a program serves one token; beyond, 16 (then `fn` is read once per 16 tokens)."""
+MAX_SPLIT_BLOCKS = 256
+"""Token blocks a split launch may have: the size of the arrival-counter buffer."""
+
+
+def new_split_counters(device: torch.device | str) -> torch.Tensor:
+    """The zeroed arrival counters a split launch needs; every launch leaves them zeroed again.
+
+    Make one per device before capturing CUDA graphs and pass it as `counters=` to every call on that
+    device's stream (without it each split launch allocates and zeroes its own, one extra memset).
+    """
+    return torch.zeros(MAX_SPLIT_BLOCKS, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to `dtype`, to nearest even. bf16 rounds through its bits: Triton's interpreter
+    truncates in `.to(tl.bfloat16)`, and this gives the compiled cast's results everywhere."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _mix_collapse_norm(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
+                       norm_w_ptr, post_ptr, comb_ptr, x_ptr, hidden, hc_eps, rms_eps,
+                       N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                       TAIL_D: tl.constexpr, SINKHORN_ITERS: tl.constexpr, IS_HEAD: tl.constexpr):
+    """Phases 2-4 for one token block, from the full dot products `acc` [BT, C] and sums of squares."""
+    m = tl.reshape(acc * tl.rsqrt(sumsq / (N * hidden) + rms_eps)[:, None], [BT, C // NP, NP])
+    q = tl.arange(0, C // NP)[None, :, None]
+    j = tl.arange(0, NP)
+    jj = j[None, None, :]
+    j_ok = j < N
+    pre = tl.sum(tl.where(q == 0, m, 0.0), axis=1)
+    pre_base = tl.load(base_ptr + j, mask=j_ok, other=0.0)
+    pre = tl.sigmoid(pre * tl.load(scale_ptr) + pre_base[None, :]) + hc_eps
+    if not IS_HEAD:
+        post = tl.sum(tl.where(q == 1, m, 0.0), axis=1)
+        post_base = tl.load(base_ptr + N + j, mask=j_ok, other=0.0)
+        post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + post_base[None, :])
+        tl.store(post_ptr + rows[:, None] * N + j[None, :], post, mask=live[:, None] & j_ok[None, :])
+        is_comb = (q >= 2) & (q < 2 + N) & (jj < N)
+        comb_at = (q - 2) * N + jj
+        logits = m * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + comb_at, mask=is_comb, other=0.0)
+        # -1e30, not -inf: rows outside the comb block must not turn into NaN (they are zeroed below)
+        logits = tl.where(is_comb, logits, -1e30)
+        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+        comb = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        for _ in range(SINKHORN_ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + rows[:, None, None] * (N * N) + comb_at, comb, mask=live[:, None, None] & is_comb)
+
+    # phase 3: collapse, rounded to the stream dtype (as stored), and its sum of squares
+    dtype = x_ptr.dtype.element_ty
+    d = tl.arange(0, TAIL_D)
+    stream = j[None, :, None]
+    stream_mask = live[:, None, None] & (stream < N)
+    x_sq = tl.zeros([BT], dtype=tl.float32)
+    for d0 in range(0, hidden, TAIL_D):
+        dd = d0 + d
+        offs = rows[:, None, None] * src_st + stream * src_sn + dd[None, None, :] * src_sd
+        streams = tl.load(src_ptr + offs, mask=stream_mask & (dd < hidden)[None, None, :], other=0.0,
+                          cache_modifier=".cg").to(tl.float32)
+        x = _round(tl.sum(pre[:, :, None] * streams, axis=1), dtype)
+        x_mask = live[:, None] & (dd < hidden)[None, :]
+        tl.store(x_ptr + rows[:, None] * hidden + dd[None, :], x, mask=x_mask)
+        x = x.to(tl.float32)
+        x_sq += tl.sum(x * x, axis=1)
+    tl.debug_barrier()
+    # phase 4: weighted RMSNorm in place (fp32 math, as `weighted_rms_norm`)
+    inv_rms = tl.rsqrt(x_sq / hidden + rms_eps)
+    for d0 in range(0, hidden, TAIL_D):
+        dd = d0 + d
+        x_mask = live[:, None] & (dd < hidden)[None, :]
+        x_at = x_ptr + rows[:, None] * hidden + dd[None, :]
+        x = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
+        weight = tl.load(norm_w_ptr + dd, mask=dd < hidden, other=0.0)
+        tl.store(x_at, _round(weight[None, :] * (x * inv_rms[:, None]), dtype), mask=x_mask)
+
+
+@triton.jit
+def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_in_ptr, comb_in_ptr, rows_ptr,
+                 fn_ptr, base_ptr, scale_ptr, norm_w_ptr, new_ptr, post_ptr, comb_ptr, x_ptr,
+                 part_m_ptr, part_sq_ptr, counter_ptr, num_rows, hidden, chunks_per_split, num_splits,
+                 hc_eps, rms_eps,
+                 N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                 TAIL_D: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HAS_FOLD: tl.constexpr,
+                 IS_HEAD: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """One program: `BT` output rows x one split of the hidden dim (see the module docstring)."""
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = block * BT + tl.arange(0, BT)
+    live = rows < num_rows
+    rows_at = rows.to(tl.int64)
+    if IS_HEAD:
+        tok = tl.load(rows_ptr + rows, mask=live, other=0).to(tl.int64)
+    else:
+        tok = rows_at
+    dtype = x_ptr.dtype.element_ty
+    j = tl.arange(0, NP)
+    jj = j[None, :, None]
+    d = tl.arange(0, BD)[None, None, :]
+    stream_mask = live[:, None, None] & (jj < N)
+    # fn column (flat stream index) of each dot row k = stream * BD + channel; fn row of each acc column c
+    k = tl.arange(0, NP * BD)
+    c = tl.arange(0, C)
+    cq, cj = c // NP, c % NP
+    if IS_HEAD:
+        fn_row = cj
+        col_ok = (cq == 0) & (cj < N)
+    else:
+        fn_row = tl.where(cq == 0, cj, tl.where(cq == 1, N + cj, 2 * N + (cq - 2) * N + cj))
+        col_ok = (cq < 2 + N) & (cj < N)
+    if HAS_FOLD:
+        # mixing weights in the stream dtype first, as the reference's residual does
+        post_in = tl.load(post_in_ptr + tok[:, None] * N + j[None, :], mask=live[:, None] & (j[None, :] < N),
+                          other=0.0)
+        post_in = _round(post_in, dtype).to(tl.float32)
+        comb_in = tl.load(comb_in_ptr + tok[:, None, None] * (N * N) + jj * N + tl.arange(0, NP)[None, None, :],
+                          mask=stream_mask & (tl.arange(0, NP)[None, None, :] < N),
+                          other=0.0)
+        comb_in = _round(comb_in, dtype).to(tl.float32)
+
+    acc = tl.zeros([BT, C], dtype=tl.float32)
+    sumsq = tl.zeros([BT], dtype=tl.float32)
+    first = split * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, tl.cdiv(hidden, BD))
+    for chunk in range(first, last):
+        d0 = chunk * BD
+        d_ok = (d0 + d) < hidden
+        if HAS_FOLD:
+            block_out = tl.load(out_ptr + tok[:, None, None] * out_st + (d0 + d) * out_sd,
+                                mask=live[:, None, None] & d_ok, other=0.0).to(tl.float32)
+            mixed = tl.zeros([BT, NP, BD], dtype=tl.float32)
+            for i in tl.static_range(N):
+                old = tl.load(src_ptr + tok[:, None, None] * src_st + i * src_sn + (d0 + d) * src_sd,
+                              mask=live[:, None, None] & d_ok, other=0.0).to(tl.float32)
+                comb_i = tl.sum(tl.where(jj == i, comb_in, 0.0), axis=1)
+                mixed += comb_i[:, :, None] * old
+            # the reference's three roundings: the product, the matmul and their sum
+            new = _round(post_in[:, :, None] * block_out, dtype).to(tl.float32) + _round(mixed, dtype).to(tl.float32)
+            new = _round(new, dtype)
+            tl.store(new_ptr + (rows_at[:, None, None] * N + jj) * hidden + d0 + d, new, mask=stream_mask & d_ok)
+            new = new.to(tl.float32)
+        else:
+            new = tl.load(src_ptr + tok[:, None, None] * src_st + jj * src_sn + (d0 + d) * src_sd,
+                          mask=stream_mask & d_ok, other=0.0).to(tl.float32)
+        flat = tl.reshape(new, [BT, NP * BD])
+        sumsq += tl.sum(flat * flat, axis=1)
+        k_ok = ((k // BD) < N) & (d0 + k % BD < hidden)
+        w = tl.load(fn_ptr + fn_row[None, :] * (N * hidden) + ((k // BD) * hidden + d0 + k % BD)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if BT >= 16:
+            acc = tl.dot(flat, w, acc, input_precision="ieee")
+        else:
+            acc += tl.sum(flat[:, :, None] * w[None, :, :], axis=1)
+
+    if HAS_FOLD:
+        src_ptr, src_st, src_sn, src_sd = new_ptr, N * hidden, hidden, 1
+    if IS_SPLIT:
+        padded = tl.num_programs(0) * BT
+        tl.store(part_m_ptr + (split * padded + rows[:, None]) * C + c[None, :], acc)
+        tl.store(part_sq_ptr + split * padded + rows, sumsq)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(counter_ptr + block, 0)
+            acc = tl.zeros([BT, C], dtype=tl.float32)
+            sumsq = tl.zeros([BT], dtype=tl.float32)
+            for s in range(num_splits):
+                acc += tl.load(part_m_ptr + (s * padded + rows[:, None]) * C + c[None, :], cache_modifier=".cg")
+                sumsq += tl.load(part_sq_ptr + s * padded + rows, cache_modifier=".cg")
+            _mix_collapse_norm(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
+                               norm_w_ptr, post_ptr, comb_ptr, x_ptr, hidden, hc_eps, rms_eps,
+                               N, NP, C, BT, TAIL_D, SINKHORN_ITERS, IS_HEAD)
+    else:
+        tl.debug_barrier()
+        _mix_collapse_norm(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
+                           norm_w_ptr, post_ptr, comb_ptr, x_ptr, hidden, hc_eps, rms_eps,
+                           N, NP, C, BT, TAIL_D, SINKHORN_ITERS, IS_HEAD)
+
+
+def hc_pre(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
+           counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`LayerOps.hc_pre`: `post` fp32 `[T, n]`, `comb` fp32 `[T, n, n]`, `x` `[T, D]` in the stream dtype.
+
+    `streams` `[T, n, D]` is read through its strides (a stride-0 expand of the embedding is fine)."""
+    _check_streams(streams, spec)
+    _check_weights(hc, spec, is_head=False)
+    num_tokens, n, hidden = streams.shape
+    post = streams.new_empty((num_tokens, n), dtype=torch.float32)
+    comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
+    x = streams.new_empty((num_tokens, hidden))
+    _launch(streams, None, None, None, None, hc, norm_weight, spec, None, post, comb, x, counters)
+    return post, comb, x
+
+
+def hc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
+                counters: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`LayerOps.hc_post_pre`: the new streams `[T, n, D]` (contiguous), then `hc_pre`'s three outputs."""
+    _check_streams(streams, spec)
+    _check_weights(hc, spec, is_head=False)
+    num_tokens, n, hidden = streams.shape
+    new = streams.new_empty((num_tokens, n, hidden))
+    new_post = streams.new_empty((num_tokens, n), dtype=torch.float32)
+    new_comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
+    x = streams.new_empty((num_tokens, hidden))
+    _launch(streams, block_out, post, comb, None, hc, norm_weight, spec, new, new_post, new_comb, x, counters)
+    return new, new_post, new_comb, x
+
+
+def hc_post_head(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 rows: torch.Tensor, head: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
+    """`LayerOps.hc_post_head`: `[R, D]` in the stream dtype for the `R` token indices `rows`."""
+    _check_streams(streams, spec)
+    _check_weights(head, spec, is_head=True)
+    n, hidden = spec.hc_mult, spec.hidden_size
+    num_rows = rows.shape[0]
+    new = streams.new_empty((num_rows, n, hidden))  # the folded rows, read back by the collapse
+    hidden_out = streams.new_empty((num_rows, hidden))
+    _launch(streams, block_out, post, comb, rows, head, norm_weight, spec, new, None, None, hidden_out, counters)
+    return hidden_out
+
+
+def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight, spec: LayerOpsSpec, new,
+            post_out, comb_out, x, counters) -> None:
+    n, hidden = spec.hc_mult, spec.hidden_size
+    num_rows = x.shape[0]
+    if num_rows == 0:
+        return
+    is_head, has_fold = rows is not None, block_out is not None
+    block_tokens, num_splits, chunks_per_split = launch_plan(num_rows, hidden, x.device)
+    n_pow2 = triton.next_power_of_2(n)
+    num_cols = triton.next_power_of_2(n_pow2 * (1 if is_head else 2 + n_pow2))
+    if block_tokens >= 16:
+        num_cols = max(num_cols, 16)  # tl.dot needs every dim >= 16
+    num_blocks = triton.cdiv(num_rows, block_tokens)
+    is_split = num_splits > 1
+    part_m = part_sq = None
+    if is_split:
+        padded = num_blocks * block_tokens
+        part_m = x.new_empty((num_splits, padded, num_cols), dtype=torch.float32)
+        part_sq = x.new_empty((num_splits, padded), dtype=torch.float32)
+        if counters is None:
+            counters = torch.zeros(num_blocks, dtype=torch.int32, device=x.device)
+    # placeholders for pointers the constexpr flags leave unread
+    post_out = x if post_out is None else post_out
+    comb_out = x if comb_out is None else comb_out
+    hyper_kernel[(num_blocks, num_splits)](
+        streams, *streams.stride(),
+        x if block_out is None else block_out, *((0, 0) if block_out is None else block_out.stride()),
+        x if post is None else post.contiguous(), x if comb is None else comb.contiguous(),
+        x if rows is None else rows,
+        hc.fn.contiguous(), hc.base, hc.scale, norm_weight,
+        x if new is None else new, post_out, comb_out, x,
+        x if part_m is None else part_m, x if part_sq is None else part_sq,
+        x if counters is None else counters,
+        num_rows, hidden, chunks_per_split, num_splits, spec.hc_eps, spec.rms_norm_eps,
+        N=n, NP=n_pow2, C=num_cols, BT=block_tokens, BD=BLOCK_D,
+        TAIL_D=max(BLOCK_D, 4096 // (block_tokens * n_pow2)), SINKHORN_ITERS=spec.hc_sinkhorn_iters,
+        HAS_FOLD=has_fold, IS_HEAD=is_head, IS_SPLIT=is_split,
+        num_warps=4 if block_tokens == 1 else 8,
+    )
+
+
+def launch_plan(num_rows: int, hidden: int, device: torch.device) -> tuple[int, int, int]:
+    """`(block_tokens, num_splits, chunks_per_split)`: tokens per program, splits of the hidden dim (in
+    `BLOCK_D` chunks) per token block; more than one split when the token blocks alone leave SMs idle."""
+    block_tokens = 1 if num_rows <= SMALL_BATCH else 16
+    num_blocks = triton.cdiv(num_rows, block_tokens)
+    num_chunks = triton.cdiv(hidden, BLOCK_D)
+    num_splits = 1
+    if num_blocks <= MAX_SPLIT_BLOCKS:
+        num_splits = max(1, min(num_chunks, _target_programs(device) // num_blocks))
+    chunks_per_split = triton.cdiv(num_chunks, num_splits)
+    return block_tokens, triton.cdiv(num_chunks, chunks_per_split), chunks_per_split
+
+
+def _target_programs(device: torch.device) -> int:
+    """About two waves of programs: enough to spread a small batch's `fn` read over every SM."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton's interpreter runs programs one by one: a few splits exercise the split path
+
+
+def _check_streams(streams: torch.Tensor, spec: LayerOpsSpec) -> None:
+    expected = (spec.hc_mult, spec.hidden_size)
+    if streams.dim() != 3 or tuple(streams.shape[1:]) != expected:
+        raise ValueError(f"streams must be [num_tokens, hc_mult, hidden_size] = [T, {expected[0]}, "
+                         f"{expected[1]}], got {tuple(streams.shape)}")
+
+
+def _check_weights(hc: HyperWeights, spec: LayerOpsSpec, is_head: bool) -> None:
+    n = spec.hc_mult
+    num_fn_rows = n if is_head else (2 + n) * n
+    expected = (num_fn_rows, n * spec.hidden_size)
+    if tuple(hc.fn.shape) != expected or hc.fn.dtype != torch.float32:
+        raise ValueError(f"{'head' if is_head else 'block'} mHC fn must be fp32 {list(expected)}, "
+                         f"got {hc.fn.dtype} {list(hc.fn.shape)}")

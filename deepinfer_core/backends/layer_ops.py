@@ -119,6 +119,12 @@ class LayerOps(Protocol):
         """RoPE on the trailing channels of `x` `[T, ..., W]` (pass `-sin` for the inverse rotation)."""
         ...
 
+    def write_window(self, metadata: AttentionMetadata, window: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store this step's keys in the window rings: each request's last `ring = window.shape[1]` tokens
+        of the step write `kv[t]` to `window[slot, position % ring]` (earlier tokens of a long chunk are
+        not written, so no two tokens target one row)."""
+        ...
+
     def compress(self, kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, metadata: AttentionMetadata,
                  kv_tail: torch.Tensor, gate_tail: torch.Tensor, entries: torch.Tensor,
                  no_write_before: torch.Tensor) -> None:

@@ -36,7 +36,10 @@ class SequenceStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         """True for the three FINISHED_* states."""
-        return self.name.startswith("FINISHED_")
+        return self not in _UNFINISHED  # read for every request every step: identity tests, no name check
+
+
+_UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
 class Sequence:

@@ -43,21 +43,6 @@ class Compressor(nn.Module):
                      no_write_before)
 
 
-def write_rings(metadata: AttentionMetadata, *rings_and_rows: torch.Tensor) -> None:
-    """Store this step's rows in per-request rings (`ring[slot, position % len]`), given as pairs
-    `ring, rows` of equal ring length; only each request's last `len` rows are written, so no two rows
-    target one ring slot (and decode steps need no masking, which keeps them graph-safe)."""
-    ring = rings_and_rows[0].shape[1]
-    positions, slots = metadata.positions, metadata.slots
-    live = None
-    if not metadata.is_decode_only:
-        lens = metadata.query_start_loc.diff()
-        live = positions >= (metadata.start_positions + lens).repeat_interleave(lens) - ring
-        positions, slots = positions[live], slots.repeat_interleave(lens)[live]
-    for target, rows in zip(rings_and_rows[::2], rings_and_rows[1::2]):
-        target[slots, positions % ring] = (rows if live is None else rows[live]).to(target.dtype)
-
-
 class IndexerScorer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, dtype: torch.dtype) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, AttentionMetadata, MoEBackend, MoEWeights
 from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
-from deepinfer_core.models.compressor import Compressor, Indexer, write_rings
+from deepinfer_core.models.compressor import Compressor, Indexer
 from deepinfer_core.models.layer_plan import LayerPlan
 from deepinfer_core.models.layers import GroupedLinear, HyperConnection, HyperHead, RMSNorm, SharedExpert
 from deepinfer_core.models.rope import Rotary
@@ -97,7 +97,7 @@ class Attention(nn.Module):
             topk = backend.indexer_topk(index_q, index_w, cache.index_keys, meta, num_entries)
 
         out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
-        write_rings(meta, cache.window, kv)
+        ops.write_window(meta, cache.window, kv)
         out = ops.rotary(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, self.o_groups, -1)))
 

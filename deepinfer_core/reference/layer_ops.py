@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from deepinfer_core.backends.attention import AttentionMetadata
 from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOpsSpec
-from deepinfer_core.models.compressor import write_rings
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,6 +87,9 @@ class ReferenceLayerOps:
     def rotary(self, x, cos, sin):
         return apply_rotary(x, cos, sin)
 
+    def write_window(self, metadata: AttentionMetadata, window, kv) -> None:
+        write_rings(metadata, window, kv)
+
     def compress(self, kv, gate, weights: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
                  entries, no_write_before) -> None:
         gate = gate.float() + weights.position_bias[metadata.positions % weights.rate]
@@ -134,4 +136,19 @@ class ReferenceLayerOps:
         epb = 128 // rate
         target = metadata.block_tables[seq, entry // epb] * epb + entry % epb
         entries[torch.where(keep, target, entries.shape[0] - 1)] = closed.to(entries.dtype)
+
+
+def write_rings(metadata: AttentionMetadata, *rings_and_rows: torch.Tensor) -> None:
+    """Store this step's rows in per-request rings (`ring[slot, position % len]`), given as pairs
+    `ring, rows` of equal ring length; only each request's last `len` rows are written, so no two rows
+    target one ring slot (and decode steps need no masking, which keeps them graph-safe)."""
+    ring = rings_and_rows[0].shape[1]
+    positions, slots = metadata.positions, metadata.slots
+    live = None
+    if not metadata.is_decode_only:
+        lens = metadata.query_start_loc.diff()
+        live = positions >= (metadata.start_positions + lens).repeat_interleave(lens) - ring
+        positions, slots = positions[live], slots.repeat_interleave(lens)[live]
+    for target, rows in zip(rings_and_rows[::2], rings_and_rows[1::2]):
+        target[slots, positions % ring] = (rows if live is None else rows[live]).to(target.dtype)
 

@@ -141,6 +141,11 @@ def check_compress(backend: LayerOps, reference: LayerOps, device: torch.device,
             _close(dev["entries"][:-1], t["entries"][:-1], atol, rtol, f"{what}: entries (NaN rows must stay NaN)")
             _close(dev["kv_tail"], t["kv_tail"], atol, rtol, f"{what}: kv tail")
             _close(dev["gate_tail"], t["gate_tail"], atol, rtol, f"{what}: gate tail")
+            window = round_to(torch.randn(len(lens) + 1, 16, 8, generator=gen), dtype)
+            dev_window, keys = window.to(device, dtype, copy=True), t["kv"][:, :8]
+            backend.write_window(dev_meta, dev_window, keys.to(device, dtype))
+            reference.write_window(metadata, window, keys)
+            _close(dev_window, window, 0, 0, f"write_window {name}")
 
 
 def check_layer_ops(backend: LayerOps, device: torch.device, dtype: torch.dtype | None = None,

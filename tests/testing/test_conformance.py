@@ -165,3 +165,15 @@ class LayerOpsSkippingTheRings(ReferenceLayerOps):
 def test_broken_layer_ops_fail(backend, message):
     with pytest.raises(AssertionError, match=message):
         conformance.check_layer_ops(backend, CPU)
+
+
+class LayerOpsWritingEveryWindowRow(ReferenceLayerOps):
+    def write_window(self, metadata, window, kv):
+        slots = metadata.slots.repeat_interleave(metadata.query_start_loc.diff())
+        # every row, the earliest last: where two tokens share a ring row the earlier one stays
+        window[slots.flip(0), metadata.positions.flip(0) % window.shape[1]] = kv.flip(0)
+
+
+def test_window_writes_keep_only_each_requests_last_rows():
+    with pytest.raises(AssertionError, match="write_window"):
+        conformance.check_layer_ops(LayerOpsWritingEveryWindowRow(LAYER_OPS), CPU)

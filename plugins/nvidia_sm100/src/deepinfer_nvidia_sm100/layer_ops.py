@@ -32,6 +32,9 @@ class TritonLayerOps:
     def rotary(self, x, cos, sin):
         return layer_kernels.rotary(x, cos, sin)
 
+    def write_window(self, metadata: AttentionMetadata, window, kv) -> None:
+        layer_kernels.write_ring(metadata, window, kv)
+
     def compress(self, kv, gate, weights: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
                  entries, no_write_before) -> None:
         layer_kernels.compress(kv, gate, weights, metadata, kv_tail, gate_tail, entries, no_write_before,

@@ -1,0 +1,343 @@
+"""Triton kernels of the layer ops: RMSNorm + RoPE in one pass, and the compressor window close.
+
+Channels of a row are laid out as a `[pairs, 2]` tile (`channel = 2 * pair + j`), so the RoPE partner of
+every channel sits in the same tile row: even and odd halves come out with a masked sum over the last
+axis and go back with `tl.where`. All math is fp32; values are rounded to the activation dtype where
+the reference (`deepinfer_core.reference.layer_ops`) rounds.
+
+Launchers never read device values on the host, so they are safe inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.backends.attention import AttentionMetadata
+from deepinfer_core.backends.layer_ops import CompressorWeights
+
+_MAX_TILE = 4096
+"""fp32 elements of one `[rows, channels]` tile of the window close."""
+
+
+@triton.jit
+def _rotate_pairs(y, cos, sin, j):
+    """Rotate the pairs on the last axis (size 2) of `y` by `cos/sin` (broadcast over that axis)."""
+    even = tl.sum(tl.where(j == 0, y, 0.0), axis=-1, keep_dims=True)
+    odd = tl.sum(tl.where(j == 1, y, 0.0), axis=-1, keep_dims=True)
+    return tl.where(j == 0, even * cos - odd * sin, odd * cos + even * sin)
+
+
+@triton.jit
+def _normed(x, inv_rms, weight_ptr, channel, mask, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """`x` (fp32) times `inv_rms` and the weight of its `channel`s; unchanged without `NORM`."""
+    if NORM:
+        if HAS_WEIGHT:
+            weight = tl.load(weight_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+            x = weight * (x * inv_rms)
+        else:
+            x = x * inv_rms
+    return x
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
+    num_rows, heads, width, stride_xt, stride_xh, stride_cos, stride_sin, eps,
+    NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HALF_ROPE: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF_ROPE: tl.constexpr,
+):
+    """`BLOCK_ROWS` rows (`token * heads + head`) per program: optional RMSNorm, then RoPE on the trailing
+    `2 * HALF_ROPE` channels with the token's `cos/sin` row. The rope channels are a second, pair-shaped
+    `[rows, pairs, 2]` tile, so the bulk of the row loads and stores as one contiguous vector."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = row < num_rows
+    token = row // heads
+    x_row = token * stride_xt + (row % heads) * stride_xh
+    dtype = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_W)[None, :]
+    mask = row_ok[:, None] & (offs < width)
+    x = tl.load(x_ptr + x_row[:, None] + offs, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.full([BLOCK_ROWS], 1.0, tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+        if not HAS_WEIGHT:  # the reference multiplies in the activation dtype by the rounded scale
+            inv_rms = inv_rms.to(dtype).to(tl.float32)
+    y = _normed(x, inv_rms[:, None], weight_ptr, offs, offs < width, NORM, HAS_WEIGHT)
+    rope_start = width - 2 * HALF_ROPE
+    tl.store(out_ptr + row[:, None] * width + offs, y.to(dtype), mask=mask & (offs < rope_start))
+    if HALF_ROPE > 0:
+        pair = tl.arange(0, BLOCK_HALF_ROPE)[None, :, None]
+        j = tl.arange(0, 2)[None, None, :]
+        channel = rope_start + pair * 2 + j
+        rope_mask = row_ok[:, None, None] & (pair < HALF_ROPE)
+        x = tl.load(x_ptr + x_row[:, None, None] + channel, mask=rope_mask, other=0.0).to(tl.float32)
+        y = _normed(x, inv_rms[:, None, None], weight_ptr, channel, rope_mask, NORM, HAS_WEIGHT)
+        y = y.to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + token[:, None, None] * stride_cos + pair, mask=rope_mask, other=1.0)
+        sin = tl.load(sin_ptr + token[:, None, None] * stride_sin + pair, mask=rope_mask, other=0.0)
+        y = _rotate_pairs(y, cos, sin, j)
+        tl.store(out_ptr + row[:, None, None] * width + channel, y.to(dtype), mask=rope_mask)
+
+
+def _rows_per_program(num_rows: int, block_w: int) -> int:
+    """One row per program for small batches (parallelism), up to a 4K-element tile for big ones."""
+    return 1 if num_rows < 4096 else max(1, min(8, 4096 // block_w))
+
+
+def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
+    if x.dim() < 2:
+        raise ValueError(f"expected x of shape [tokens, ..., width], got {tuple(x.shape)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("pass both cos and sin, or neither")
+    num_tokens, width = x.shape[0], x.shape[-1]
+    rows = x.reshape(num_tokens, -1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    heads = rows.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    half_rope, stride_cos, stride_sin = 0, 0, 0
+    if cos is not None:
+        if cos.shape[0] != num_tokens or sin.shape != cos.shape or 2 * cos.shape[-1] > width:
+            raise ValueError(
+                f"cos/sin must be [tokens={num_tokens}, rope_dim // 2 <= {width // 2}], got "
+                f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        half_rope, stride_cos, stride_sin = cos.shape[-1], cos.stride(0), sin.stride(0)
+    if weight is not None and weight.numel() != width:
+        raise ValueError(f"norm weight has {weight.numel()} elements, expected {width}")
+    num_rows, block_w = num_tokens * heads, triton.next_power_of_2(width)
+    block_rows = _rows_per_program(num_rows, block_w)
+    _norm_rope_kernel[(triton.cdiv(num_rows, block_rows),)](
+        rows, weight if weight is not None else rows, cos if cos is not None else rows,
+        sin if sin is not None else rows, out,
+        num_rows, heads, width, rows.stride(0), rows.stride(1), stride_cos, stride_sin, float(eps),
+        NORM=norm, HAS_WEIGHT=weight is not None, HALF_ROPE=half_rope, BLOCK_W=block_w, BLOCK_ROWS=block_rows,
+        BLOCK_HALF_ROPE=triton.next_power_of_2(max(half_rope, 1)),
+        num_warps=max(1, min(8, block_rows * block_w // 256)),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
+             sin: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` `[T, ..., W]` (`weight` fp32 `[W]`, None for unit), then, with
+    `cos/sin` fp32 `[T, R/2]`, RoPE on the trailing `R` channels; one launch, returns a new tensor."""
+    return _launch_norm_rope(x, weight, eps, cos, sin, norm=True)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the trailing `2 * cos.shape[-1]` channels of `x` `[T, ..., W]`; returns a new tensor."""
+    return _launch_norm_rope(x, None, 0.0, cos, sin, norm=False)
+
+
+@triton.jit
+def _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S: tl.constexpr):
+    """Index of the request owning flat `token`: the count of request ends at or before it."""
+    count = 0
+    for first in range(0, num_seqs, BLOCK_S):
+        seq = first + tl.arange(0, BLOCK_S)
+        ends = tl.load(query_start_loc_ptr + 1 + seq, mask=seq < num_seqs, other=0)
+        count += tl.sum(((ends <= token) & (seq < num_seqs)).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _cos_sin(angle):
+    """Accurate cos and sin for large fp32 angles: reduce by 2*pi (split in two fp32 parts) first."""
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
+    reduced = tl.fma(turns, -6.2831854820251465, angle)
+    reduced = tl.fma(turns, 1.7484556000744883e-07, reduced)
+    return tl.cos(reduced), tl.sin(reduced)
+
+
+@triton.jit
+def _pool_span(
+    kv_ptr, gate_ptr, stride_kv, stride_gate, bias_ptr, kv_tail_ptr, stride_kv_slot, stride_kv_row,
+    gate_tail_ptr, stride_gate_slot, stride_gate_row, token, position, start, slot, first_row,
+    RATE: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr, PROJ: tl.constexpr, OVERLAP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+):
+    """`sum_rows softmax_rows(gate) * kv` over the span ending at `position`, `[pairs, 2]` fp32: an online
+    softmax over blocks of `BLOCK_R` rows, each row from this step's rows or from the slot's tail ring."""
+    kv_dtype = kv_ptr.dtype.element_ty
+    SPAN: tl.constexpr = 2 * RATE if OVERLAP else RATE
+    channel = tl.arange(0, BLOCK_PAIRS)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    channel_ok = channel < WIDTH
+    best = tl.full([BLOCK_PAIRS, 2], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_PAIRS, 2], tl.float32)
+    pooled = tl.zeros([BLOCK_PAIRS, 2], tl.float32)
+    for row0 in range(first_row, SPAN, BLOCK_R):
+        r = row0 + tl.arange(0, BLOCK_R)[:, None, None]
+        row_ok = r < SPAN
+        row_pos = position - SPAN + 1 + r
+        col = channel
+        if OVERLAP:  # previous window: first WIDTH channels; current window: last WIDTH
+            col = channel + tl.where(r >= RATE, WIDTH, 0)
+        in_step = row_pos >= start
+        step_mask = row_ok & in_step & channel_ok
+        tail_mask = row_ok & (row_pos < start) & channel_ok
+        step_row = token - SPAN + 1 + r
+        kv_ring = slot * stride_kv_slot + (row_pos % RING) * stride_kv_row
+        kv_new = tl.load(kv_ptr + step_row * stride_kv + col, mask=step_mask, other=0.0).to(tl.float32)
+        kv_old = tl.load(kv_tail_ptr + kv_ring + col, mask=tail_mask, other=0.0).to(kv_dtype).to(tl.float32)
+        gate_new = tl.load(gate_ptr + step_row * stride_gate + col, mask=step_mask, other=0.0).to(tl.float32)
+        gate_new += tl.load(bias_ptr + (row_pos % RATE) * PROJ + col, mask=step_mask, other=0.0)
+        gate_ring = slot * stride_gate_slot + (row_pos % RING) * stride_gate_row
+        gate_old = tl.load(gate_tail_ptr + gate_ring + col, mask=tail_mask, other=0.0).to(tl.float32)
+        kv = tl.where(in_step, kv_new, kv_old)
+        gate = tl.where(row_ok, tl.where(in_step, gate_new, gate_old), float("-inf"))
+        new_best = tl.maximum(best, tl.max(gate, axis=0))
+        rescale = tl.exp(best - new_best)
+        weight = tl.exp(gate - new_best[None, :, :])
+        total = total * rescale + tl.sum(weight, axis=0)
+        pooled = pooled * rescale + tl.sum(weight * kv, axis=0)
+        best = new_best
+    return pooled / total
+
+
+@triton.jit
+def _normed_rotated_entry(pooled, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps, entry, dtype,
+                          RATE: tl.constexpr, WIDTH: tl.constexpr, HALF_ROPE: tl.constexpr,
+                          BLOCK_PAIRS: tl.constexpr):
+    """RMSNorm * weight of the pooled `[pairs, 2]` row, then RoPE at position `entry * RATE`."""
+    pair = tl.arange(0, BLOCK_PAIRS)[:, None]
+    j = tl.arange(0, 2)[None, :]
+    channel = pair * 2 + j
+    valid = channel < WIDTH
+    pooled = tl.where(valid, pooled, 0.0).to(dtype).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(tl.sum(pooled * pooled, axis=1), axis=0) / WIDTH + eps)
+    norm_weight = tl.load(norm_weight_ptr + channel, mask=valid, other=0.0)
+    closed = (norm_weight * (pooled * inv_rms)).to(dtype).to(tl.float32)
+    k = pair - (WIDTH // 2 - HALF_ROPE)
+    in_rope = (k >= 0) & (pair * 2 < WIDTH)
+    angle = (entry * RATE).to(tl.float32) * tl.load(inv_freq_ptr + k, mask=in_rope, other=0.0)
+    cos, sin = _cos_sin(angle)
+    rotated = _rotate_pairs(closed, cos * rope_scaling, sin * rope_scaling, j)
+    return tl.where(in_rope, rotated, closed).to(dtype)
+
+
+@triton.jit
+def _close_kernel(
+    kv_ptr, gate_ptr, stride_kv, stride_gate,
+    positions_ptr, query_start_loc_ptr, start_positions_ptr, slots_ptr, tables_ptr, stride_table, no_write_ptr,
+    bias_ptr, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps,
+    kv_tail_ptr, stride_kv_slot, stride_kv_row, gate_tail_ptr, stride_gate_slot, stride_gate_row,
+    entries_ptr, stride_entries, num_seqs,
+    RATE: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr, PROJ: tl.constexpr, OVERLAP: tl.constexpr,
+    HALF_ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per token; a token at position `p` with `(p + 1) % RATE == 0` closes entry
+    `(p + 1) // RATE - 1` of its request unless that entry is already cached."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    if (position + 1) % RATE != 0:
+        return
+    entry = (position + 1) // RATE - 1
+    seq = _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S)
+    if (entry + 1) * RATE <= tl.load(no_write_ptr + seq):
+        return
+    first_row = 0
+    if OVERLAP:  # entry 0 has no previous window
+        first_row = tl.where(entry == 0, RATE, 0)
+    pooled = _pool_span(
+        kv_ptr, gate_ptr, stride_kv, stride_gate, bias_ptr, kv_tail_ptr, stride_kv_slot, stride_kv_row,
+        gate_tail_ptr, stride_gate_slot, stride_gate_row, token, position, tl.load(start_positions_ptr + seq),
+        tl.load(slots_ptr + seq), first_row, RATE, RING, WIDTH, PROJ, OVERLAP, BLOCK_R, BLOCK_PAIRS,
+    )
+    closed = _normed_rotated_entry(pooled, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps, entry,
+                                   kv_ptr.dtype.element_ty, RATE, WIDTH, HALF_ROPE, BLOCK_PAIRS)
+    epb: tl.constexpr = 128 // RATE
+    block = tl.load(tables_ptr + seq * stride_table + entry // epb)
+    channel = tl.arange(0, BLOCK_PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    target = entries_ptr + (block * epb + entry % epb) * stride_entries + channel
+    tl.store(target, closed.to(entries_ptr.dtype.element_ty), mask=channel < WIDTH)
+
+
+@triton.jit
+def _ring_kernel(
+    kv_ptr, gate_ptr, stride_kv, stride_gate, positions_ptr, query_start_loc_ptr, slots_ptr, bias_ptr,
+    kv_tail_ptr, stride_kv_slot, stride_kv_row, gate_tail_ptr, stride_gate_slot, stride_gate_row, num_seqs,
+    RATE: tl.constexpr, RING: tl.constexpr, PROJ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per token; each request's last `RING` tokens store their kv and biased gate rows."""
+    token = tl.program_id(0).to(tl.int64)
+    seq = _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S)
+    if token < tl.load(query_start_loc_ptr + seq + 1) - RING:
+        return
+    position = tl.load(positions_ptr + token)
+    slot = tl.load(slots_ptr + seq)
+    offs = tl.arange(0, BLOCK_P)
+    valid = offs < PROJ
+    kv = tl.load(kv_ptr + token * stride_kv + offs, mask=valid)
+    tail_row = kv_tail_ptr + slot * stride_kv_slot + (position % RING) * stride_kv_row
+    tl.store(tail_row + offs, kv.to(kv_tail_ptr.dtype.element_ty), mask=valid)
+    gate = tl.load(gate_ptr + token * stride_gate + offs, mask=valid).to(tl.float32)
+    gate += tl.load(bias_ptr + (position % RATE) * PROJ + offs, mask=valid)
+    gate_row = gate_tail_ptr + slot * stride_gate_slot + (position % RING) * stride_gate_row
+    tl.store(gate_row + offs, gate.to(gate_tail_ptr.dtype.element_ty), mask=valid)
+
+
+def _check_compress(kv, gate, w: CompressorWeights, kv_tail, gate_tail, entries) -> None:
+    proj = 2 * w.width if w.overlap else w.width
+    problems = []
+    if 128 % w.rate:
+        problems.append(f"rate {w.rate} must divide the 128-token cache block")
+    if kv.dim() != 2 or kv.shape[1] != proj or gate.shape != kv.shape:
+        problems.append(f"kv and gate must be [tokens, {proj}], got {tuple(kv.shape)} and {tuple(gate.shape)}")
+    if kv_tail.dim() != 3 or kv_tail.shape[2] != proj or gate_tail.shape != kv_tail.shape:
+        problems.append(f"kv_tail and gate_tail must be [slots, ring, {proj}], got {tuple(kv_tail.shape)} and "
+                        f"{tuple(gate_tail.shape)}")
+    if entries.dim() != 2 or entries.shape[1] != w.width:
+        problems.append(f"entries must be [rows, {w.width}], got {tuple(entries.shape)}")
+    if tuple(w.position_bias.shape) != (w.rate, proj) or 2 * w.inv_freq.numel() > w.width:
+        problems.append(f"position_bias must be [{w.rate}, {proj}] and rope_dim <= {w.width}")
+    if any(t.stride(-1) != 1 for t in (kv, gate, kv_tail, gate_tail, entries)):
+        problems.append("kv, gate, the tails and entries need a contiguous last dim")
+    if problems:
+        raise ValueError("compress: " + "; ".join(problems))
+
+
+def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, metadata: AttentionMetadata,
+             kv_tail: torch.Tensor, gate_tail: torch.Tensor, entries: torch.Tensor, no_write_before: torch.Tensor,
+             eps: float) -> None:
+    """Close the windows this step ends into `entries`, then refresh the tail rings (two launches).
+
+    Semantics of `LayerOps.compress`; tokens that close nothing or whose entry is cached write nothing
+    (the pool's scratch row is never touched). The close runs first: it reads tail rows that this
+    step's ring write overwrites.
+    """
+    _check_compress(kv, gate, weights, kv_tail, gate_tail, entries)
+    num_tokens = kv.shape[0]
+    if num_tokens == 0:
+        return
+    w, ring, proj = weights, kv_tail.shape[1], kv.shape[1]
+    num_seqs = metadata.query_start_loc.shape[0] - 1
+    block_s = min(triton.next_power_of_2(max(num_seqs, 1)), 1024)
+    bias = w.position_bias.float().contiguous()
+    span = 2 * w.rate if w.overlap else w.rate
+    block_pairs = triton.next_power_of_2((w.width + 1) // 2)
+    block_r = max(1, min(triton.next_power_of_2(span), _MAX_TILE // (2 * block_pairs)))
+    meta = metadata
+    _close_kernel[(num_tokens,)](
+        kv, gate, kv.stride(0), gate.stride(0),
+        meta.positions, meta.query_start_loc, meta.start_positions, meta.slots, meta.block_tables,
+        meta.block_tables.stride(0), no_write_before,
+        bias, w.norm_weight.float().contiguous(), w.inv_freq.float().contiguous(), float(w.rope_scaling), float(eps),
+        kv_tail, kv_tail.stride(0), kv_tail.stride(1), gate_tail, gate_tail.stride(0), gate_tail.stride(1),
+        entries, entries.stride(0), num_seqs,
+        RATE=w.rate, RING=ring, WIDTH=w.width, PROJ=proj, OVERLAP=w.overlap, HALF_ROPE=w.inv_freq.numel(),
+        BLOCK_R=block_r, BLOCK_PAIRS=block_pairs, BLOCK_S=block_s,
+        num_warps=8 if block_r * block_pairs * 2 >= _MAX_TILE else 4,
+    )
+    block_p = triton.next_power_of_2(proj)
+    _ring_kernel[(num_tokens,)](
+        kv, gate, kv.stride(0), gate.stride(0), meta.positions, meta.query_start_loc, meta.slots, bias,
+        kv_tail, kv_tail.stride(0), kv_tail.stride(1), gate_tail, gate_tail.stride(0), gate_tail.stride(1), num_seqs,
+        RATE=w.rate, RING=ring, PROJ=proj, BLOCK_P=block_p, BLOCK_S=block_s,
+        num_warps=4 if block_p >= 512 else 2,
+    )

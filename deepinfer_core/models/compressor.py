@@ -5,7 +5,8 @@ request's tail ring (`[slots, tail_rows, width]`, row of position `p` at `p % ta
 window of `rate` tokens closes, writes one entry `kv_norm(sum softmax(gate) * kv)`, RoPE'd at the
 window's first position, into the paged entry pool. CSA ("overlap") entries mix the previous window's
 first half-channels (Ca) with the current window's second half-channels (Cb) over `2 * rate` rows.
-The window close and the ring writes run in the `LayerOps` backend (`LayerOps.compress`).
+The model runs the projections; the window close and the ring writes run in the `LayerOps` backend
+(`LayerOps.compress`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_core.backends import AttentionMetadata
-from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
+from deepinfer_core.backends.layer_ops import CompressorWeights
 from deepinfer_core.models.layers import RMSNorm
 from deepinfer_core.models.rope import Rotary
 
@@ -35,13 +35,6 @@ class Compressor(nn.Module):
         return CompressorWeights(self.position_bias, self.kv_norm.weight, self.rate, self.width, self.overlap,
                                  rotary.inv_freq, rotary.scaling)
 
-    def compress(self, x: torch.Tensor, metadata: AttentionMetadata, ops: LayerOps, weights: CompressorWeights,
-                 kv_tail: torch.Tensor, gate_tail: torch.Tensor, entries: torch.Tensor,
-                 no_write_before: torch.Tensor) -> None:
-        """Write every entry this step closes into `entries`, then refresh the tail rings."""
-        ops.compress(self.kv_proj(x), self.gate_proj(x), weights, metadata, kv_tail, gate_tail, entries,
-                     no_write_before)
-
 
 class IndexerScorer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, dtype: torch.dtype) -> None:
@@ -58,9 +51,3 @@ class Indexer(Compressor):
         self.num_heads = config.index_n_heads
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.width, bias=False, dtype=dtype)
         self.scorer = IndexerScorer(config.hidden_size, self.num_heads, dtype)
-
-    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, ops: LayerOps, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries `[T, heads, width]` (RoPE'd) and fp32 head weights `[T, heads]`."""
-        q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.width)
-        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
-        return ops.rotary(q, cos, sin), weights

@@ -16,7 +16,14 @@ from deepinfer_core.backends import AttentionBackend, AttentionMetadata, MoEBack
 from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
 from deepinfer_core.models.compressor import Compressor, Indexer
 from deepinfer_core.models.layer_plan import LayerPlan
-from deepinfer_core.models.layers import GroupedLinear, HyperConnection, HyperHead, RMSNorm, SharedExpert
+from deepinfer_core.models.layers import (
+    ConcatenatedLinears,
+    GroupedLinear,
+    HyperConnection,
+    HyperHead,
+    RMSNorm,
+    SharedExpert,
+)
 from deepinfer_core.models.rope import Rotary
 
 
@@ -68,33 +75,45 @@ class Attention(nn.Module):
                 self.compressor.indexer = Indexer(config, dtype)
 
     def bind(self, rotary: Rotary) -> None:
-        """Gather the compressors' parameters once (their entries are RoPE'd with `rotary`)."""
+        """Once the weights are loaded: gather the compressors' parameters (their entries are RoPE'd with
+        `rotary`) and concatenate the projections that share an input, so each is one matmul."""
         self.compressor_weights: CompressorWeights | None = None
         self.indexer_weights: CompressorWeights | None = None
+        from_x, from_q_residual = [self.q_a_proj, self.kv_proj], [self.q_b_proj]
         if self.plan.has_compressor:
             self.compressor_weights = self.compressor.weights(rotary)
+            from_x += [self.compressor.kv_proj, self.compressor.gate_proj]
         if self.plan.has_indexer:
-            self.indexer_weights = self.compressor.indexer.weights(rotary)
+            indexer = self.compressor.indexer
+            self.indexer_weights = indexer.weights(rotary)
+            from_x += [indexer.kv_proj, indexer.gate_proj, indexer.scorer.weights_proj]
+            from_q_residual.append(indexer.q_b_proj)
+        self.x_projections = ConcatenatedLinears(from_x)
+        self.q_projections = ConcatenatedLinears(from_q_residual)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, backend: AttentionBackend,
                 ops: LayerOps) -> torch.Tensor:
         meta, num_tokens = ctx.metadata, x.shape[0]
         cos, sin = ctx.rope[self.plan.rope]
-        q_residual = ops.rms_norm(self.q_a_proj(x), self.q_a_norm.weight)
-        q = ops.rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), None, cos, sin)
-        kv = ops.rms_norm(self.kv_proj(x), self.kv_norm.weight, cos, sin)
+        q_a, kv, *compressor_rows = self.x_projections(x)
+        q_residual = ops.rms_norm(q_a, self.q_a_norm.weight)
+        q, *index_q = self.q_projections(q_residual)
+        q = ops.rms_norm(q.view(num_tokens, self.num_heads, self.head_dim), None, cos, sin)
+        kv = ops.rms_norm(kv, self.kv_norm.weight, cos, sin)
 
         topk = num_entries = None
         if self.plan.has_compressor:
-            self.compressor.compress(x, meta, ops, self.compressor_weights, cache.kv_tail, cache.gate_tail,
-                                     cache.compressed, ctx.no_write_before)
+            ops.compress(*compressor_rows[:2], self.compressor_weights, meta, cache.kv_tail, cache.gate_tail,
+                         cache.compressed, ctx.no_write_before)
             num_entries = ctx.num_entries[self.plan.compress_rate]
         if self.plan.has_indexer:
-            indexer = self.compressor.indexer
-            indexer.compress(x, meta, ops, self.indexer_weights, cache.index_kv_tail, cache.index_gate_tail,
-                             cache.index_keys, ctx.no_write_before)
-            index_q, index_w = indexer.queries(x, q_residual, ops, cos, sin)
-            topk = backend.indexer_topk(index_q, index_w, cache.index_keys, meta, num_entries)
+            index_kv, index_gate, index_weights = compressor_rows[2:]
+            ops.compress(index_kv, index_gate, self.indexer_weights, meta, cache.index_kv_tail,
+                         cache.index_gate_tail, cache.index_keys, ctx.no_write_before)
+            heads = self.compressor.indexer.num_heads
+            index_q = ops.rotary(index_q[0].view(num_tokens, heads, -1), cos, sin)
+            topk = backend.indexer_topk(index_q, index_weights.float() * heads**-0.5, cache.index_keys, meta,
+                                        num_entries)
 
         out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
         ops.write_window(meta, cache.window, kv)

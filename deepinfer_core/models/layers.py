@@ -75,3 +75,17 @@ class GroupedLinear(nn.Module):
         w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [g, in, out]
         # a plain batched GEMM over groups (an einsum here picked slow fallback kernels on Hopper)
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
+
+
+class ConcatenatedLinears:
+    """Bias-free projections of one input run as one matmul: each `nn.Linear`'s weight is re-pointed at
+    its rows of one concatenated matrix (no second copy stays), and the output is split back."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.weight = torch.cat([linear.weight.detach() for linear in linears])
+        self.sizes = [linear.weight.shape[0] for linear in linears]
+        for linear, rows in zip(linears, self.weight.split(self.sizes)):
+            linear.weight = nn.Parameter(rows, requires_grad=False)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)

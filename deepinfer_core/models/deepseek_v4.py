@@ -201,6 +201,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.moe_weights = [layer.mlp.routed_weights() for layer in self.model.layers]
         for layer in self.model.layers:
             layer.self_attn.bind(self.rotary[layer.self_attn.plan.rope])
+            layer.mlp.shared_experts.bind()
         self.hc_weights = [(layer.attn_hc.weights(), layer.ffn_hc.weights()) for layer in self.model.layers]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -54,9 +54,14 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
         self.limit = limit
+        self.gate_up: ConcatenatedLinears | None = None
+
+    def bind(self) -> None:
+        """Once the weights are loaded: gate and up as one matmul."""
+        self.gate_up = ConcatenatedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return self.down_proj(F.silu(gate) * up)

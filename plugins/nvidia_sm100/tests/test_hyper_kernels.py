@@ -1,4 +1,4 @@
-"""mHC kernels (`hyper_kernels`) against `ReferenceLayerOps`: compiled on a GPU, else in Triton's interpreter."""
+"""mHC kernels against `ReferenceLayerOps`: compiled on a GPU, else in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from deepinfer_core.reference.layer_ops import ReferenceLayerOps
 
 # (hc_mult, num_tokens, hidden, expanded streams): together they take every kernel path on the CPU and
 # on a GPU, one token or 16 per program, with and without splitting the hidden dim
-CASES = [(1, 1, 96, True), (2, 3, 32, False), (3, 17, 96, True), (4, 40, 32, False), (4, 3, 96, False),
+CASES = [(1, 1, 96, True), (2, 3, 32, False), (3, 17, 96, True), (1, 40, 32, False), (4, 3, 96, False),
          (2, 40, 96, True)]
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -125,15 +125,35 @@ def test_v4_flash_shapes(kernels, kernel_device):
 
 
 def test_cases_cover_every_kernel_path(kernels, kernel_device):
-    """One token or 16 per program, with and without splits of the hidden dim (one launch either way)."""
-    plans = {kernels.launch_plan(num_tokens, hidden, kernel_device) for _, num_tokens, hidden, _ in CASES}
-    assert {(block_tokens, num_splits > 1) for block_tokens, num_splits, _ in plans} == {
-        (1, False), (1, True), (16, False), (16, True)}
+    """Programs of one token and of several, with and without splits of the hidden dim (several tokens and
+    splits: `test_every_block_size`)."""
+    plans = [kernels.launch_plan(num_tokens, n, hidden, False, kernel_device)
+             for n, num_tokens, hidden, _ in CASES]
+    assert {(plan.block_tokens > 1, plan.num_splits > 1) for plan in plans} >= {
+        (False, False), (False, True), (True, False)}
+
+
+@pytest.mark.parametrize("block_tokens", [2, 8, 16])
+def test_every_block_size(kernels, kernel_device, monkeypatch, block_tokens):
+    """Several tokens a program (16: the tl.dot path), a ragged last block, the fold and the head."""
+    monkeypatch.setattr(kernels, "BLOCK_TOKENS", ((1 << 30, block_tokens),))
+    spec, hc, head, inputs = make_case(kernel_device, 3, 19, 96, torch.bfloat16)
+    plan = kernels.launch_plan(19, 3, 96, False, kernel_device)
+    assert plan.block_tokens == block_tokens
+    assert block_tokens < 16 or plan.num_splits > 1
+    ref = ReferenceLayerOps(spec)
+    args = (inputs["streams"], inputs["block_out"], inputs["post"], inputs["comb"])
+    for actual, expected in zip(kernels.hc_post_pre(*args, hc, inputs["norm_weight"], spec),
+                                ref.hc_post_pre(*args, hc, inputs["norm_weight"]), strict=True):
+        assert_matches(actual, expected, torch.bfloat16)
+    rows = torch.arange(18, -1, -1, device=kernel_device)
+    assert_matches(kernels.hc_post_head(*args, rows, head, inputs["norm_weight"], spec),
+                   ref.hc_post_head(*args, rows, head, inputs["norm_weight"]), torch.bfloat16)
 
 
 def test_split_counters_are_left_zeroed_and_results_repeat(kernels, kernel_device):
     spec, hc, _, inputs = make_case(kernel_device, 4, 1, 96, torch.float32)
-    assert kernels.launch_plan(1, 96, kernel_device)[1] > 1
+    assert kernels.launch_plan(1, 4, 96, False, kernel_device).num_splits > 1
     counters = kernels.new_split_counters(kernel_device)
     first = kernels.hc_pre(inputs["streams"], hc, inputs["norm_weight"], spec, counters=counters)
     assert not counters.any()

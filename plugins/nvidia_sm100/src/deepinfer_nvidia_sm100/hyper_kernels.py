@@ -15,16 +15,17 @@ The `fn` rows land in the accumulator's columns as a `[C // NP, NP]` grid (`NP =
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer_core.backends.layer_ops import HyperWeights, LayerOpsSpec
 
-BLOCK_D = 64
-"""Hidden channels per phase-1 step (of every stream at once)."""
-SMALL_BATCH = 8
-"""Up to this many tokens a program serves one token; beyond, 16 (then `fn` is read once per 16 tokens)."""
+BLOCK_TOKENS = ((32, 1),)
+"""`(up to this many tokens, tokens per program)`; 16 beyond. More tokens a program read `fn` fewer times;
+fewer leave the last program of a block less of the collapse to do alone."""
 MAX_SPLIT_BLOCKS = 256
 """Token blocks a split launch may have: the size of the arrival-counter buffer."""
 
@@ -51,11 +52,27 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _mix_collapse_norm(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
-                       norm_w_ptr, post_ptr, comb_ptr, x_ptr, hidden, hc_eps, rms_eps,
-                       N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
-                       TAIL_D: tl.constexpr, SINKHORN_ITERS: tl.constexpr, IS_HEAD: tl.constexpr):
-    """Phases 2-4 for one token block, from the full dot products `acc` [BT, C] and sums of squares."""
+def _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT: tl.constexpr, C: tl.constexpr,
+                      SG: tl.constexpr):
+    """The block's dot products and sums of squares: its splits' partials, added in a fixed order."""
+    s = tl.arange(0, SG)
+    c = tl.arange(0, C)
+    acc = tl.zeros([BT, C], dtype=tl.float32)
+    sumsq = tl.zeros([BT], dtype=tl.float32)
+    for s0 in range(0, num_splits, SG):
+        at = (s0 + s)[:, None] * padded + rows[None, :]
+        ok = ((s0 + s) < num_splits)[:, None]
+        acc += tl.sum(tl.load(part_m_ptr + at[:, :, None] * C + c[None, None, :], mask=ok[:, :, None],
+                              other=0.0, cache_modifier=".cg"), axis=0)
+        sumsq += tl.sum(tl.load(part_sq_ptr + at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    return acc, sumsq
+
+
+@triton.jit
+def _mixing_weights(acc, sumsq, rows, live, base_ptr, scale_ptr, post_ptr, comb_ptr, pre_ptr, hidden, hc_eps,
+                    rms_eps, N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                    SINKHORN_ITERS: tl.constexpr, IS_HEAD: tl.constexpr):
+    """Phase 2: `pre` (to `pre_ptr`, `[BT, NP]` scratch), `post` and the Sinkhorn-normalised `comb`."""
     m = tl.reshape(acc * tl.rsqrt(sumsq / (N * hidden) + rms_eps)[:, None], [BT, C // NP, NP])
     q = tl.arange(0, C // NP)[None, :, None]
     j = tl.arange(0, NP)
@@ -64,6 +81,7 @@ def _mix_collapse_norm(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, 
     pre = tl.sum(tl.where(q == 0, m, 0.0), axis=1)
     pre_base = tl.load(base_ptr + j, mask=j_ok, other=0.0)
     pre = tl.sigmoid(pre * tl.load(scale_ptr) + pre_base[None, :]) + hc_eps
+    tl.store(pre_ptr + rows[:, None] * NP + j[None, :], pre)
     if not IS_HEAD:
         post = tl.sum(tl.where(q == 1, m, 0.0), axis=1)
         post_base = tl.load(base_ptr + N + j, mask=j_ok, other=0.0)
@@ -81,42 +99,76 @@ def _mix_collapse_norm(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, 
             comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + rows[:, None, None] * (N * N) + comb_at, comb, mask=live[:, None, None] & is_comb)
+    return pre
 
-    # phase 3: collapse, rounded to the stream dtype (as stored), and its sum of squares
+
+@triton.jit
+def _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, norm_w_ptr, x_ptr, hidden, rms_eps,
+                   N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, TAIL_D: tl.constexpr):
+    """Phases 3-4: `x = sum_i pre[i] * stream[i]` rounded to the stream dtype, then its weighted RMSNorm."""
     dtype = x_ptr.dtype.element_ty
     d = tl.arange(0, TAIL_D)
-    stream = j[None, :, None]
-    stream_mask = live[:, None, None] & (stream < N)
-    x_sq = tl.zeros([BT], dtype=tl.float32)
+    x_sq = tl.zeros([BT, TAIL_D], dtype=tl.float32)
     for d0 in range(0, hidden, TAIL_D):
         dd = d0 + d
-        offs = rows[:, None, None] * src_st + stream * src_sn + dd[None, None, :] * src_sd
-        streams = tl.load(src_ptr + offs, mask=stream_mask & (dd < hidden)[None, None, :], other=0.0,
-                          cache_modifier=".cg").to(tl.float32)
-        x = _round(tl.sum(pre[:, :, None] * streams, axis=1), dtype)
-        x_mask = live[:, None] & (dd < hidden)[None, :]
-        tl.store(x_ptr + rows[:, None] * hidden + dd[None, :], x, mask=x_mask)
+        ok = live[:, None] & (dd < hidden)[None, :]
+        x = tl.zeros([BT, TAIL_D], dtype=tl.float32)
+        for i in tl.static_range(N):
+            stream = tl.load(src_ptr + rows[:, None] * src_st + i * src_sn + dd[None, :] * src_sd, mask=ok,
+                             other=0.0, cache_modifier=".cg")
+            x += tl.load(pre_ptr + rows * NP + i)[:, None] * stream.to(tl.float32)
+        x = _round(x, dtype)
+        tl.store(x_ptr + rows[:, None] * hidden + dd[None, :], x, mask=ok)
         x = x.to(tl.float32)
-        x_sq += tl.sum(x * x, axis=1)
+        x_sq += x * x
+    inv_rms = tl.rsqrt(tl.sum(x_sq, axis=1) / hidden + rms_eps)
     tl.debug_barrier()
-    # phase 4: weighted RMSNorm in place (fp32 math, as `weighted_rms_norm`)
-    inv_rms = tl.rsqrt(x_sq / hidden + rms_eps)
     for d0 in range(0, hidden, TAIL_D):
         dd = d0 + d
-        x_mask = live[:, None] & (dd < hidden)[None, :]
+        ok = live[:, None] & (dd < hidden)[None, :]
         x_at = x_ptr + rows[:, None] * hidden + dd[None, :]
-        x = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
         weight = tl.load(norm_w_ptr + dd, mask=dd < hidden, other=0.0)
-        tl.store(x_at, _round(weight[None, :] * (x * inv_rms[:, None]), dtype), mask=x_mask)
+        tl.store(x_at, _round(weight[None, :] * (x * inv_rms[:, None]), dtype), mask=ok)
+
+
+@triton.jit
+def _tail(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr, post_ptr,
+          comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N: tl.constexpr, NP: tl.constexpr,
+          C: tl.constexpr, BT: tl.constexpr, TAIL_D: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
+          IS_HEAD: tl.constexpr):
+    """Phases 2-4. When one tile holds the block's streams, they are loaded before the mixing weights are
+    worked out (their latency hides behind the Sinkhorn) and the collapse is normalised in registers."""
+    if TAIL_D >= hidden:
+        j = tl.arange(0, NP)[None, :, None]
+        d = tl.arange(0, TAIL_D)[None, None, :]
+        ok = live[:, None, None] & (j < N) & (d < hidden)
+        streams = tl.load(src_ptr + rows[:, None, None] * src_st + j * src_sn + d * src_sd, mask=ok,
+                          other=0.0, cache_modifier=".cg")
+        pre = _mixing_weights(acc, sumsq, rows, live, base_ptr, scale_ptr, post_ptr, comb_ptr, pre_ptr,
+                              hidden, hc_eps, rms_eps, N, NP, C, BT, SINKHORN_ITERS, IS_HEAD)
+        dtype = x_ptr.dtype.element_ty
+        x = _round(tl.sum(pre[:, :, None] * streams.to(tl.float32), axis=1), dtype).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + rms_eps)
+        dd = tl.arange(0, TAIL_D)
+        weight = tl.load(norm_w_ptr + dd, mask=dd < hidden, other=0.0)
+        y = _round(weight[None, :] * (x * inv_rms[:, None]), dtype)
+        tl.store(x_ptr + rows[:, None] * hidden + dd[None, :], y, mask=live[:, None] & (dd < hidden)[None, :])
+    else:
+        _mixing_weights(acc, sumsq, rows, live, base_ptr, scale_ptr, post_ptr, comb_ptr, pre_ptr, hidden,
+                        hc_eps, rms_eps, N, NP, C, BT, SINKHORN_ITERS, IS_HEAD)
+        tl.debug_barrier()
+        _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, norm_w_ptr, x_ptr, hidden,
+                       rms_eps, N, NP, BT, TAIL_D)
 
 
 @triton.jit
 def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_in_ptr, comb_in_ptr, rows_ptr,
-                 fn_ptr, base_ptr, scale_ptr, norm_w_ptr, new_ptr, post_ptr, comb_ptr, x_ptr,
+                 fn_ptr, base_ptr, scale_ptr, norm_w_ptr, new_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr,
                  part_m_ptr, part_sq_ptr, counter_ptr, num_rows, hidden, chunks_per_split, num_splits,
                  hc_eps, rms_eps,
                  N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                 TAIL_D: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HAS_FOLD: tl.constexpr,
+                 TAIL_D: tl.constexpr, SG: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HAS_FOLD: tl.constexpr,
                  IS_HEAD: tl.constexpr, IS_SPLIT: tl.constexpr):
     """One program: `BT` output rows x one split of the hidden dim (see the module docstring)."""
     block = tl.program_id(0)
@@ -133,8 +185,7 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
     jj = j[None, :, None]
     d = tl.arange(0, BD)[None, None, :]
     stream_mask = live[:, None, None] & (jj < N)
-    # fn column (flat stream index) of each dot row k = stream * BD + channel; fn row of each acc column c
-    k = tl.arange(0, NP * BD)
+    # the fn row of accumulator column c: `pre`, `post`, `comb` rows in a [C // NP, NP] grid
     c = tl.arange(0, C)
     cq, cj = c // NP, c % NP
     if IS_HEAD:
@@ -143,21 +194,17 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
     else:
         fn_row = tl.where(cq == 0, cj, tl.where(cq == 1, N + cj, 2 * N + (cq - 2) * N + cj))
         col_ok = (cq < 2 + N) & (cj < N)
+    fn_ok = (j < N)[:, None, None] & col_ok[None, None, :]
     if HAS_FOLD:
-        # mixing weights in the stream dtype first, as the reference's residual does
-        post_in = tl.load(post_in_ptr + tok[:, None] * N + j[None, :], mask=live[:, None] & (j[None, :] < N),
+        # the mixing weights in the stream dtype first, as the reference's residual has them
+        post_in = tl.load(post_in_ptr + tok[:, None] * N + j[None, :], mask=live[:, None] & (j < N)[None, :],
                           other=0.0)
         post_in = _round(post_in, dtype).to(tl.float32)
-        comb_in = tl.load(comb_in_ptr + tok[:, None, None] * (N * N) + jj * N + tl.arange(0, NP)[None, None, :],
-                          mask=stream_mask & (tl.arange(0, NP)[None, None, :] < N),
-                          other=0.0)
-        comb_in = _round(comb_in, dtype).to(tl.float32)
 
     acc = tl.zeros([BT, C], dtype=tl.float32)
-    sumsq = tl.zeros([BT], dtype=tl.float32)
+    sq = tl.zeros([BT, NP * BD], dtype=tl.float32)
     first = split * chunks_per_split
-    last = tl.minimum(first + chunks_per_split, tl.cdiv(hidden, BD))
-    for chunk in range(first, last):
+    for chunk in range(first, tl.minimum(first + chunks_per_split, tl.cdiv(hidden, BD))):
         d0 = chunk * BD
         d_ok = (d0 + d) < hidden
         if HAS_FOLD:
@@ -167,27 +214,32 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
             for i in tl.static_range(N):
                 old = tl.load(src_ptr + tok[:, None, None] * src_st + i * src_sn + (d0 + d) * src_sd,
                               mask=live[:, None, None] & d_ok, other=0.0).to(tl.float32)
-                comb_i = tl.sum(tl.where(jj == i, comb_in, 0.0), axis=1)
-                mixed += comb_i[:, :, None] * old
+                comb_i = tl.load(comb_in_ptr + tok[:, None] * (N * N) + i * N + j[None, :],
+                                 mask=live[:, None] & (j < N)[None, :], other=0.0)
+                mixed += _round(comb_i, dtype).to(tl.float32)[:, :, None] * old
             # the reference's three roundings: the product, the matmul and their sum
-            new = _round(post_in[:, :, None] * block_out, dtype).to(tl.float32) + _round(mixed, dtype).to(tl.float32)
-            new = _round(new, dtype)
-            tl.store(new_ptr + (rows_at[:, None, None] * N + jj) * hidden + d0 + d, new, mask=stream_mask & d_ok)
+            scaled = _round(post_in[:, :, None] * block_out, dtype).to(tl.float32)
+            new = _round(scaled + _round(mixed, dtype).to(tl.float32), dtype)
+            tl.store(new_ptr + (rows_at[:, None, None] * N + jj) * hidden + d0 + d, new,
+                     mask=stream_mask & d_ok)
             new = new.to(tl.float32)
         else:
             new = tl.load(src_ptr + tok[:, None, None] * src_st + jj * src_sn + (d0 + d) * src_sd,
                           mask=stream_mask & d_ok, other=0.0).to(tl.float32)
         flat = tl.reshape(new, [BT, NP * BD])
-        sumsq += tl.sum(flat * flat, axis=1)
-        k_ok = ((k // BD) < N) & (d0 + k % BD < hidden)
-        w = tl.load(fn_ptr + fn_row[None, :] * (N * hidden) + ((k // BD) * hidden + d0 + k % BD)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        sq += flat * flat
+        # [stream, channel, column], channels contiguous in memory (coalesced), flattened as `flat` is
+        channel = d0 + tl.arange(0, BD)[None, :, None]
+        w = tl.load(fn_ptr + fn_row[None, None, :] * (N * hidden) + j[:, None, None] * hidden + channel,
+                    mask=fn_ok & (channel < hidden), other=0.0)
+        w = tl.reshape(w, [NP * BD, C])
         if BT >= 16:
             acc = tl.dot(flat, w, acc, input_precision="ieee")
         else:
             acc += tl.sum(flat[:, :, None] * w[None, :, :], axis=1)
+    sumsq = tl.sum(sq, axis=1)
 
-    if HAS_FOLD:
+    if HAS_FOLD:  # the collapse reads the new streams
         src_ptr, src_st, src_sn, src_sd = new_ptr, N * hidden, hidden, 1
     if IS_SPLIT:
         padded = tl.num_programs(0) * BT
@@ -198,19 +250,15 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
         tl.debug_barrier()
         if arrived == num_splits - 1:
             tl.atomic_xchg(counter_ptr + block, 0)
-            acc = tl.zeros([BT, C], dtype=tl.float32)
-            sumsq = tl.zeros([BT], dtype=tl.float32)
-            for s in range(num_splits):
-                acc += tl.load(part_m_ptr + (s * padded + rows[:, None]) * C + c[None, :], cache_modifier=".cg")
-                sumsq += tl.load(part_sq_ptr + s * padded + rows, cache_modifier=".cg")
-            _mix_collapse_norm(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
-                               norm_w_ptr, post_ptr, comb_ptr, x_ptr, hidden, hc_eps, rms_eps,
-                               N, NP, C, BT, TAIL_D, SINKHORN_ITERS, IS_HEAD)
+            acc, sumsq = _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT, C, SG)
+            _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr,
+                  post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
+                  SINKHORN_ITERS, IS_HEAD)
     else:
         tl.debug_barrier()
-        _mix_collapse_norm(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
-                           norm_w_ptr, post_ptr, comb_ptr, x_ptr, hidden, hc_eps, rms_eps,
-                           N, NP, C, BT, TAIL_D, SINKHORN_ITERS, IS_HEAD)
+        _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr,
+              post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
+              SINKHORN_ITERS, IS_HEAD)
 
 
 def hc_pre(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
@@ -254,7 +302,8 @@ def hc_post_head(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Ten
     num_rows = rows.shape[0]
     new = streams.new_empty((num_rows, n, hidden))  # the folded rows, read back by the collapse
     hidden_out = streams.new_empty((num_rows, hidden))
-    _launch(streams, block_out, post, comb, rows, head, norm_weight, spec, new, None, None, hidden_out, counters)
+    _launch(streams, block_out, post, comb, rows, head, norm_weight, spec, new, None, None, hidden_out,
+            counters)
     return hidden_out
 
 
@@ -265,55 +314,68 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
     if num_rows == 0:
         return
     is_head, has_fold = rows is not None, block_out is not None
-    block_tokens, num_splits, chunks_per_split = launch_plan(num_rows, hidden, x.device)
+    plan = launch_plan(num_rows, n, hidden, is_head, x.device)
+    num_blocks = triton.cdiv(num_rows, plan.block_tokens)
+    padded = num_blocks * plan.block_tokens
+    pre = x.new_empty((padded, plan.n_pow2), dtype=torch.float32)
+    part_m = part_sq = pre  # placeholders where unread
+    if plan.num_splits > 1:
+        part_m = x.new_empty((plan.num_splits, padded, plan.num_cols), dtype=torch.float32)
+        part_sq = x.new_empty((plan.num_splits, padded), dtype=torch.float32)
+        if counters is None:
+            counters = torch.zeros(num_blocks, dtype=torch.int32, device=x.device)
+    hyper_kernel[(num_blocks, plan.num_splits)](
+        streams, *streams.stride(),
+        x if block_out is None else block_out, *((0, 0) if block_out is None else block_out.stride()),
+        pre if post is None else post.contiguous(), pre if comb is None else comb.contiguous(),
+        pre if rows is None else rows,
+        hc.fn.contiguous(), hc.base, hc.scale, norm_weight,
+        x if new is None else new, pre if post_out is None else post_out,
+        pre if comb_out is None else comb_out, x, pre, part_m, part_sq, pre if counters is None else counters,
+        num_rows, hidden, plan.chunks_per_split, plan.num_splits, spec.hc_eps, spec.rms_norm_eps,
+        N=n, NP=plan.n_pow2, C=plan.num_cols, BT=plan.block_tokens, BD=plan.block_d,
+        TAIL_D=min(triton.next_power_of_2(hidden), max(32, 4096 // plan.block_tokens)),
+        SG=max(1, min(triton.next_power_of_2(plan.num_splits), 8192 // (plan.block_tokens * plan.num_cols))),
+        SINKHORN_ITERS=spec.hc_sinkhorn_iters, HAS_FOLD=has_fold, IS_HEAD=is_head,
+        IS_SPLIT=plan.num_splits > 1, num_warps=8,
+    )
+
+
+class LaunchPlan(NamedTuple):
+    block_tokens: int
+    """Tokens per program (`BT`)."""
+    block_d: int
+    """Hidden channels of every stream per phase-1 step (`BD`)."""
+    num_splits: int
+    chunks_per_split: int
+    n_pow2: int
+    num_cols: int
+    """Dot-product columns (`C`): `fn` rows as a `[C // n_pow2, n_pow2]` grid."""
+
+
+def launch_plan(num_rows: int, n: int, hidden: int, is_head: bool, device: torch.device) -> LaunchPlan:
+    """How a call is cut up: `block_tokens` per program, the hidden dim in `block_d` chunks over
+    `num_splits` programs per token block; more than one split when token blocks alone leave SMs idle."""
+    block_tokens = next((bt for limit, bt in BLOCK_TOKENS if num_rows <= limit), 16)
     n_pow2 = triton.next_power_of_2(n)
     num_cols = triton.next_power_of_2(n_pow2 * (1 if is_head else 2 + n_pow2))
     if block_tokens >= 16:
         num_cols = max(num_cols, 16)  # tl.dot needs every dim >= 16
+        block_d = 64
+    else:  # the broadcast product [BT, n_pow2 * BD, C] stays within 8K elements
+        block_d = min(64, max(8, 8192 // (block_tokens * n_pow2 * num_cols)))
     num_blocks = triton.cdiv(num_rows, block_tokens)
-    is_split = num_splits > 1
-    part_m = part_sq = None
-    if is_split:
-        padded = num_blocks * block_tokens
-        part_m = x.new_empty((num_splits, padded, num_cols), dtype=torch.float32)
-        part_sq = x.new_empty((num_splits, padded), dtype=torch.float32)
-        if counters is None:
-            counters = torch.zeros(num_blocks, dtype=torch.int32, device=x.device)
-    # placeholders for pointers the constexpr flags leave unread
-    post_out = x if post_out is None else post_out
-    comb_out = x if comb_out is None else comb_out
-    hyper_kernel[(num_blocks, num_splits)](
-        streams, *streams.stride(),
-        x if block_out is None else block_out, *((0, 0) if block_out is None else block_out.stride()),
-        x if post is None else post.contiguous(), x if comb is None else comb.contiguous(),
-        x if rows is None else rows,
-        hc.fn.contiguous(), hc.base, hc.scale, norm_weight,
-        x if new is None else new, post_out, comb_out, x,
-        x if part_m is None else part_m, x if part_sq is None else part_sq,
-        x if counters is None else counters,
-        num_rows, hidden, chunks_per_split, num_splits, spec.hc_eps, spec.rms_norm_eps,
-        N=n, NP=n_pow2, C=num_cols, BT=block_tokens, BD=BLOCK_D,
-        TAIL_D=max(BLOCK_D, 4096 // (block_tokens * n_pow2)), SINKHORN_ITERS=spec.hc_sinkhorn_iters,
-        HAS_FOLD=has_fold, IS_HEAD=is_head, IS_SPLIT=is_split,
-        num_warps=4 if block_tokens == 1 else 8,
-    )
-
-
-def launch_plan(num_rows: int, hidden: int, device: torch.device) -> tuple[int, int, int]:
-    """`(block_tokens, num_splits, chunks_per_split)`: tokens per program, splits of the hidden dim (in
-    `BLOCK_D` chunks) per token block; more than one split when the token blocks alone leave SMs idle."""
-    block_tokens = 1 if num_rows <= SMALL_BATCH else 16
-    num_blocks = triton.cdiv(num_rows, block_tokens)
-    num_chunks = triton.cdiv(hidden, BLOCK_D)
+    num_chunks = triton.cdiv(hidden, block_d)
     num_splits = 1
     if num_blocks <= MAX_SPLIT_BLOCKS:
         num_splits = max(1, min(num_chunks, _target_programs(device) // num_blocks))
     chunks_per_split = triton.cdiv(num_chunks, num_splits)
-    return block_tokens, triton.cdiv(num_chunks, chunks_per_split), chunks_per_split
+    num_splits = triton.cdiv(num_chunks, chunks_per_split)
+    return LaunchPlan(block_tokens, block_d, num_splits, chunks_per_split, n_pow2, num_cols)
 
 
 def _target_programs(device: torch.device) -> int:
-    """About two waves of programs: enough to spread a small batch's `fn` read over every SM."""
+    """About two programs an SM: enough to spread a small batch's `fn` read over the whole GPU."""
     if device.type == "cuda":
         return 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # Triton's interpreter runs programs one by one: a few splits exercise the split path

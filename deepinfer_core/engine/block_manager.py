@@ -240,7 +240,9 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        chain = self._chains.setdefault(seq.request_id, _Chain())
+        chain = self._chains.get(seq.request_id)
+        if chain is None:
+            chain = self._chains[seq.request_id] = _Chain()
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         while not chain.is_broken and len(chain.hashes) < num_full:
             index = len(chain.hashes)

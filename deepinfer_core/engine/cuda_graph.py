@@ -3,6 +3,10 @@
 Inputs live in static device buffers; a batch is padded up to the next captured size with rows that
 use a scratch state slot and a scratch cache block, and whose compressed entries go to the pools'
 scratch row. Every backend must declare `supports_cuda_graphs = True` (no host reads in decode).
+
+A step's host work is O(batch) with a small constant: the five per-row inputs go to the device in one
+copy, and block tables are kept on the device per state slot (`SlotBlockTables`), so a step sends only
+the block ids appended since the last one and gathers its rows by slot on the device.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import bisect
 import torch
 
 from deepinfer_core.backends import AttentionMetadata
+from deepinfer_core.engine.sampling import host_tensor
 from deepinfer_core.models.deepseek_v4 import ForwardContext
 
 NO_WRITE = 2**62  # padding rows never write a compressed entry
@@ -20,6 +25,53 @@ NO_WRITE = 2**62  # padding rows never write a compressed entry
 def batch_ladder(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
     return sorted(set(sizes))
+
+
+class SlotBlockTables:
+    """Every state slot's block table (`[num_slots + 1, max_blocks]` int64 on the device, 0 padded), kept
+    equal to the host tables of the sequences that hold the slots.
+
+    While a sequence holds a slot its `block_table` only grows by appends (the block manager replaces
+    the list when it frees or matches a prefix), so a sync writes only the ids appended since the
+    slot's last sync; a slot with a new list is rewritten whole. The last row (the scratch slot of
+    padding rows) is all `scratch_block`.
+    """
+
+    def __init__(self, num_slots: int, max_blocks: int, scratch_block: int, device: torch.device) -> None:
+        self.tables = torch.zeros(num_slots + 1, max_blocks, dtype=torch.long, device=device)
+        self.tables[num_slots] = scratch_block
+        self.max_blocks = max_blocks
+        self._synced: dict[int, tuple[list[int], int]] = {}  # slot -> (the list last seen, ids sent)
+
+    def sync(self, seqs) -> None:
+        """Send the block ids of `seqs` that the device table lacks (one copy, none when nothing changed)."""
+        index: list[int] = []
+        values: list[int] = []
+        synced, width = self._synced, self.max_blocks
+        for seq in seqs:
+            table, slot = seq.block_table, seq.slot
+            known = synced.get(slot)
+            end = len(table)
+            if known is not None and known[0] is table and known[1] <= end:
+                start, stale = known[1], 0
+                if start == end:
+                    continue
+            else:  # a new list in this slot: rewrite the row, zeroing what the old one left beyond it
+                start, stale = 0, 0 if known is None else known[1]
+            if end > width:
+                raise ValueError(f"{seq!r} holds {end} blocks; decode graphs were built for {width}")
+            base = slot * width
+            index += range(base + start, base + max(end, stale))
+            values += table[start:end]
+            values += [0] * (stale - end)
+            synced[slot] = (table, end)
+        if index:
+            update = host_tensor(index + values).to(self.tables.device, non_blocking=True).view(2, -1)
+            self.tables.view(-1).index_copy_(0, update[0], update[1])
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[i] = tables[slots[i]]` on the device."""
+        torch.index_select(self.tables, 0, slots, out=out)
 
 
 class DecodeGraphs:
@@ -31,9 +83,12 @@ class DecodeGraphs:
         def buffer(*shape, fill=0):
             return torch.full(shape, fill, dtype=torch.long, device=dev)
 
-        self.input_ids, self.positions, self.slots = buffer(n), buffer(n), buffer(n)
-        self.block_tables, self.no_write_before = buffer(n, max_blocks), buffer(n)
-        self.window_starts, self.rows = buffer(n), torch.arange(n + 1, device=dev)
+        # the five per-row inputs are rows of one buffer, so a step sends them in one copy
+        self.inputs = buffer(5, n)
+        self.input_ids, self.positions, self.slots, self.no_write_before, self.window_starts = self.inputs.unbind(0)
+        self.block_tables, self.rows = buffer(n, max_blocks), torch.arange(n + 1, device=dev)
+        cache = runner.kv_cache
+        self.slot_tables = SlotBlockTables(cache.scratch_slot, max_blocks, cache.scratch_block, dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self) -> None:
@@ -56,16 +111,26 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def run(self, ids, positions, slots, tables, no_write_before, window_starts) -> torch.Tensor:
-        """Replay the smallest graph that fits; return fp32 logits for the `len(ids)` real rows."""
-        n = len(ids)
+    def run(self, seqs) -> torch.Tensor:
+        """Decode one token of each of `seqs` (each computes its last token, `num_computed_tokens + 1 ==
+        num_tokens`) by replaying the smallest graph that fits; return fp32 logits for their rows."""
+        n = len(seqs)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        host = torch.tensor([ids, positions, slots, no_write_before, window_starts], dtype=torch.long)
-        host = host.to(self.runner.device, non_blocking=True)
-        for buf, row in zip((self.input_ids, self.positions, self.slots, self.no_write_before, self.window_starts), host):
-            buf[:n] = row
-        self.block_tables[:n] = tables.to(self.runner.device, non_blocking=True)  # [n, max_blocks]
-        self._pad(n, size)
+        pad = size - n
+        scratch_slot = self.runner.kv_cache.scratch_slot
+        host = [s.token_ids[-1] for s in seqs]
+        host += [0] * pad
+        host += [s.num_computed_tokens for s in seqs]
+        host += [0] * pad
+        host += [s.slot for s in seqs]
+        host += [scratch_slot] * pad
+        host += [s.no_write_before for s in seqs]
+        host += [NO_WRITE] * pad
+        host += [s.replay_start for s in seqs]
+        host += [0] * pad
+        self.inputs[:, :size] = host_tensor(host).view(5, size).to(self.runner.device, non_blocking=True)
+        self.slot_tables.sync(seqs)
+        self.slot_tables.gather(self.slots[:size], self.block_tables[:size])
         if size not in self.graphs:  # not captured (e.g. on the CPU): same padded step, run eagerly
             return self._forward(size)[:n]
         graph, logits = self.graphs[size]

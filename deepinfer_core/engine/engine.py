@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from deepinfer_core import plugins
+from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
@@ -49,7 +50,8 @@ _FINISH_REASON = {
 @dataclass
 class _Completion:
     seq: Sequence
-    logprobs: list | None
+    request: _Request = field(repr=False, compare=False)
+    logprobs: list | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     text_end: int | None = None
@@ -102,8 +104,12 @@ class Engine:
             self.runner.num_slots,
         )
         self._requests: dict[str, _Request] = {}
-        self._seq_owner: dict[str, _Request] = {}
+        self._seq_owner: dict[str, _Completion] = {}
         self._seed_source = random.Random(self.config.seed)
+        self._token_texts: dict[int, str] = {}
+        """Single-token decodes (special tokens kept), for logprobs."""
+        self._plain_token_texts: dict[int, str] = {}
+        """Single-token decodes (special tokens skipped), shared by every incremental detokenizer."""
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -138,12 +144,12 @@ class Engine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = (base_seed + index) % 2**64
             seq = Sequence(seq_id, prompt_token_ids, params, prompt=prompt, seed=seed)
-            request.completions.append(_Completion(seq, [] if params.logprobs is not None else None))
+            request.completions.append(_Completion(seq, request, [] if params.logprobs is not None else None))
             request.seq_ids.append(seq_id)
         for completion in request.completions:  # all or nothing
             self.scheduler.add(completion.seq)
-        for seq_id in request.seq_ids:
-            self._seq_owner[seq_id] = request
+        for seq_id, completion in zip(request.seq_ids, request.completions):
+            self._seq_owner[seq_id] = completion
         self._requests[request_id] = request
 
     def abort(self, request_id: str) -> None:
@@ -166,44 +172,53 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that progressed or finished."""
         batch = self.scheduler.schedule()
+        owner = self._seq_owner
         touched: dict[str, _Request] = {}
         for seq in self.scheduler.pop_finished():
-            touched[self._seq_owner[seq.request_id].request_id] = self._seq_owner[seq.request_id]
+            request = owner[seq.request_id].request
+            touched[request.request_id] = request
         if batch is not None:
             now = time.time()
             for seq in batch.seqs:
-                request = self._seq_owner[seq.request_id]
-                request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+                request = owner[seq.request_id].request
+                if not request.metrics.first_scheduled_time:
+                    request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
             result = self.runner.execute(batch.seqs, batch.num_new_tokens)
             self.scheduler.postprocess(batch)
             for i, (first, logits) in result.prompt_logits.items():
                 self._record_prompt_logprobs(batch.seqs[i], first, logits)
             if result.output is not None:
-                self._append_tokens([batch.seqs[i] for i in result.sampled], _to_cpu(result.output), touched)
+                seqs = batch.seqs if len(result.sampled) == len(batch.seqs) else [batch.seqs[i] for i in result.sampled]
+                self._append_tokens(seqs, result.output, touched)
         return [self._finish_output(request) for request in touched.values()]
 
     def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request]) -> None:
         now = time.time()
-        for row, seq in enumerate(seqs):
-            request = self._seq_owner[seq.request_id]
-            completion = request.completions[request.seq_ids.index(seq.request_id)]
-            token = int(output.token_ids[row])
+        owner, eos_token_ids, max_model_len = self._seq_owner, self.eos_token_ids, self.config.max_model_len
+        host_output = None  # the logprob tensors come to the host only when some row reports them
+        for row, (seq, token) in enumerate(zip(seqs, output.token_ids.tolist())):  # one device read
+            completion = owner[seq.request_id]
+            request, params = completion.request, completion.request.params
             seq.append_token(token)
             if completion.logprobs is not None:
-                entry = build_logprobs_entry(output, row, request.params.logprobs, self._decode_token)
+                if host_output is None:
+                    host_output = _host_lists(output)
+                entry = build_logprobs_entry(host_output, row, params.logprobs, self._decode_token)
                 completion.logprobs.append(entry)
                 completion.cumulative_logprob += entry[token].logprob
             metrics = request.metrics
-            metrics.first_token_time = metrics.first_token_time or now
+            if not metrics.first_token_time:
+                metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += 1
-            reason = check_stop(request.params, token, seq.num_output_tokens, self.eos_token_ids,
-                                seq.num_tokens >= self.config.max_model_len)
-            if (request.params.stop and reason != "stop" and seq.num_output_tokens >= request.params.min_tokens
+            num_tokens = len(seq.token_ids)
+            num_output_tokens = num_tokens - seq.num_prompt_tokens
+            reason = check_stop(params, token, num_output_tokens, eos_token_ids, num_tokens >= max_model_len)
+            if (params.stop and reason != "stop" and num_output_tokens >= params.min_tokens
                     and self._match_stop_string(completion)):
                 reason = "stop"
-            elif reason == "stop" and token in request.params.stop_token_ids:
+            elif reason == "stop" and token in params.stop_token_ids:
                 completion.stop_reason = token
             if reason is not None:
                 self.scheduler.finish(seq, _FINISH_STATUS[reason])
@@ -223,7 +238,7 @@ class Engine:
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """Fill prompt positions `first ..` (a recomputed chunk overwrites them with equal values)."""
-        request = self._seq_owner[seq.request_id]
+        request = self._seq_owner[seq.request_id].request
         if request.seq_ids[0] != seq.request_id:
             return  # the n completions share one prompt
         logprobs = logits.float().log_softmax(-1).cpu()
@@ -246,9 +261,10 @@ class Engine:
             self._requests.pop(request.request_id, None)
             for seq_id in request.seq_ids:
                 self._seq_owner.pop(seq_id, None)
-        return self.make_output(request)
+        return self.make_output(request, finished)
 
-    def make_output(self, request: _Request) -> RequestOutput:
+    def make_output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
+        """Everything `request` produced so far; `finished` (computed when None) is `request.finished`."""
         outputs = []
         for index, completion in enumerate(request.completions):
             seq = completion.seq
@@ -259,12 +275,13 @@ class Engine:
                 token_ids=ids,
                 cumulative_logprob=completion.cumulative_logprob if completion.logprobs is not None else None,
                 logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
-                finish_reason=_FINISH_REASON.get(seq.status),
+                finish_reason=_FINISH_REASON[seq.status] if seq.is_finished else None,
                 stop_reason=completion.stop_reason,
             ))
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs, finished=request.finished, num_cached_tokens=request.num_cached_tokens,
+            outputs=outputs, finished=request.finished if finished is None else finished,
+            num_cached_tokens=request.num_cached_tokens,
             metrics=request.metrics, prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
         )
 
@@ -281,11 +298,16 @@ class Engine:
         if completion.seq.is_finished or self.tokenizer is None:
             return self.decode(ids)[: completion.text_end]
         if completion.partial_text is None:
-            completion.partial_text = IncrementalText(self.tokenizer)
+            completion.partial_text = IncrementalText(self.tokenizer, self._plain_token_texts)
         return completion.partial_text.update(ids)
 
     def _decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def stats(self) -> dict:
         """Counters for monitoring: queue sizes, prefix-cache hits, preemptions, free blocks."""
@@ -304,9 +326,7 @@ class Engine:
         }
 
 
-def _to_cpu(output):
-    for name in ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs"):
-        value = getattr(output, name)
-        if value is not None:
-            setattr(output, name, value.cpu())
-    return output
+def _host_lists(output: SamplerOutput) -> SamplerOutput:
+    """`output` with every field as host lists, which `build_logprobs_entry` reads fast row by row."""
+    fields = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+    return replace(output, **{name: getattr(output, name).tolist() for name in fields if getattr(output, name) is not None})

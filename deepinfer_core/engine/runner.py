@@ -6,8 +6,10 @@ whose last known token was computed this step.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -16,7 +18,7 @@ from deepinfer_core.backends import AttentionMetadata, SamplerOutput, SamplingSp
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block, bytes_per_slot
-from deepinfer_core.engine.sampling import prepare_sampling_tensors
+from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
 from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
 from deepinfer_core.models.weights import load_weights
@@ -127,7 +129,7 @@ class ModelRunner:
     def _sampling_tensors(self, seqs, sampled: list[int]):
         if not sampled:
             return None
-        rows = [seqs[i] for i in sampled]
+        rows = seqs if len(sampled) == len(seqs) else [seqs[i] for i in sampled]  # `sampled` is increasing
         return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows], [s.num_output_tokens for s in rows],
             self.config.eos_token_ids, self.device,
@@ -145,67 +147,89 @@ class ModelRunner:
         )
 
     def _run_graph(self, seqs) -> torch.Tensor:
-        tables = _block_tables(seqs, self.graphs.block_tables.shape[1], fill=0)
-        return self.graphs.run(
-            [s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs], tables,
-            [s.no_write_before for s in seqs], [s.replay_start for s in seqs],
-        )
+        return self.graphs.run(seqs)
+
+    @functools.cached_property
+    def _compress_rates(self) -> set[int]:
+        return {p.compress_rate for p in self.plans if p.has_compressor}
 
     def prepare_inputs(self, seqs, num_new_tokens: list[int]):
         """Flat step tensors. Logits rows: first one per sampled sequence (in `sampled` order), then, per
         sequence that asked for prompt logprobs, a span `(first target position, row, count)`."""
-        ids, positions, starts, lens, sampled, ends = [], [], [], [], [], []
+        ids, positions, totals, sampled, ends = [], [], [], [], []
         prompt_spans, prompt_rows = {}, []
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
-            start = seq.num_computed_tokens
-            offset = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            starts.append(start)
-            lens.append(n)
-            if start + n == seq.num_tokens:
+        starts = [s.num_computed_tokens for s in seqs]
+        offset = 0
+        for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new_tokens)):
+            end = start + n
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            totals.append(end)
+            if end == seq.num_tokens:
                 sampled.append(i)
                 ends.append(offset + n - 1)
-            count = min(start + n, seq.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
-            if seq.sampling_params.prompt_logprobs is not None and count > 0:
-                prompt_spans[i] = (start + 1, len(prompt_rows), count)
-                prompt_rows.extend(range(offset, offset + count))
-        dev = self.device
-        tables = _block_tables(seqs, max(len(s.block_table) for s in seqs) or 1, fill=-1)
-        start_loc = [0]
-        for n in lens:
-            start_loc.append(start_loc[-1] + n)
-        position_t = torch.tensor(positions, dtype=torch.long, device=dev)
+            if seq.sampling_params.prompt_logprobs is not None:
+                count = min(end, seq.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
+                if count > 0:
+                    prompt_spans[i] = (start + 1, len(prompt_rows), count)
+                    prompt_rows += range(offset, offset + count)
+            offset += n
+        width = max(len(s.block_table) for s in seqs) or 1
+        window_starts = [s.replay_start for s in seqs]
+        has_window_starts = any(window_starts)
+        (start_loc, start_positions, position_t, slots, total_t, input_ids, no_write_before, logits_rows,
+         window_t, tables) = _to_device([
+            [0, *accumulate(num_new_tokens)], starts, positions, [s.slot for s in seqs], totals, ids,
+            [s.no_write_before for s in seqs], ends + prompt_rows, window_starts if has_window_starts else [],
+            _flat_block_tables(seqs, width, fill=-1),
+        ], self.device)
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(start_loc, dtype=torch.long, device=dev),
-            start_positions=torch.tensor(starts, dtype=torch.long, device=dev),
+            query_start_loc=start_loc,
+            start_positions=start_positions,
             positions=position_t,
-            slots=torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            query_lens=lens,
+            slots=slots,
+            block_tables=tables.view(len(seqs), width),
+            query_lens=list(num_new_tokens),
             start_positions_host=starts,
-            max_seq_len=max(a + n for a, n in zip(starts, lens)),
+            max_seq_len=max(totals),
         )
-        if any(s.replay_start for s in seqs):
-            meta.window_start_positions_host = [s.replay_start for s in seqs]
-            meta.window_starts = torch.tensor(meta.window_start_positions_host, dtype=torch.long, device=dev)
-        totals = torch.tensor([a + n for a, n in zip(starts, lens)], dtype=torch.long, device=dev)
-        rates = {p.compress_rate for p in self.plans if p.has_compressor}
+        if has_window_starts:
+            meta.window_start_positions_host = window_starts
+            meta.window_starts = window_t
         ctx = ForwardContext(
             metadata=meta,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=input_ids,
             rope=self.model.rope_tables(position_t),
-            num_entries={rate: totals // rate for rate in rates},
-            no_write_before=torch.tensor([s.no_write_before for s in seqs], dtype=torch.long, device=dev),
+            num_entries={rate: total_t // rate for rate in self._compress_rates},
+            no_write_before=no_write_before,
         )
-        logits_rows = torch.tensor(ends + prompt_rows, dtype=torch.long, device=dev)
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
         return ctx, logits_rows, sampled, prompt_spans
 
 
-def _block_tables(seqs, width: int, fill: int) -> torch.Tensor:
-    """Host `[len(seqs), width]` int64 block tables, each row padded with `fill`."""
-    return torch.tensor([s.block_table + [fill] * (width - len(s.block_table)) for s in seqs], dtype=torch.long)
+_ALIGN = 16
+"""Each int64 input starts 128 bytes into the step's shared buffer (kernels may load it vectorised)."""
+
+
+def _to_device(segments: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """One int64 tensor per list, all on `device` through a single host-to-device copy."""
+    flat, bounds = [], []
+    for values in segments:
+        start = len(flat)
+        flat += values
+        bounds.append((start, len(flat)))
+        flat += [0] * (-len(flat) % _ALIGN)
+    buffer = host_tensor(flat).to(device, non_blocking=True)
+    return [buffer[a:b] for a, b in bounds]
+
+
+def _flat_block_tables(seqs, width: int, fill: int) -> list[int]:
+    """Row-major `[len(seqs), width]` block tables, each row padded with `fill`."""
+    flat = []
+    for seq in seqs:
+        flat += seq.block_table
+        flat += [fill] * (width - len(seq.block_table))
+    return flat
 
 
 def _match_param_dtypes(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

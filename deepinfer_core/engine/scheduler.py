@@ -221,34 +221,43 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch) -> None:
         """Record that the batch ran: advance each sequence and cache its newly full blocks."""
+        is_caching = self.config.enable_prefix_caching  # cache_full_blocks is a no-op otherwise
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and postprocess
             seq.num_computed_tokens += num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            if is_caching:
+                self.block_manager.cache_full_blocks(seq)
 
     def _has_room(self, step: _Step) -> bool:
         return step.budget > 0 and len(step.batch) < self.config.max_num_seqs
 
     def _schedule_decodes(self, step: _Step) -> None:
+        running, block_size, max_num_seqs = SequenceStatus.RUNNING, self.config.block_size, self.config.max_num_seqs
+        batch = step.batch
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
+            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if seq.status is not running or num_uncomputed > 1:
                 continue  # preempted by an older sequence this step, or prefilling
-            if seq.num_uncomputed_tokens < 1:
+            if num_uncomputed < 1:
                 raise RuntimeError(
                     f"{seq!r} has no uncomputed token: append the sampled token (or finish the sequence) "
                     "before the next schedule()"
                 )
-            if not self._has_room(step):
+            if step.budget <= 0 or len(batch.seqs) >= max_num_seqs:  # _has_room, inlined
                 return
-            if self._make_room(seq, 1, step):
+            # the common case: the new token's position is inside the last block (then the sequence
+            # also fits the pool), so _make_room would neither allocate nor preempt
+            if seq.num_computed_tokens < len(seq.block_table) * block_size or self._make_room(seq, 1, step):
                 step.add(seq, 1)
                 self.stats.num_decode_tokens += 1
-            elif seq.status is SequenceStatus.RUNNING:
+            elif seq.status is running:
                 self._preempt(seq)
                 step.is_memory_short = True
 
     def _schedule_prefill_chunks(self, step: _Step) -> None:
+        if len(step.batch.seqs) == len(self.running):
+            return  # every running sequence is decoding this step
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
                 continue

@@ -107,8 +107,10 @@ def _mask_banned(logits: torch.Tensor, banned_token_ids: list[list[int]] | None)
     rows = [row for row, ids in enumerate(banned_token_ids) for _ in ids]
     cols = [token_id for ids in banned_token_ids for token_id in ids]
     masked = logits.clone()
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    masked.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+    # one host-to-device copy, and the fill value made on the device: each blocking copy of a host
+    # tensor would wait for the whole stream (the model's forward included)
+    index = torch.tensor([rows, cols]).to(logits.device, non_blocking=True)
+    masked.index_put_((index[0], index[1]), torch.full((), float("-inf"), device=logits.device))
     return masked
 
 

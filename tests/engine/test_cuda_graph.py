@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.engine.cuda_graph import DecodeGraphs, batch_ladder
+from deepinfer_core.engine.cuda_graph import NO_WRITE, DecodeGraphs, SlotBlockTables, batch_ladder
 from tests.oracle import FakeSeq, all_position_logprobs, make_runner, parity_config, random_state_dict
 
 CONFIG = parity_config("sliding_csa_hca")
@@ -34,9 +34,7 @@ def test_padded_decode_equals_plain_decode(tmp_path):
                 s.token_ids.append(token)
         expected = torch.cat(all_position_logprobs(plain, pairs[0], [1] * 4))
         seqs = pairs[1]
-        tables = torch.tensor([s.block_table + [0] * 3 for s in seqs])
-        logits = graphs.run([s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs],
-                            [s.slot for s in seqs], tables, [0] * 4, [0] * 4)
+        logits = graphs.run(seqs)
         for s in seqs:
             s.num_computed_tokens += 1
         assert logits.shape[0] == 4  # padded to a ladder size of 4 here, padding rows dropped
@@ -46,3 +44,59 @@ def test_padded_decode_equals_plain_decode(tmp_path):
         if a.compressed is not None:  # real blocks only: the scratch block and row may differ
             rows = 4 * (a.compressed.shape[0] - 1) // (plain.num_blocks + 1)
             assert torch.allclose(a.compressed[:rows], b.compressed[:rows], atol=1e-6)
+
+
+def expected_rows(tables: SlotBlockTables, owners: dict[int, list[int]]) -> torch.Tensor:
+    rows = torch.zeros_like(tables.tables)
+    rows[-1] = tables.tables[-1]
+    for slot, table in owners.items():
+        rows[slot, : len(table)] = torch.tensor(table)
+    return rows
+
+
+def test_slot_block_tables_follow_appends_new_owners_and_shrinking_rows():
+    tables = SlotBlockTables(num_slots=3, max_blocks=5, scratch_block=9, device=torch.device("cpu"))
+    a, b = FakeSeq([1], slot=0, block_table=[4, 2]), FakeSeq([1], slot=2, block_table=[7])
+    tables.sync([a, b])
+    assert torch.equal(tables.tables, expected_rows(tables, {0: [4, 2], 2: [7]}))
+    assert tables.tables[3].tolist() == [9] * 5  # the scratch slot's row, for padding rows
+    a.block_table.append(3)  # a decode crossed into a new block: only that id is sent
+    a.block_table.append(8)
+    tables.sync([a, b])
+    assert torch.equal(tables.tables, expected_rows(tables, {0: [4, 2, 3, 8], 2: [7]}))
+    c = FakeSeq([1], slot=0, block_table=[6])  # slot 0 reused by a shorter table: the rest is zeroed
+    tables.sync([b, c])
+    assert torch.equal(tables.tables, expected_rows(tables, {0: [6], 2: [7]}))
+    c.block_table = [1, 5]  # the list replaced (a prefix match): the row is rewritten
+    tables.sync([c])
+    assert torch.equal(tables.tables, expected_rows(tables, {0: [1, 5], 2: [7]}))
+    out = torch.empty(2, 5, dtype=torch.long)
+    tables.gather(torch.tensor([2, 0]), out)
+    assert out.tolist() == [[7, 0, 0, 0, 0], [1, 5, 0, 0, 0]]
+
+
+def test_slot_block_tables_reject_a_table_wider_than_the_graphs():
+    tables = SlotBlockTables(num_slots=2, max_blocks=2, scratch_block=9, device=torch.device("cpu"))
+    try:
+        tables.sync([FakeSeq([1], slot=0, block_table=[1, 2, 3])])
+    except ValueError as err:
+        assert "3 blocks" in str(err)
+    else:
+        raise AssertionError("a 3-block table fitted a 2-block graph row")
+
+
+def test_graph_inputs_hold_the_real_rows_then_padding(tmp_path):
+    runner = make_runner(tmp_path, CONFIG, WEIGHTS)
+    graphs = DecodeGraphs(runner, max_batch=6, max_blocks=3, max_seq_len=512)
+    seqs = [FakeSeq([3, 4, 5], slot=5, block_table=[2], num_computed_tokens=2, replay_start=1, no_write_before=2),
+            FakeSeq([6, 7], slot=1, block_table=[0, 1], num_computed_tokens=1),
+            FakeSeq([8], slot=3, block_table=[4])]
+    graphs.run(seqs + [FakeSeq([9], slot=0, block_table=[6])])  # 4 rows, then 3 padded to 4 over a stale row
+    graphs.run(seqs)
+    cache = runner.kv_cache
+    assert graphs.input_ids[:4].tolist() == [5, 7, 8, 0]
+    assert graphs.positions[:4].tolist() == [2, 1, 0, 0]
+    assert graphs.slots[:4].tolist() == [5, 1, 3, cache.scratch_slot]
+    assert graphs.no_write_before[:4].tolist() == [2, 0, 0, NO_WRITE]
+    assert graphs.window_starts[:4].tolist() == [1, 0, 0, 0]
+    assert graphs.block_tables[:4].tolist() == [[2, 0, 0], [0, 1, 0], [4, 0, 0], [cache.scratch_block] * 3]

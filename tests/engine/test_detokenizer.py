@@ -20,3 +20,27 @@ def test_incremental_text_matches_full_decode():
         assert full.startswith(got)  # never ahead of, never different from, the full decode
         if not full.endswith("\ufffd"):
             assert got == full
+
+
+class CountingTokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.calls += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_shared_token_cache_leaves_one_decode_a_token_and_the_same_text():
+    tokenizer = load_tokenizer(embedded_tiny_model_dir(), {"model_type": "deepseek_v4"})
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    counting, shared = CountingTokenizer(tokenizer), {}
+    texts = []
+    for _ in range(2):  # the second completion finds every single-token decode cached
+        incremental, counting.calls = IncrementalText(counting, shared), 0
+        for n in range(1, len(ids) + 1):
+            incremental.update(ids[:n])
+            assert incremental.update(ids[:n]) == incremental.text  # no new id: no decode
+        texts.append(incremental.text)
+    assert texts[0] == texts[1] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert counting.calls == len(ids) + 1  # the first step also decodes the empty prefix

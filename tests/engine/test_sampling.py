@@ -1,5 +1,7 @@
 """Per-step sampling helpers: tensors for the sampler, stop decisions, logprob entries."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -126,3 +128,12 @@ def test_logprobs_entry_with_zero_top_holds_only_the_sampled_token():
 def test_logprobs_entry_requires_enough_top_logprobs():
     with pytest.raises(ValueError, match="fewer than"):
         build_logprobs_entry(sampler_output(), 0, 5)
+
+
+def test_logprobs_entry_reads_host_lists_like_tensors():
+    output = sampler_output()
+    lists = dataclasses.replace(output, **{f.name: getattr(output, f.name).tolist() for f in dataclasses.fields(output)})
+    for row, num_logprobs in ((0, 2), (1, 3), (0, 0)):
+        assert build_logprobs_entry(lists, row, num_logprobs) == build_logprobs_entry(output, row, num_logprobs)
+    with pytest.raises(ValueError, match="fewer than"):
+        build_logprobs_entry(lists, 0, 5)

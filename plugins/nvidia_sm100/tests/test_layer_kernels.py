@@ -152,6 +152,22 @@ COMPRESS_CASES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(COMPRESS_CASES))
 def test_compress_matches_reference(kernel_device: torch.device, name: str, dtype: torch.dtype) -> None:
+    _check_compress_case(kernel_device, name, dtype)
+
+
+@pytest.mark.parametrize(("name", "split"), [("csa_mixed", 16), ("hca_mixed", 16), ("hca_odd_width", 32),
+                                             ("hca_v4_flash", 0)])
+def test_compress_pooling_layouts(kernel_device: torch.device, name: str, split: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both pooling layouts on every kind of span: channels split over programs (then a finishing pass)
+    and one program per closing token; the launcher picks one by span length and step size."""
+    from deepinfer_nvidia_sm100 import layer_kernels
+
+    monkeypatch.setattr(layer_kernels, "_channel_split", lambda width, span, num_tokens: split)
+    _check_compress_case(kernel_device, name, torch.bfloat16)
+
+
+def _check_compress_case(kernel_device: torch.device, name: str, dtype: torch.dtype) -> None:
     from deepinfer_nvidia_sm100.layer_kernels import compress
 
     width, rate, overlap, rope_dim, requests, no_write = COMPRESS_CASES[name]

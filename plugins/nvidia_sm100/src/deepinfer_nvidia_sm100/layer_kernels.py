@@ -18,7 +18,7 @@ from deepinfer_core.backends.attention import AttentionMetadata
 from deepinfer_core.backends.layer_ops import CompressorWeights
 
 _MAX_TILE = 4096
-"""fp32 elements of one `[rows, channels]` tile of the window close."""
+"""fp32 elements of one `[rows, channels]` tile of the window pooling."""
 
 
 @triton.jit
@@ -156,55 +156,52 @@ def _cos_sin(angle):
 
 
 @triton.jit
-def _pool_span(
+def _span_rows(
     kv_ptr, gate_ptr, stride_kv, stride_gate, bias_ptr, kv_tail_ptr, stride_kv_slot, stride_kv_row,
-    gate_tail_ptr, stride_gate_slot, stride_gate_row, token, position, start, slot, first_row,
+    gate_tail_ptr, stride_gate_slot, stride_gate_row, token, position, start, slot, r, channel,
     RATE: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr, PROJ: tl.constexpr, OVERLAP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
 ):
-    """`sum_rows softmax_rows(gate) * kv` over the span ending at `position`, `[pairs, 2]` fp32: an online
-    softmax over blocks of `BLOCK_R` rows, each row from this step's rows or from the slot's tail ring."""
-    kv_dtype = kv_ptr.dtype.element_ty
+    """fp32 `kv` and biased `gate` of span rows `r` (broadcast against `channel`, entry channels) of the
+    span ending at `position`: from this step's rows at or after `start`, else from the slot's tail ring.
+    Rows past the span get a `-inf` gate."""
     SPAN: tl.constexpr = 2 * RATE if OVERLAP else RATE
-    channel = tl.arange(0, BLOCK_PAIRS)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    row_ok = r < SPAN
     channel_ok = channel < WIDTH
-    best = tl.full([BLOCK_PAIRS, 2], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_PAIRS, 2], tl.float32)
-    pooled = tl.zeros([BLOCK_PAIRS, 2], tl.float32)
-    for row0 in range(first_row, SPAN, BLOCK_R):
-        r = row0 + tl.arange(0, BLOCK_R)[:, None, None]
-        row_ok = r < SPAN
-        row_pos = position - SPAN + 1 + r
-        col = channel
-        if OVERLAP:  # previous window: first WIDTH channels; current window: last WIDTH
-            col = channel + tl.where(r >= RATE, WIDTH, 0)
-        in_step = row_pos >= start
-        step_mask = row_ok & in_step & channel_ok
-        tail_mask = row_ok & (row_pos < start) & channel_ok
-        step_row = token - SPAN + 1 + r
-        kv_ring = slot * stride_kv_slot + (row_pos % RING) * stride_kv_row
-        kv_new = tl.load(kv_ptr + step_row * stride_kv + col, mask=step_mask, other=0.0).to(tl.float32)
-        kv_old = tl.load(kv_tail_ptr + kv_ring + col, mask=tail_mask, other=0.0).to(kv_dtype).to(tl.float32)
-        gate_new = tl.load(gate_ptr + step_row * stride_gate + col, mask=step_mask, other=0.0).to(tl.float32)
-        gate_new += tl.load(bias_ptr + (row_pos % RATE) * PROJ + col, mask=step_mask, other=0.0)
-        gate_ring = slot * stride_gate_slot + (row_pos % RING) * stride_gate_row
-        gate_old = tl.load(gate_tail_ptr + gate_ring + col, mask=tail_mask, other=0.0).to(tl.float32)
-        kv = tl.where(in_step, kv_new, kv_old)
-        gate = tl.where(row_ok, tl.where(in_step, gate_new, gate_old), float("-inf"))
-        new_best = tl.maximum(best, tl.max(gate, axis=0))
-        rescale = tl.exp(best - new_best)
-        weight = tl.exp(gate - new_best[None, :, :])
-        total = total * rescale + tl.sum(weight, axis=0)
-        pooled = pooled * rescale + tl.sum(weight * kv, axis=0)
-        best = new_best
-    return pooled / total
+    row_pos = position - SPAN + 1 + r
+    col = channel
+    if OVERLAP:  # previous window: first WIDTH channels; current window: last WIDTH
+        col = channel + tl.where(r >= RATE, WIDTH, 0)
+    in_step = row_pos >= start
+    step_mask = row_ok & in_step & channel_ok
+    tail_mask = row_ok & (row_pos < start) & channel_ok
+    step_row = token - SPAN + 1 + r
+    kv_ring = slot * stride_kv_slot + (row_pos % RING) * stride_kv_row
+    kv_new = tl.load(kv_ptr + step_row * stride_kv + col, mask=step_mask, other=0.0).to(tl.float32)
+    kv_old = tl.load(kv_tail_ptr + kv_ring + col, mask=tail_mask, other=0.0).to(kv_ptr.dtype.element_ty)
+    gate_new = tl.load(gate_ptr + step_row * stride_gate + col, mask=step_mask, other=0.0).to(tl.float32)
+    gate_new += tl.load(bias_ptr + (row_pos % RATE) * PROJ + col, mask=step_mask, other=0.0)
+    gate_ring = slot * stride_gate_slot + (row_pos % RING) * stride_gate_row
+    gate_old = tl.load(gate_tail_ptr + gate_ring + col, mask=tail_mask, other=0.0).to(tl.float32)
+    kv = tl.where(in_step, kv_new, kv_old.to(tl.float32))
+    gate = tl.where(row_ok, tl.where(in_step, gate_new, gate_old), float("-inf"))
+    return kv, gate
 
 
 @triton.jit
-def _normed_rotated_entry(pooled, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps, entry, dtype,
-                          RATE: tl.constexpr, WIDTH: tl.constexpr, HALF_ROPE: tl.constexpr,
-                          BLOCK_PAIRS: tl.constexpr):
-    """RMSNorm * weight of the pooled `[pairs, 2]` row, then RoPE at position `entry * RATE`."""
+def _softmax_pool_step(best, total, pooled, kv, gate):
+    """One online-softmax step over axis 0 (rows) of `kv`/`gate` for running max, sum and weighted sum."""
+    new_best = tl.maximum(best, tl.max(gate, axis=0))
+    rescale = tl.exp(best - new_best)
+    weight = tl.exp(gate - tl.expand_dims(new_best, 0))
+    return new_best, total * rescale + tl.sum(weight, axis=0), pooled * rescale + tl.sum(weight * kv, axis=0)
+
+
+@triton.jit
+def _store_entry(pooled, entries_ptr, stride_entries, tables_ptr, stride_table, seq, entry, norm_weight_ptr,
+                 inv_freq_ptr, rope_scaling, eps, dtype, RATE: tl.constexpr, WIDTH: tl.constexpr,
+                 HALF_ROPE: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    """RMSNorm * weight of the pooled `[pairs, 2]` row, RoPE at position `entry * RATE`, and the store to
+    the entry's paged row."""
     pair = tl.arange(0, BLOCK_PAIRS)[:, None]
     j = tl.arange(0, 2)[None, :]
     channel = pair * 2 + j
@@ -218,7 +215,11 @@ def _normed_rotated_entry(pooled, norm_weight_ptr, inv_freq_ptr, rope_scaling, e
     angle = (entry * RATE).to(tl.float32) * tl.load(inv_freq_ptr + k, mask=in_rope, other=0.0)
     cos, sin = _cos_sin(angle)
     rotated = _rotate_pairs(closed, cos * rope_scaling, sin * rope_scaling, j)
-    return tl.where(in_rope, rotated, closed).to(dtype)
+    closed = tl.where(in_rope, rotated, closed).to(dtype)
+    epb: tl.constexpr = 128 // RATE
+    block = tl.load(tables_ptr + seq * stride_table + entry // epb)
+    target = entries_ptr + (block * epb + entry % epb) * stride_entries + channel
+    tl.store(target, closed.to(entries_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -227,12 +228,15 @@ def _close_kernel(
     positions_ptr, query_start_loc_ptr, start_positions_ptr, slots_ptr, tables_ptr, stride_table, no_write_ptr,
     bias_ptr, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps,
     kv_tail_ptr, stride_kv_slot, stride_kv_row, gate_tail_ptr, stride_gate_slot, stride_gate_row,
-    entries_ptr, stride_entries, num_seqs,
+    pooled_ptr, entries_ptr, stride_entries, num_seqs,
     RATE: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr, PROJ: tl.constexpr, OVERLAP: tl.constexpr,
     HALF_ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PAIRS: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One program per token; a token at position `p` with `(p + 1) % RATE == 0` closes entry
-    `(p + 1) // RATE - 1` of its request unless that entry is already cached."""
+    """Grid `(tokens, channel blocks)`. A token at position `p` with `(p + 1) % RATE == 0` closes entry
+    `(p + 1) // RATE - 1` of its request unless it is cached: an online softmax over `BLOCK_R`-row blocks
+    of its span pools `2 * BLOCK_PAIRS` channels. Unsplit (one block), the program finishes and stores the
+    entry; split, it leaves its channels in `pooled[token]` for `_finish_kernel`."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     if (position + 1) % RATE != 0:
@@ -241,45 +245,70 @@ def _close_kernel(
     seq = _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S)
     if (entry + 1) * RATE <= tl.load(no_write_ptr + seq):
         return
+    start = tl.load(start_positions_ptr + seq)
+    slot = tl.load(slots_ptr + seq)
+    SPAN: tl.constexpr = 2 * RATE if OVERLAP else RATE
     first_row = 0
     if OVERLAP:  # entry 0 has no previous window
         first_row = tl.where(entry == 0, RATE, 0)
-    pooled = _pool_span(
-        kv_ptr, gate_ptr, stride_kv, stride_gate, bias_ptr, kv_tail_ptr, stride_kv_slot, stride_kv_row,
-        gate_tail_ptr, stride_gate_slot, stride_gate_row, token, position, tl.load(start_positions_ptr + seq),
-        tl.load(slots_ptr + seq), first_row, RATE, RING, WIDTH, PROJ, OVERLAP, BLOCK_R, BLOCK_PAIRS,
-    )
-    closed = _normed_rotated_entry(pooled, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps, entry,
-                                   kv_ptr.dtype.element_ty, RATE, WIDTH, HALF_ROPE, BLOCK_PAIRS)
-    epb: tl.constexpr = 128 // RATE
-    block = tl.load(tables_ptr + seq * stride_table + entry // epb)
-    channel = tl.arange(0, BLOCK_PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]
-    target = entries_ptr + (block * epb + entry % epb) * stride_entries + channel
-    tl.store(target, closed.to(entries_ptr.dtype.element_ty), mask=channel < WIDTH)
+    # [rows, pairs, 2]: every program thread holds whole columns, so the row reductions stay in registers
+    pair = tl.program_id(1) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)[None, :, None]
+    channel = pair * 2 + tl.arange(0, 2)[None, None, :]
+    best = tl.full([BLOCK_PAIRS, 2], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_PAIRS, 2], tl.float32)
+    pooled = tl.zeros([BLOCK_PAIRS, 2], tl.float32)
+    for row0 in range(first_row, SPAN, BLOCK_R):
+        r = row0 + tl.arange(0, BLOCK_R)[:, None, None]
+        kv, gate = _span_rows(
+            kv_ptr, gate_ptr, stride_kv, stride_gate, bias_ptr, kv_tail_ptr, stride_kv_slot, stride_kv_row,
+            gate_tail_ptr, stride_gate_slot, stride_gate_row, token, position, start, slot, r, channel,
+            RATE, RING, WIDTH, PROJ, OVERLAP,
+        )
+        best, total, pooled = _softmax_pool_step(best, total, pooled, kv, gate)
+    pooled = pooled / total
+    if SPLIT:
+        out = tl.program_id(1) * BLOCK_PAIRS * 2 + tl.arange(0, BLOCK_PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]
+        tl.store(pooled_ptr + token * WIDTH + out, pooled, mask=out < WIDTH)
+    else:
+        _store_entry(pooled, entries_ptr, stride_entries, tables_ptr, stride_table, seq, entry, norm_weight_ptr,
+                     inv_freq_ptr, rope_scaling, eps, kv_ptr.dtype.element_ty, RATE, WIDTH, HALF_ROPE, BLOCK_PAIRS)
 
 
 @triton.jit
-def _ring_kernel(
-    kv_ptr, gate_ptr, stride_kv, stride_gate, positions_ptr, query_start_loc_ptr, slots_ptr, bias_ptr,
-    kv_tail_ptr, stride_kv_slot, stride_kv_row, gate_tail_ptr, stride_gate_slot, stride_gate_row, num_seqs,
-    RATE: tl.constexpr, RING: tl.constexpr, PROJ: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+def _finish_kernel(
+    kv_ptr, gate_ptr, stride_kv, stride_gate,
+    positions_ptr, query_start_loc_ptr, slots_ptr, tables_ptr, stride_table, no_write_ptr,
+    bias_ptr, norm_weight_ptr, inv_freq_ptr, rope_scaling, eps,
+    kv_tail_ptr, stride_kv_slot, stride_kv_row, gate_tail_ptr, stride_gate_slot, stride_gate_row,
+    pooled_ptr, entries_ptr, stride_entries, num_seqs,
+    RATE: tl.constexpr, RING: tl.constexpr, WIDTH: tl.constexpr, PROJ: tl.constexpr, HALF_ROPE: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, FINISH: tl.constexpr,
 ):
-    """One program per token; each request's last `RING` tokens store their kv and biased gate rows."""
+    """One program per token, after `_close_kernel`. With `FINISH` (split pooling), a closing token
+    finishes and stores its entry from `pooled[token]`. Then each request's last `RING` tokens store their
+    kv and biased gate rows in the tail rings (which every close has read by now)."""
     token = tl.program_id(0).to(tl.int64)
-    seq = _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S)
-    if token < tl.load(query_start_loc_ptr + seq + 1) - RING:
-        return
     position = tl.load(positions_ptr + token)
-    slot = tl.load(slots_ptr + seq)
-    offs = tl.arange(0, BLOCK_P)
-    valid = offs < PROJ
-    kv = tl.load(kv_ptr + token * stride_kv + offs, mask=valid)
-    tail_row = kv_tail_ptr + slot * stride_kv_slot + (position % RING) * stride_kv_row
-    tl.store(tail_row + offs, kv.to(kv_tail_ptr.dtype.element_ty), mask=valid)
-    gate = tl.load(gate_ptr + token * stride_gate + offs, mask=valid).to(tl.float32)
-    gate += tl.load(bias_ptr + (position % RATE) * PROJ + offs, mask=valid)
-    gate_row = gate_tail_ptr + slot * stride_gate_slot + (position % RING) * stride_gate_row
-    tl.store(gate_row + offs, gate.to(gate_tail_ptr.dtype.element_ty), mask=valid)
+    seq = _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S)
+    if FINISH:
+        entry = (position + 1) // RATE - 1
+        if ((position + 1) % RATE == 0) & ((entry + 1) * RATE > tl.load(no_write_ptr + seq)):
+            channel = tl.arange(0, BLOCK_PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]
+            pooled = tl.load(pooled_ptr + token * WIDTH + channel, mask=channel < WIDTH, other=0.0)
+            _store_entry(pooled, entries_ptr, stride_entries, tables_ptr, stride_table, seq, entry,
+                         norm_weight_ptr, inv_freq_ptr, rope_scaling, eps, kv_ptr.dtype.element_ty, RATE, WIDTH,
+                         HALF_ROPE, BLOCK_PAIRS)
+    if token >= tl.load(query_start_loc_ptr + seq + 1) - RING:
+        slot = tl.load(slots_ptr + seq)
+        offs = tl.arange(0, BLOCK_P)
+        ok = offs < PROJ
+        kv = tl.load(kv_ptr + token * stride_kv + offs, mask=ok)
+        kv_row = kv_tail_ptr + slot * stride_kv_slot + (position % RING) * stride_kv_row
+        tl.store(kv_row + offs, kv.to(kv_tail_ptr.dtype.element_ty), mask=ok)
+        gate = tl.load(gate_ptr + token * stride_gate + offs, mask=ok).to(tl.float32)
+        gate += tl.load(bias_ptr + (position % RATE) * PROJ + offs, mask=ok)
+        gate_row = gate_tail_ptr + slot * stride_gate_slot + (position % RING) * stride_gate_row
+        tl.store(gate_row + offs, gate.to(gate_tail_ptr.dtype.element_ty), mask=ok)
 
 
 def _check_compress(kv, gate, w: CompressorWeights, kv_tail, gate_tail, entries) -> None:
@@ -302,42 +331,55 @@ def _check_compress(kv, gate, w: CompressorWeights, kv_tail, gate_tail, entries)
         raise ValueError("compress: " + "; ".join(problems))
 
 
+def _channel_split(width: int, span: int, num_tokens: int) -> int:
+    """Channels per pooling program, or 0 for one program per closing token that also finishes the entry.
+
+    A long (HCA) span walked by one program is a chain of dependent row-block loads (~30 us for 128 rows
+    of 512 channels), which a small step (decode) waits on; there several programs split the channels.
+    In a big step the closing tokens already fill the GPU and the early-exit programs of a split grid
+    would cost more."""
+    return 32 if span > 16 and num_tokens * triton.cdiv(width, 32) <= 16384 else 0
+
+
 def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, metadata: AttentionMetadata,
              kv_tail: torch.Tensor, gate_tail: torch.Tensor, entries: torch.Tensor, no_write_before: torch.Tensor,
              eps: float) -> None:
     """Close the windows this step ends into `entries`, then refresh the tail rings (two launches).
 
     Semantics of `LayerOps.compress`; tokens that close nothing or whose entry is cached write nothing
-    (the pool's scratch row is never touched). The close runs first: it reads tail rows that this
-    step's ring write overwrites.
+    (the pool's scratch row is never touched). The second launch's ring write overwrites tail rows that
+    the first launch's window close reads.
     """
     _check_compress(kv, gate, weights, kv_tail, gate_tail, entries)
     num_tokens = kv.shape[0]
     if num_tokens == 0:
         return
-    w, ring, proj = weights, kv_tail.shape[1], kv.shape[1]
-    num_seqs = metadata.query_start_loc.shape[0] - 1
+    w, ring, proj, meta = weights, kv_tail.shape[1], kv.shape[1], metadata
+    num_seqs = meta.query_start_loc.shape[0] - 1
     block_s = min(triton.next_power_of_2(max(num_seqs, 1)), 1024)
-    bias = w.position_bias.float().contiguous()
     span = 2 * w.rate if w.overlap else w.rate
-    block_pairs = triton.next_power_of_2((w.width + 1) // 2)
+    split = _channel_split(w.width, span, num_tokens)
+    block_pairs = split // 2 if split else triton.next_power_of_2((w.width + 1) // 2)
     block_r = max(1, min(triton.next_power_of_2(span), _MAX_TILE // (2 * block_pairs)))
-    meta = metadata
-    _close_kernel[(num_tokens,)](
-        kv, gate, kv.stride(0), gate.stride(0),
-        meta.positions, meta.query_start_loc, meta.start_positions, meta.slots, meta.block_tables,
-        meta.block_tables.stride(0), no_write_before,
-        bias, w.norm_weight.float().contiguous(), w.inv_freq.float().contiguous(), float(w.rope_scaling), float(eps),
+    # split pooling leaves each closing token's pooled row here for the finishing launch
+    pooled = torch.empty(num_tokens, w.width, dtype=torch.float32, device=kv.device) if split else entries
+    common = (kv, gate, kv.stride(0), gate.stride(0), meta.positions, meta.query_start_loc)
+    rest = (
+        meta.slots, meta.block_tables, meta.block_tables.stride(0), no_write_before,
+        w.position_bias.float().contiguous(), w.norm_weight.float().contiguous(), w.inv_freq.float().contiguous(),
+        float(w.rope_scaling), float(eps),
         kv_tail, kv_tail.stride(0), kv_tail.stride(1), gate_tail, gate_tail.stride(0), gate_tail.stride(1),
-        entries, entries.stride(0), num_seqs,
+        pooled, entries, entries.stride(0), num_seqs,
+    )
+    _close_kernel[(num_tokens, triton.cdiv(w.width, 2 * block_pairs))](
+        *common, meta.start_positions, *rest,
         RATE=w.rate, RING=ring, WIDTH=w.width, PROJ=proj, OVERLAP=w.overlap, HALF_ROPE=w.inv_freq.numel(),
-        BLOCK_R=block_r, BLOCK_PAIRS=block_pairs, BLOCK_S=block_s,
+        BLOCK_R=block_r, BLOCK_PAIRS=block_pairs, BLOCK_S=block_s, SPLIT=split > 0,
         num_warps=8 if block_r * block_pairs * 2 >= _MAX_TILE else 4,
     )
-    block_p = triton.next_power_of_2(proj)
-    _ring_kernel[(num_tokens,)](
-        kv, gate, kv.stride(0), gate.stride(0), meta.positions, meta.query_start_loc, meta.slots, bias,
-        kv_tail, kv_tail.stride(0), kv_tail.stride(1), gate_tail, gate_tail.stride(0), gate_tail.stride(1), num_seqs,
-        RATE=w.rate, RING=ring, PROJ=proj, BLOCK_P=block_p, BLOCK_S=block_s,
-        num_warps=4 if block_p >= 512 else 2,
+    _finish_kernel[(num_tokens,)](
+        *common, *rest,
+        RATE=w.rate, RING=ring, WIDTH=w.width, PROJ=proj, HALF_ROPE=w.inv_freq.numel(),
+        BLOCK_PAIRS=triton.next_power_of_2((w.width + 1) // 2), BLOCK_P=triton.next_power_of_2(proj),
+        BLOCK_S=block_s, FINISH=split > 0, num_warps=4,
     )

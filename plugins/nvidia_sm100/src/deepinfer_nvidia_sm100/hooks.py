@@ -84,7 +84,7 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[
         return None
     from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
-    return TritonLayerOps(spec)
+    return TritonLayerOps(spec, device)
 
 
 @hookimpl

@@ -7,24 +7,30 @@ one launch per RMSNorm (+ RoPE), and two per compressor (window close, ring writ
 
 from __future__ import annotations
 
+import torch
+
 from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOpsSpec
+from deepinfer_core.reference.layer_ops import write_rings
 from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels
 
 
 class TritonLayerOps:
     supports_cuda_graphs = True
 
-    def __init__(self, spec: LayerOpsSpec) -> None:
+    def __init__(self, spec: LayerOpsSpec, device: torch.device) -> None:
         self.spec = spec
+        self.counters = hyper_kernels.new_split_counters(device)  # split-K arrival counters, self-resetting
 
     def hc_pre(self, streams, hc: HyperWeights, norm_weight):
-        return hyper_kernels.hc_pre(streams, hc, norm_weight, self.spec)
+        return hyper_kernels.hc_pre(streams, hc, norm_weight, self.spec, counters=self.counters)
 
     def hc_post_pre(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight):
-        return hyper_kernels.hc_post_pre(streams, block_out, post, comb, hc, norm_weight, self.spec)
+        return hyper_kernels.hc_post_pre(streams, block_out, post, comb, hc, norm_weight, self.spec,
+                                         counters=self.counters)
 
     def hc_post_head(self, streams, block_out, post, comb, rows, head: HyperWeights, norm_weight):
-        return hyper_kernels.hc_post_head(streams, block_out, post, comb, rows, head, norm_weight, self.spec)
+        return hyper_kernels.hc_post_head(streams, block_out, post, comb, rows, head, norm_weight, self.spec,
+                                          counters=self.counters)
 
     def rms_norm(self, x, weight, cos=None, sin=None):
         return layer_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, cos, sin)
@@ -33,7 +39,8 @@ class TritonLayerOps:
         return layer_kernels.rotary(x, cos, sin)
 
     def write_window(self, metadata: AttentionMetadata, window, kv) -> None:
-        layer_kernels.write_ring(metadata, window, kv)
+        # decode steps write every token (one indexed store, graph-safe); longer chunks mask on the host
+        write_rings(metadata, window, kv)
 
     def compress(self, kv, gate, weights: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
                  entries, no_write_before) -> None:

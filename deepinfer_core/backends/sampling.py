@@ -41,6 +41,10 @@ class SamplingTensors:
     needs_logprobs: bool = True
     """False when no row asked for logprobs: the sampler may then skip the log-softmax and return
     NaN logprobs and zero ranks."""
+    host_flags: tuple[bool, bool, bool] | None = None
+    """Host copies of (some row draws: temperature > 0; some drawing row filters by top-k < vocab or
+    top-p < 1; some drawing row filters by min-p > 0), so a sampler can choose its passes without
+    reading the device; None: derive them from the tensors."""
 
 
 @dataclass

@@ -132,7 +132,7 @@ class ModelRunner:
         rows = seqs if len(sampled) == len(seqs) else [seqs[i] for i in sampled]  # `sampled` is increasing
         return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows], [s.num_output_tokens for s in rows],
-            self.config.eos_token_ids, self.device,
+            self.config.eos_token_ids, self.device, self.config.vocab_size,
         )
 
     def _sample(self, sampled: list[int], logits: torch.Tensor, tensors, prompt_logits: dict) -> StepResult:

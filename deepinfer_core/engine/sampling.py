@@ -48,6 +48,7 @@ def prepare_sampling_tensors(
     num_generated: Sequence[int],
     eos_token_ids: Sequence[int],
     device: torch.device,
+    vocab_size: int | None = None,
 ) -> SamplingTensors:
     """Build one step's `SamplingTensors`; row `i` is `params[i]`.
 
@@ -56,6 +57,7 @@ def prepare_sampling_tensors(
     :param num_generated: tokens each row has generated so far (= index of the token being drawn).
     :param eos_token_ids: the model's end-of-sequence ids (shared by every row).
     :param device: where the sampler runs.
+    :param vocab_size: the logit width; given, the tensors carry `host_flags` (which filters any row uses).
     :returns: the step's `SamplingTensors`; greedy rows get temperature 0.
     """
     if not len(params) == len(seeds) == len(num_generated):
@@ -86,6 +88,16 @@ def prepare_sampling_tensors(
         num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         banned_token_ids=banned if banned is not None and any(banned) else None,
         needs_logprobs=any(p.logprobs is not None for p in params),
+        host_flags=None if vocab_size is None else _host_flags(params, vocab_size),
+    )
+
+
+def _host_flags(params: Sequence[SamplingParams], vocab_size: int) -> tuple[bool, bool, bool]:
+    drawing = [p for p in params if not p.is_greedy]
+    return (
+        bool(drawing),
+        any(0 < p.top_k < vocab_size or p.top_p < 1 for p in drawing),
+        any(p.min_p > 0 for p in drawing),
     )
 
 

@@ -37,6 +37,18 @@ def test_tensors_hold_each_rows_parameters():
     assert tensors.banned_token_ids is None
 
 
+def test_host_flags_say_which_filters_some_drawing_row_uses():
+    greedy = SamplingParams(temperature=0.0, top_k=5, min_p=0.5)  # greedy rows never filter
+    assert prepare_sampling_tensors([greedy], [0], [0], EOS, CPU).host_flags is None  # no vocab: no flags
+    assert prepare_sampling_tensors([greedy], [0], [0], EOS, CPU, 100).host_flags == (False, False, False)
+    whole_vocab = SamplingParams(temperature=1.0, top_k=100)
+    assert prepare_sampling_tensors([greedy, whole_vocab], [0, 1], [0, 0], EOS, CPU, 100).host_flags == (
+        True, False, False)
+    nucleus = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1)
+    assert prepare_sampling_tensors([whole_vocab, nucleus], [0, 1], [0, 0], EOS, CPU, 100).host_flags == (
+        True, True, True)
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     params = SamplingParams(min_tokens=2, stop_token_ids=[7, 8])
     assert sorted(banned_token_ids(params, 0, EOS)) == [1, 7, 8]

@@ -94,21 +94,23 @@ class CudaSampler:
                 f"num_logprobs={params.num_logprobs} exceeds this sampler's max_logprobs={self.spec.max_logprobs}"
             )
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         masked = _mask_banned(logits, params.banned_token_ids)
         token_ids = masked.argmax(dim=-1)
         is_sampled = params.temperature > 0
         vocab_size = logits.shape[-1]
-        # one read-back of three flags decides which optional passes run
-        flags = torch.stack(
-            [
-                is_sampled.any(),
-                (
-                    is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))
-                ).any(),
-                (is_sampled & (params.min_p > 0)).any(),
-            ]
-        ).tolist()
+        # three flags decide which optional passes run: from the host when the runner sent them, else
+        # one read-back (which waits for the forward)
+        flags = params.host_flags
+        if flags is None:
+            flags = torch.stack(
+                [
+                    is_sampled.any(),
+                    (
+                        is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))
+                    ).any(),
+                    (is_sampled & (params.min_p > 0)).any(),
+                ]
+            ).tolist()
         if flags[0]:
             temperature = torch.where(is_sampled, params.temperature, 1.0)
             scaled = masked / temperature[:, None]
@@ -122,6 +124,10 @@ class CudaSampler:
                 scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
             drawn = gumbel_argmax(scaled, params.seeds, params.steps)
             token_ids = torch.where(is_sampled, drawn, token_ids)
+        if not params.needs_logprobs and params.num_logprobs == 0:
+            nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
+            return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
         chosen = raw_logprobs.gather(1, token_ids[:, None])
         ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)

@@ -225,7 +225,7 @@ def test_rms_norm_several_rows_per_program(kernel_device: torch.device, dtype: t
     """Large batches pack several rows per program; a ragged last program masks the rows past the end."""
     from deepinfer_nvidia_sm100 import layer_kernels
 
-    monkeypatch.setattr(layer_kernels, "_rows_per_program", lambda num_rows, block_w: 4)
+    monkeypatch.setattr(layer_kernels, "_rows_per_program", lambda num_rows, block_w, device: 4)
     gen = torch.Generator(device=kernel_device).manual_seed(3)
     x = torch.randn(7, 3, 96, generator=gen, device=kernel_device).to(dtype)
     weight = torch.rand(96, generator=gen, device=kernel_device)

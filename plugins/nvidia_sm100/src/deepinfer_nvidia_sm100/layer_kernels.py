@@ -81,8 +81,11 @@ def _norm_rope_kernel(
         tl.store(out_ptr + row[:, None, None] * width + channel, y.to(dtype), mask=rope_mask)
 
 
-def _rows_per_program(num_rows: int, block_w: int) -> int:
-    """One row per program for small batches (parallelism), up to a 4K-element tile for big ones."""
+def _rows_per_program(num_rows: int, block_w: int, device: torch.device) -> int:
+    """One row per program for small batches (parallelism), up to a 4K-element tile for big ones. Triton's
+    interpreter (off the GPU) runs programs one by one, so there every program takes up to 32 rows."""
+    if device.type != "cuda":
+        return min(32, triton.next_power_of_2(num_rows))
     return 1 if num_rows < 4096 else max(1, min(8, 4096 // block_w))
 
 
@@ -111,7 +114,7 @@ def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
     if weight is not None and weight.numel() != width:
         raise ValueError(f"norm weight has {weight.numel()} elements, expected {width}")
     num_rows, block_w = num_tokens * heads, triton.next_power_of_2(width)
-    block_rows = _rows_per_program(num_rows, block_w)
+    block_rows = _rows_per_program(num_rows, block_w, x.device)
     _norm_rope_kernel[(triton.cdiv(num_rows, block_rows),)](
         rows, weight if weight is not None else rows, cos if cos is not None else rows,
         sin if sin is not None else rows, out,

@@ -386,3 +386,38 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, m
         BLOCK_PAIRS=triton.next_power_of_2((w.width + 1) // 2), BLOCK_P=triton.next_power_of_2(proj),
         BLOCK_S=block_s, FINISH=split > 0, num_warps=4,
     )
+
+
+@triton.jit
+def _window_kernel(kv_ptr, stride_kv, positions_ptr, query_start_loc_ptr, slots_ptr, window_ptr, stride_slot,
+                   stride_row, num_seqs, width, RING: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per token: each request's last `RING` tokens store their row at `[slot, pos % RING]`."""
+    token = tl.program_id(0).to(tl.int64)
+    seq = _request_of(query_start_loc_ptr, token, num_seqs, BLOCK_S)
+    if token >= tl.load(query_start_loc_ptr + seq + 1) - RING:
+        position = tl.load(positions_ptr + token)
+        slot = tl.load(slots_ptr + seq)
+        offs = tl.arange(0, BLOCK_W)
+        row = tl.load(kv_ptr + token * stride_kv + offs, mask=offs < width)
+        target = window_ptr + slot * stride_slot + (position % RING) * stride_row + offs
+        tl.store(target, row.to(window_ptr.dtype.element_ty), mask=offs < width)
+
+
+def write_ring(metadata: AttentionMetadata, ring: torch.Tensor, rows: torch.Tensor) -> None:
+    """`LayerOps.write_window`: each request's last `ring.shape[1]` rows of the step to `ring[slot, pos % len]`,
+    one launch, no host read (a long chunk's earlier rows are skipped, so no two rows share a target)."""
+    if rows.dim() != 2 or ring.dim() != 3 or rows.shape[1] != ring.shape[2] or rows.stride(-1) != 1:
+        raise ValueError(f"write_ring: rows [T, W] (contiguous last dim) into a ring [slots, len, W], got "
+                         f"{tuple(rows.shape)} and {tuple(ring.shape)}")
+    if ring.stride(-1) != 1:
+        raise ValueError("write_ring: the ring needs a contiguous last dim")
+    num_tokens = rows.shape[0]
+    if num_tokens == 0:
+        return
+    num_seqs = metadata.query_start_loc.shape[0] - 1
+    _window_kernel[(num_tokens,)](
+        rows, rows.stride(0), metadata.positions, metadata.query_start_loc, metadata.slots, ring, ring.stride(0),
+        ring.stride(1), num_seqs, rows.shape[1], RING=ring.shape[1],
+        BLOCK_W=triton.next_power_of_2(rows.shape[1]),
+        BLOCK_S=min(triton.next_power_of_2(max(num_seqs, 1)), 1024), num_warps=4,
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOpsSpec
-from deepinfer_core.reference.layer_ops import write_rings
 from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels
 
 
@@ -39,8 +38,7 @@ class TritonLayerOps:
         return layer_kernels.rotary(x, cos, sin)
 
     def write_window(self, metadata: AttentionMetadata, window, kv) -> None:
-        # decode steps write every token (one indexed store, graph-safe); longer chunks mask on the host
-        write_rings(metadata, window, kv)
+        layer_kernels.write_ring(metadata, window, kv)
 
     def compress(self, kv, gate, weights: CompressorWeights, metadata: AttentionMetadata, kv_tail, gate_tail,
                  entries, no_write_before) -> None:

@@ -92,4 +92,16 @@ def all_position_logprobs(runner: ModelRunner, seqs: list[FakeSeq], num_new: lis
     return out
 
 
+def run_chunked(runner, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
+    """Feed all prompts together, `chunk` tokens per request per step; collect every position."""
+    seqs = [FakeSeq(p, slot=i, block_table=list(range(8 * i, 8 * i + 8))) for i, p in enumerate(prompts)]
+    got = [[] for _ in seqs]
+    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
+        live = [(i, s) for i, s in enumerate(seqs) if s.num_computed_tokens < s.num_tokens]
+        num_new = [min(chunk, s.num_tokens - s.num_computed_tokens) for _, s in live]
+        for (i, _), lp in zip(live, all_position_logprobs(runner, [s for _, s in live], num_new)):
+            got[i].append(lp.cpu())
+    return [torch.cat(g) for g in got]
+
+
 __all__ = ["parity_config", "random_state_dict"]

@@ -13,6 +13,7 @@ from tests.oracle import (
     make_runner,
     parity_config,
     random_state_dict,
+    run_chunked,
 )
 
 TOL = 1e-4
@@ -22,18 +23,6 @@ CONFIGS = {
     "deep": {"scoring_func": "sigmoid"},  # hc_mult 4, two CSA layers
     "sliding_only": {},  # hc_mult 1
 }
-
-
-def run_chunked(runner, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
-    """Feed all prompts together, `chunk` tokens per request per step; collect every position."""
-    seqs = [FakeSeq(p, slot=i, block_table=list(range(8 * i, 8 * i + 8))) for i, p in enumerate(prompts)]
-    got = [[] for _ in seqs]
-    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
-        live = [(i, s) for i, s in enumerate(seqs) if s.num_computed_tokens < s.num_tokens]
-        num_new = [min(chunk, s.num_tokens - s.num_computed_tokens) for _, s in live]
-        for (i, _), lp in zip(live, all_position_logprobs(runner, [s for _, s in live], num_new)):
-            got[i].append(lp)
-    return [torch.cat(g) for g in got]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -10,14 +10,7 @@ import torch
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.hookspecs import hookimpl
-from tests.oracle import (
-    FakeSeq,
-    all_position_logprobs,
-    hf_logprobs,
-    hf_model,
-    parity_config,
-    random_state_dict,
-)
+from tests.oracle import hf_logprobs, hf_model, parity_config, random_state_dict, run_chunked
 
 
 class LayerOpsEverywhere:
@@ -28,17 +21,6 @@ class LayerOpsEverywhere:
         from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
         return TritonLayerOps(spec, device)
-
-
-def run(runner: ModelRunner, prompts: list[list[int]], chunk: int) -> list[torch.Tensor]:
-    seqs = [FakeSeq(p, slot=i, block_table=list(range(8 * i, 8 * i + 8))) for i, p in enumerate(prompts)]
-    got = [[] for _ in seqs]
-    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
-        live = [(i, s) for i, s in enumerate(seqs) if s.num_computed_tokens < s.num_tokens]
-        num_new = [min(chunk, s.num_tokens - s.num_computed_tokens) for _, s in live]
-        for (i, _), lp in zip(live, all_position_logprobs(runner, [s for _, s in live], num_new)):
-            got[i].append(lp.cpu())
-    return [torch.cat(g) for g in got]
 
 
 # sizes kept small: off the GPU every kernel program runs in Triton's interpreter
@@ -62,7 +44,7 @@ def test_every_position_matches_transformers(kernel_device, isolated_plugin_mana
     generator = torch.Generator().manual_seed(chunk)
     prompts = [torch.randint(2, config["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
     oracle = hf_model(config, weights)
-    for prompt, mine in zip(prompts, run(runner, prompts, chunk)):
+    for prompt, mine in zip(prompts, run_chunked(runner, prompts, chunk)):
         expected = hf_logprobs(oracle, prompt)
         assert torch.equal(mine.argmax(-1), expected.argmax(-1)), f"greedy tokens differ (len {len(prompt)})"
         assert (mine - expected).abs().max().item() < 1e-4, f"len {len(prompt)}"

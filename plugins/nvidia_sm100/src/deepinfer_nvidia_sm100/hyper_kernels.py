@@ -194,7 +194,7 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
     else:
         fn_row = tl.where(cq == 0, cj, tl.where(cq == 1, N + cj, 2 * N + (cq - 2) * N + cj))
         col_ok = (cq < 2 + N) & (cj < N)
-    fn_ok = (j < N)[:, None, None] & col_ok[None, None, :]
+    k = tl.arange(0, NP * BD)
     if HAS_FOLD:
         # the mixing weights in the stream dtype first, as the reference's residual has them
         post_in = tl.load(post_in_ptr + tok[:, None] * N + j[None, :], mask=live[:, None] & (j < N)[None, :],
@@ -228,11 +228,12 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
                           mask=stream_mask & d_ok, other=0.0).to(tl.float32)
         flat = tl.reshape(new, [BT, NP * BD])
         sq += flat * flat
-        # [stream, channel, column], channels contiguous in memory (coalesced), flattened as `flat` is
-        channel = d0 + tl.arange(0, BD)[None, :, None]
-        w = tl.load(fn_ptr + fn_row[None, None, :] * (N * hidden) + j[:, None, None] * hidden + channel,
-                    mask=fn_ok & (channel < hidden), other=0.0)
-        w = tl.reshape(w, [NP * BD, C])
+        # dot row k = stream * BD + channel (as `flat` is laid out), loaded straight into the 2-D tile: at
+        # 8K tokens this form ran faster on the H200 than a 3-D [stream, channel, column] tile reshaped to
+        # 2-D (bench/RESULTS.md, 2026-11-29, commit bd73305)
+        k_ok = ((k // BD) < N) & (d0 + k % BD < hidden)
+        w = tl.load(fn_ptr + fn_row[None, :] * (N * hidden) + ((k // BD) * hidden + d0 + k % BD)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if BT >= 16:
             acc = tl.dot(flat, w, acc, input_precision="ieee")
         else:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer_core.backends import AttentionSpec, EplbSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
 from deepinfer_core.hookspecs import hookimpl
 
 NOT_IMPLEMENTED = "Ascend kernels are not implemented yet; the reference serves this"
@@ -40,6 +40,11 @@ def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[
 
 @hookimpl
 def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> None:
+    decline(NOT_IMPLEMENTED)
+
+
+@hookimpl
+def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> None:
     decline(NOT_IMPLEMENTED)
 
 

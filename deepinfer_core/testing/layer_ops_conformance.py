@@ -31,7 +31,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: floa
 
 def _hyper(n: int, hidden: int, head: bool, gen: torch.Generator) -> HyperWeights:
     rows = n if head else (2 + n) * n
-    return HyperWeights(fn=torch.randn(rows, n * hidden, generator=gen) * 0.5,  # mixes of order 1-3
+    return HyperWeights(fn=torch.randn(rows, n * hidden, generator=gen) * 2 / (n * hidden) ** 0.5,  # mixes ~ 1-3
                         base=torch.randn(rows, generator=gen) * 0.5,
                         scale=1 + 0.3 * torch.randn(1 if head else 3, generator=gen))
 

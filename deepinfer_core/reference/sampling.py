@@ -62,7 +62,7 @@ class ReferenceSampler:
 
     def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         """Sample one token per row; see `SamplingBackend.sample`."""
-        self._check(logits, params)
+        check_sampler_inputs(self.spec, logits, params)
         logits = logits.float()
         masked = _mask_banned(logits, params.banned_token_ids)
         token_ids = masked.argmax(dim=-1)
@@ -78,26 +78,32 @@ class ReferenceSampler:
                 params.seeds[rows],
                 params.steps[rows],
             )
-        if not params.needs_logprobs and params.num_logprobs == 0:
-            nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
-            return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = raw_logprobs.gather(1, token_ids[:, None])
-        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-        output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)
-        if params.num_logprobs > 0:
-            num_top = min(params.num_logprobs, logits.shape[-1])
-            output.top_logprobs, output.top_token_ids = raw_logprobs.topk(num_top, dim=-1)
-        return output
+        return sampler_output(logits, token_ids, params)
 
-    def _check(self, logits: torch.Tensor, params: SamplingTensors) -> None:
-        if logits.dim() != 2 or logits.shape[1] != self.spec.vocab_size:
-            raise ValueError(f"logits must be [batch, {self.spec.vocab_size}], got {list(logits.shape)}")
-        if params.num_logprobs > self.spec.max_logprobs:
-            raise ValueError(
-                f"num_logprobs={params.num_logprobs} exceeds this sampler's "
-                f"max_logprobs={self.spec.max_logprobs}"
-            )
+
+
+def check_sampler_inputs(spec: SamplingSpec, logits: torch.Tensor, params: SamplingTensors) -> None:
+    """`ValueError` unless `logits` is `[batch, vocab_size]` and `params` asks for at most `max_logprobs`."""
+    if logits.dim() != 2 or logits.shape[1] != spec.vocab_size:
+        raise ValueError(f"logits must be [batch, {spec.vocab_size}], got {list(logits.shape)}")
+    if params.num_logprobs > spec.max_logprobs:
+        raise ValueError(f"num_logprobs={params.num_logprobs} exceeds this sampler's max_logprobs={spec.max_logprobs}")
+
+
+def sampler_output(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+    """The chosen `token_ids` with their logprobs and ranks under the raw log-softmax of `logits`, and the
+    top `num_logprobs`; NaN logprobs and zero ranks when no row asked for logprobs."""
+    if not params.needs_logprobs and params.num_logprobs == 0:
+        nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
+        return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = raw_logprobs.gather(1, token_ids[:, None])
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+    output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)
+    if params.num_logprobs > 0:
+        num_top = min(params.num_logprobs, logits.shape[-1])
+        output.top_logprobs, output.top_token_ids = raw_logprobs.topk(num_top, dim=-1)
+    return output
 
 
 def _mask_banned(logits: torch.Tensor, banned_token_ids: list[list[int]] | None) -> torch.Tensor:

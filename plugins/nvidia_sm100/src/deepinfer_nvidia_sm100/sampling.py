@@ -14,7 +14,12 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
-from deepinfer_core.reference.sampling import _apply_top_k_top_p, _mask_banned
+from deepinfer_core.reference.sampling import (
+    _apply_top_k_top_p,
+    _mask_banned,
+    check_sampler_inputs,
+    sampler_output,
+)
 
 BLOCK_V = 2048
 
@@ -87,12 +92,7 @@ class CudaSampler:
 
     def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         """Sample one token per row; see `SamplingBackend.sample`."""
-        if logits.dim() != 2 or logits.shape[1] != self.spec.vocab_size:
-            raise ValueError(f"logits must be [batch, {self.spec.vocab_size}], got {list(logits.shape)}")
-        if params.num_logprobs > self.spec.max_logprobs:
-            raise ValueError(
-                f"num_logprobs={params.num_logprobs} exceeds this sampler's max_logprobs={self.spec.max_logprobs}"
-            )
+        check_sampler_inputs(self.spec, logits, params)
         logits = logits.float()
         masked = _mask_banned(logits, params.banned_token_ids)
         token_ids = masked.argmax(dim=-1)
@@ -124,14 +124,4 @@ class CudaSampler:
                 scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
             drawn = gumbel_argmax(scaled, params.seeds, params.steps)
             token_ids = torch.where(is_sampled, drawn, token_ids)
-        if not params.needs_logprobs and params.num_logprobs == 0:
-            nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
-            return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = raw_logprobs.gather(1, token_ids[:, None])
-        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-        output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)
-        if params.num_logprobs > 0:
-            num_top = min(params.num_logprobs, vocab_size)
-            output.top_logprobs, output.top_token_ids = raw_logprobs.topk(num_top, dim=-1)
-        return output
+        return sampler_output(logits, token_ids, params)

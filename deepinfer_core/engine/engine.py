@@ -212,10 +212,8 @@ class Engine:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += 1
-            num_tokens = len(seq.token_ids)
-            num_output_tokens = num_tokens - seq.num_prompt_tokens
-            reason = check_stop(params, token, num_output_tokens, eos_token_ids, num_tokens >= max_model_len)
-            if (params.stop and reason != "stop" and num_output_tokens >= params.min_tokens
+            reason = check_stop(params, token, seq.num_output_tokens, eos_token_ids, seq.num_tokens >= max_model_len)
+            if (params.stop and reason != "stop" and seq.num_output_tokens >= params.min_tokens
                     and self._match_stop_string(completion)):
                 reason = "stop"
             elif reason == "stop" and token in params.stop_token_ids:

@@ -73,7 +73,7 @@ def prepare_sampling_tensors(
     floats += [p.top_p for p in params]
     floats += [p.min_p for p in params]
     ints = [p.top_k for p in params]
-    ints += [seed - (1 << 64) if seed >= 1 << 63 else seed for seed in seeds]  # seed_to_int64, inlined
+    ints += [seed_to_int64(seed) for seed in seeds]
     ints += num_generated
     rows = len(params)
     temperature, top_p, min_p = host_tensor(floats, torch.float32).to(device, non_blocking=True).view(3, rows).unbind(0)

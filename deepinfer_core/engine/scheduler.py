@@ -233,25 +233,20 @@ class Scheduler:
         return step.budget > 0 and len(step.batch) < self.config.max_num_seqs
 
     def _schedule_decodes(self, step: _Step) -> None:
-        running, block_size, max_num_seqs = SequenceStatus.RUNNING, self.config.block_size, self.config.max_num_seqs
-        batch = step.batch
         for seq in list(self.running):
-            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-            if seq.status is not running or num_uncomputed > 1:
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
                 continue  # preempted by an older sequence this step, or prefilling
-            if num_uncomputed < 1:
+            if seq.num_uncomputed_tokens < 1:
                 raise RuntimeError(
                     f"{seq!r} has no uncomputed token: append the sampled token (or finish the sequence) "
                     "before the next schedule()"
                 )
-            if step.budget <= 0 or len(batch.seqs) >= max_num_seqs:  # _has_room, inlined
+            if not self._has_room(step):
                 return
-            # the common case: the new token's position is inside the last block (then the sequence
-            # also fits the pool), so _make_room would neither allocate nor preempt
-            if seq.num_computed_tokens < len(seq.block_table) * block_size or self._make_room(seq, 1, step):
+            if self._make_room(seq, 1, step):
                 step.add(seq, 1)
                 self.stats.num_decode_tokens += 1
-            elif seq.status is running:
+            elif seq.status is SequenceStatus.RUNNING:
                 self._preempt(seq)
                 step.is_memory_short = True
 
@@ -315,6 +310,8 @@ class Scheduler:
         False, with nothing allocated, when `seq` is the newest unscheduled sequence and still does not
         fit, or when it can never fit (then it is finished with FINISHED_LENGTH).
         """
+        if seq.num_tokens <= len(seq.block_table) * self.config.block_size:
+            return True  # its blocks hold every token already (a decode inside its last block, usually)
         if self._exceeds_pool(seq):
             self._finish_here(seq)
             return False

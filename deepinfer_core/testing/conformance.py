@@ -27,33 +27,15 @@ from deepinfer_core.testing.cases import (
     random_sampling_case,
     round_to,
 )
+from deepinfer_core.testing.compare import TOLERANCES, assert_close, tolerances
 from deepinfer_core.testing.layer_ops_conformance import check_layer_ops
 
-__all__ = ["check_attention", "check_indexer_selection", "check_layer_ops", "check_moe", "check_sampler", "tolerances"]
+__all__ = [
+    "TOLERANCES", "check_attention", "check_indexer_selection", "check_layer_ops", "check_moe", "check_sampler",
+    "tolerances",
+]
 
 CPU = torch.device("cpu")
-TOLERANCES = {
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (5e-3, 5e-3),
-    torch.bfloat16: (2e-2, 2e-2),
-}
-"""Default `(atol, rtol)` per candidate dtype, for outputs of order 1."""
-
-
-def tolerances(dtype: torch.dtype, atol: float | None = None, rtol: float | None = None) -> tuple[float, float]:
-    """`(atol, rtol)` for `dtype`, each overridden when given."""
-    default_atol, default_rtol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
-    return (default_atol if atol is None else atol, default_rtol if rtol is None else rtol)
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str) -> None:
-    actual = actual.detach().float().cpu()
-    if actual.shape != expected.shape:
-        raise AssertionError(f"{what}: shape {list(actual.shape)}, expected {list(expected.shape)}")
-    if torch.isnan(actual).any():
-        raise AssertionError(f"{what}: NaN in the output (did the backend read a cache row it must not?)")
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
-
 
 # ---------------------------------------------------------------------------------------------------
 # Attention
@@ -96,7 +78,7 @@ def check_attention(backend: AttentionBackend, device: torch.device, dtype: torc
         expected = reference.forward(reference_case.q, reference_case.kv, reference_case.window,
                                      reference_case.compressed, reference_case.sinks, reference_case.metadata,
                                      reference_case.topk_indices, reference_case.num_entries)
-        _assert_close(actual, expected, atol, rtol, f"attention forward, {name}, {spec}")
+        assert_close(actual, expected, atol, rtol, f"attention forward, {name}, {spec}")
         if spec.is_sparse:
             check_indexer_selection(backend, candidate_case, reference_case, atol, rtol, name)
 
@@ -163,7 +145,7 @@ def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | No
             raise AssertionError(f"moe forward returned {actual.dtype}, expected the input's {dtype}")
         expected = reference.forward(round_to(x, dtype), input_ids, reference_weights)
         routing = "score bias decides" if bias_decides else "scores decide"
-        _assert_close(actual, expected, atol, rtol, f"moe forward, {num_tokens} tokens, {routing}, {spec}")
+        assert_close(actual, expected, atol, rtol, f"moe forward, {num_tokens} tokens, {routing}, {spec}")
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -206,13 +188,13 @@ def check_sampler(backend: SamplingBackend, device: torch.device, dtype: torch.d
                              f"expected {expected.token_ids[is_greedy].tolist()}")
     raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, tokens[:, None]).squeeze(1)
-    _assert_close(actual.logprobs, chosen, atol, rtol, "logprobs of the chosen tokens")
+    assert_close(actual.logprobs, chosen, atol, rtol, "logprobs of the chosen tokens")
     expected_ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
     if not torch.equal(actual.ranks.cpu(), expected_ranks):
         raise AssertionError(f"ranks {actual.ranks.tolist()}, expected {expected_ranks.tolist()}")
     if actual.top_logprobs is None or actual.top_token_ids is None:
         raise AssertionError(f"num_logprobs={params.num_logprobs} but no top logprobs were returned")
-    _assert_close(actual.top_logprobs, expected.top_logprobs, atol, rtol, "top logprobs")
+    assert_close(actual.top_logprobs, expected.top_logprobs, atol, rtol, "top logprobs")
     if not torch.equal(actual.top_token_ids.cpu(), expected.top_token_ids):
         raise AssertionError("top token ids differ from the reference")
     _check_support(tokens, logits, params)

@@ -15,18 +15,11 @@ import torch
 
 from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOps
 from deepinfer_core.testing.cases import round_to
+from deepinfer_core.testing.compare import assert_close, tolerances
 
 CPU = torch.device("cpu")
 MIX_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 """Mixing weights are fp32 but computed from dtype-rounded streams."""
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str) -> None:
-    actual = actual.detach().float().cpu()
-    if actual.shape != expected.shape:
-        raise AssertionError(f"{what}: shape {list(actual.shape)}, expected {list(expected.shape)}")
-    torch.testing.assert_close(actual, expected.float(), atol=atol, rtol=rtol, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def _hyper(n: int, hidden: int, head: bool, gen: torch.Generator) -> HyperWeights:
@@ -57,18 +50,18 @@ def check_hyper_connections(backend: LayerOps, reference: LayerOps, device: torc
                                                                    streams[:, :1].expand(-1, n, -1))):
         post, comb, x = backend.hc_pre(candidate, dev_hc, dev_norm)
         want = reference.hc_pre(expected_in, hc, norm)
-        _close(post, want[0], mix, mix, f"{what}: post")
-        _close(comb, want[1], mix, mix, f"{what}: comb")
-        _close(x, want[2], atol, rtol, f"{what}: block input")
+        assert_close(post, want[0], mix, mix, f"{what}: post")
+        assert_close(comb, want[1], mix, mix, f"{what}: comb")
+        assert_close(x, want[2], atol, rtol, f"{what}: block input")
     post, comb, _ = reference.hc_pre(streams, hc, norm)
     got = backend.hc_post_pre(on, out.to(device, dtype), post.to(device), comb.to(device), dev_hc, dev_norm)
     want = reference.hc_post_pre(streams, out, post, comb, hc, norm)
     for name, a, b, tol in zip(("new streams", "post", "comb", "block input"), got, want, (atol, mix, mix, atol)):
-        _close(a, b, tol, rtol if tol == atol else mix, f"hc_post_pre: {name}")
+        assert_close(a, b, tol, rtol if tol == atol else mix, f"hc_post_pre: {name}")
     rows = torch.tensor([num_tokens - 1, 0])
     got = backend.hc_post_head(on, out.to(device, dtype), post.to(device), comb.to(device), rows.to(device),
                                dev_head, dev_norm)
-    _close(got, reference.hc_post_head(streams, out, post, comb, rows, head, norm), atol, rtol, "hc_post_head")
+    assert_close(got, reference.hc_post_head(streams, out, post, comb, rows, head, norm), atol, rtol, "hc_post_head")
 
 
 def check_norm_and_rope(backend: LayerOps, reference: LayerOps, device: torch.device, dtype: torch.dtype,
@@ -82,9 +75,9 @@ def check_norm_and_rope(backend: LayerOps, reference: LayerOps, device: torch.de
         got = backend.rms_norm(x.to(device, dtype), None if weight is None else weight.to(device),
                                dc if rope else None, ds if rope else None)
         want = reference.rms_norm(x, weight, cos if rope else None, sin if rope else None)
-        _close(got, want, atol, rtol, f"rms_norm {list(shape)} weighted={weighted} rope={rope}")
+        assert_close(got, want, atol, rtol, f"rms_norm {list(shape)} weighted={weighted} rope={rope}")
     x = round_to(torch.randn(num_tokens, 4, 32, generator=gen), dtype)
-    _close(backend.rotary(x.to(device, dtype), dc, -ds), reference.rotary(x, cos, -sin), atol, rtol, "rotary")
+    assert_close(backend.rotary(x.to(device, dtype), dc, -ds), reference.rotary(x, cos, -sin), atol, rtol, "rotary")
 
 
 def _compress_step(rate: int, overlap: bool, width: int, query_lens: list[int], starts: list[int],
@@ -138,21 +131,21 @@ def check_compress(backend: LayerOps, reference: LayerOps, device: torch.device,
             reference.compress(t["kv"], t["gate"], weights, metadata, t["kv_tail"], t["gate_tail"], t["entries"],
                                t["no_write_before"])
             what = f"compress rate={rate} overlap={overlap} {name}"
-            _close(dev["entries"][:-1], t["entries"][:-1], atol, rtol, f"{what}: entries (NaN rows must stay NaN)")
-            _close(dev["kv_tail"], t["kv_tail"], atol, rtol, f"{what}: kv tail")
-            _close(dev["gate_tail"], t["gate_tail"], atol, rtol, f"{what}: gate tail")
+            assert_close(dev["entries"][:-1], t["entries"][:-1], atol, rtol, f"{what}: entries (NaN rows must stay NaN)",
+                         equal_nan=True)
+            assert_close(dev["kv_tail"], t["kv_tail"], atol, rtol, f"{what}: kv tail")
+            assert_close(dev["gate_tail"], t["gate_tail"], atol, rtol, f"{what}: gate tail")
             window = round_to(torch.randn(len(lens) + 1, 16, 8, generator=gen), dtype)
             dev_window, keys = window.to(device, dtype, copy=True), t["kv"][:, :8]
             backend.write_window(dev_meta, dev_window, keys.to(device, dtype))
             reference.write_window(metadata, window, keys)
-            _close(dev_window, window, 0, 0, f"write_window {name}")
+            assert_close(dev_window, window, 0, 0, f"write_window {name}")
 
 
 def check_layer_ops(backend: LayerOps, device: torch.device, dtype: torch.dtype | None = None,
                     atol: float | None = None, rtol: float | None = None, seed: int = 0) -> None:
     """Every `LayerOps` method against the reference (mHC at the spec's hidden size and hc_mult)."""
     from deepinfer_core.reference.layer_ops import ReferenceLayerOps
-    from deepinfer_core.testing.conformance import tolerances
 
     dtype = dtype or backend.spec.dtype
     atol, rtol = tolerances(dtype, atol, rtol)

@@ -203,6 +203,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             layer.self_attn.bind(self.rotary[layer.self_attn.plan.rope])
             layer.mlp.shared_experts.bind()
         self.hc_weights = [(layer.attn_hc.weights(), layer.ffn_hc.weights()) for layer in self.model.layers]
+        self.head_weights = self.model.hc_head.weights()
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {name: rotary.cos_sin(positions) for name, rotary in self.rotary.items()}
@@ -222,6 +223,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             if i + 1 < len(layers):
                 streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i + 1][0],
                                                          layers[i + 1].input_layernorm.weight)
-        hidden = ops.hc_post_head(streams, out, post, comb, logits_indices, self.model.hc_head.weights(),
+        hidden = ops.hc_post_head(streams, out, post, comb, logits_indices, self.head_weights,
                                   self.model.norm.weight)
         return F.linear(hidden, self.lm_head.weight).float()

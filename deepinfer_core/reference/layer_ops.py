@@ -33,11 +33,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
 
 
+def mixes(streams: torch.Tensor, hc: HyperWeights, spec: LayerOpsSpec) -> torch.Tensor:
+    """`rms(streams.flatten(1)) @ hc.fn.T` in fp32: one row of raw mixing logits per token."""
+    return F.linear(unweighted_rms_norm(streams.flatten(1).float(), spec.rms_norm_eps), hc.fn)
+
+
 def hyper_mix(streams: torch.Tensor, hc: HyperWeights, spec: LayerOpsSpec) -> tuple[torch.Tensor, ...]:
     """`(pre, post, comb)` mixing weights (fp32) of one block site for `streams` `[T, n, D]`."""
     n, eps = spec.hc_mult, spec.hc_eps
-    flat = unweighted_rms_norm(streams.flatten(1).float(), spec.rms_norm_eps)
-    pre_w, post_w, comb_w = F.linear(flat, hc.fn).split([n, n, n * n], dim=-1)
+    pre_w, post_w, comb_w = mixes(streams, hc, spec).split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
     pre = torch.sigmoid(pre_w * hc.scale[0] + pre_b) + eps
     post = 2 * torch.sigmoid(post_w * hc.scale[1] + post_b)
@@ -75,8 +79,7 @@ class ReferenceLayerOps:
 
     def hc_post_head(self, streams, block_out, post, comb, rows, head: HyperWeights, norm_weight):
         new = hyper_residual(streams[rows], block_out[rows], post[rows], comb[rows])
-        flat = unweighted_rms_norm(new.flatten(1).float(), self.spec.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, head.fn) * head.scale + head.base) + self.spec.hc_eps
+        pre = torch.sigmoid(mixes(new, head, self.spec) * head.scale + head.base) + self.spec.hc_eps
         return weighted_rms_norm(collapse(new, pre), norm_weight, self.spec.rms_norm_eps)
 
     def rms_norm(self, x, weight, cos=None, sin=None):

@@ -119,7 +119,7 @@ class ModelRunner:
         if self._is_graph_step(seqs, num_new_tokens):
             sampled = list(range(len(seqs)))
             tensors = self._sampling_tensors(seqs, sampled)  # before the launch: its copies then need no wait
-            return self._sample(sampled, self._run_graph(seqs), tensors, {})
+            return self._sample(sampled, self.graphs.run(seqs), tensors, {})
         ctx, logits_indices, sampled, prompt_spans = self.prepare_inputs(seqs, num_new_tokens)
         tensors = self._sampling_tensors(seqs, sampled)
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
@@ -145,9 +145,6 @@ class ModelRunner:
             self.graphs is not None and self.graphs.can_run(len(seqs)) and all(n == 1 for n in num_new_tokens)
             and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs)
         )
-
-    def _run_graph(self, seqs) -> torch.Tensor:
-        return self.graphs.run(seqs)
 
     @functools.cached_property
     def _compress_rates(self) -> set[int]:

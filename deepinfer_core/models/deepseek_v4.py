@@ -46,8 +46,8 @@ class ForwardContext:
 
     metadata: AttentionMetadata
     input_ids: torch.Tensor
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    """`main` / `compress` cos and sin for every token."""
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """`main` / `compress` cos, sin and -sin (the inverse rotation) for every token."""
     num_entries: dict[int, torch.Tensor]
     """Per compress rate, `[num_seqs]` entries each request has after this step."""
     no_write_before: torch.Tensor
@@ -94,7 +94,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, backend: AttentionBackend,
                 ops: LayerOps) -> torch.Tensor:
         meta, num_tokens = ctx.metadata, x.shape[0]
-        cos, sin = ctx.rope[self.plan.rope]
+        cos, sin, minus_sin = ctx.rope[self.plan.rope]
         q_a, kv, *compressor_rows = self.x_projections(x)
         q_residual = ops.rms_norm(q_a, self.q_a_norm.weight)
         q, *index_q = self.q_projections(q_residual)
@@ -117,7 +117,7 @@ class Attention(nn.Module):
 
         out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
         ops.write_window(meta, cache.window, kv)
-        out = ops.rotary(out, cos, -sin)
+        out = ops.rotary(out, cos, minus_sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, self.o_groups, -1)))
 
 
@@ -205,8 +205,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_weights = [(layer.attn_hc.weights(), layer.ffn_hc.weights()) for layer in self.model.layers]
         self.head_weights = self.model.hc_head.weights()
 
-    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {name: rotary.cos_sin(positions) for name, rotary in self.rotary.items()}
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per rope kind, cos, sin and -sin of `positions`, computed once a step for every layer."""
+        tables = {}
+        for name, rotary in self.rotary.items():
+            cos, sin = rotary.cos_sin(positions)
+            tables[name] = (cos, sin, -sin)
+        return tables
 
     @torch.inference_mode()
     def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import tempfile
 import time
 import traceback
@@ -324,6 +325,9 @@ def main() -> None:
     )
     parser.add_argument("--eager", action="store_true", help="never capture CUDA graphs (enforce_eager)")
     parser.add_argument(
+        "--sync-steps", action="store_true", help="no overlapped decode (async_scheduling=False)"
+    )
+    parser.add_argument(
         "--max-batched-tokens",
         type=int,
         default=None,
@@ -355,6 +359,7 @@ def main() -> None:
     engine = (
         build_engine(
             config, model, device, dtype, max(batches), args.new_tokens, args.eager, args.max_batched_tokens,
+            False if args.sync_steps else None,
         )
         if "deepinfer" in sides
         else None
@@ -417,6 +422,7 @@ def build_engine(
     new_tokens: int,
     enforce_eager: bool = False,
     max_batched_tokens: int | None = None,
+    async_scheduling: bool | None = None,
 ):
     """The engine on the transformers model's own tensors (no second copy of the weights)."""
     from deepinfer_core.config import EngineConfig
@@ -434,6 +440,7 @@ def build_engine(
         num_kv_blocks=2 * max_batch * blocks_per_seq + 8,
         enforce_eager=enforce_eager,
         max_num_batched_tokens=max_batched_tokens,
+        async_scheduling=async_scheduling,
     )
     weights = dict(model.state_dict())
     start = time.perf_counter()
@@ -455,6 +462,8 @@ def build_engine(
                     "sampler": type(engine.runner.sampler).__name__,
                 },
                 "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                "async_scheduling": engine._overlap,
                 "build_s": round(build_s, 2),
             }
         ),
@@ -536,6 +545,32 @@ def profile_prefill(engine, prompts: list[list[int]]) -> None:
             f"  {e.self_device_time_total / 1e3:8.3f} ms {e.self_device_time_total / total_us:6.1%} "
             f"x{e.count:<5d} {e.key[:90]}"
         )
+    if torch.cuda.is_available():
+        syncs = host_syncs(lambda: engine_generate(engine, prompts, 1))
+        print(json.dumps({"prefill_host_syncs": syncs}), flush=True)
+
+
+def host_syncs(run) -> dict[str, int]:
+    """Where `run` makes the host wait for the device (torch's sync debug mode), by call site."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "deepinfer" in f.filename]
+        sites[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[::-1][:3])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(sites.most_common(20))
 
 
 def graph_parity(engine, eager, prompts: list[list[int]], new_tokens: int) -> None:

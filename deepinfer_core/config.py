@@ -333,9 +333,9 @@ class EngineConfig(BaseModel):
     """What the engine is asked to do; `resolve(model_config)` fills the model-dependent defaults.
 
     Defaults: `max_model_len` = min(max_position_embeddings, 8192); `max_num_batched_tokens` (the
-    per-step token budget; prefill is chunked to fit it) = max(2048, min(max_model_len, 8192),
-    max_num_seqs), so one step takes a whole default-length prompt and every running sequence's decode
-    token, but a long context does not blow up step memory.
+    per-step token budget; prefill is chunked to fit it) = max(8192, max_num_seqs): large enough that a
+    prefill step reads each routed expert's weights for many tokens, small enough that a long context
+    does not blow up step memory.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -359,6 +359,11 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
+    async_scheduling: bool | None = Field(
+        None,
+        description="Overlap decode steps: launch the next step from the sampled tokens still on the "
+        "device while the host handles the last one's outputs; None turns it on for CUDA devices.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -384,7 +389,7 @@ class EngineConfig(BaseModel):
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}); lower max_model_len"
             )
-        budget = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192), self.max_num_seqs)
+        budget = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
         try:
             return EngineConfig.model_validate(
                 {**self.model_dump(), "max_model_len": max_model_len, "max_num_batched_tokens": budget}

@@ -63,6 +63,7 @@ class FakeSeq:
     replay_start: int = 0
     no_write_before: int = 0
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
 
     @property
     def num_tokens(self) -> int:

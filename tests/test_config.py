@@ -177,9 +177,10 @@ def test_engine_config_resolves_defaults(model_dir):
     model = engine.load_model_config()
     resolved = engine.resolve(model)
     assert resolved.max_model_len == 4096
-    assert resolved.max_num_batched_tokens == 4096
+    assert resolved.max_num_batched_tokens == 8192
     assert engine.max_model_len is None  # resolve returns a copy
-    assert EngineConfig(model=str(model_dir), max_model_len=100).resolve(model).max_num_batched_tokens == 2048
+    assert EngineConfig(model=str(model_dir), max_model_len=100).resolve(model).max_num_batched_tokens == 8192
+    assert EngineConfig(model=str(model_dir), max_num_seqs=9000).resolve(model).max_num_batched_tokens == 9000
     assert engine.torch_dtype(model) == torch.float16
     assert EngineConfig(model=str(model_dir), dtype="float32").torch_dtype(model) == torch.float32
     assert engine.torch_dtype(ModelConfig.from_dict({})) == torch.bfloat16

@@ -111,14 +111,15 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def run(self, seqs) -> torch.Tensor:
+    def run(self, seqs, carried=None) -> torch.Tensor:
         """Decode one token of each of `seqs` (each computes its last token, `num_computed_tokens + 1 ==
-        num_tokens`) by replaying the smallest graph that fits; return fp32 logits for their rows."""
+        num_tokens`) by replaying the smallest graph that fits; return fp32 logits for their rows.
+        Pending last tokens come from `carried` (a `CarriedTokens`) on the device."""
         n = len(seqs)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = size - n
         scratch_slot = self.runner.kv_cache.scratch_slot
-        host = [s.token_ids[-1] for s in seqs]
+        host = [max(s.token_ids[-1], 0) for s in seqs]  # a pending token (-1) is filled below
         host += [0] * pad
         host += [s.num_computed_tokens for s in seqs]
         host += [0] * pad
@@ -129,6 +130,8 @@ class DecodeGraphs:
         host += [s.replay_start for s in seqs]
         host += [0] * pad
         self.inputs[:, :size] = host_tensor(host).view(5, size).to(self.runner.device, non_blocking=True)
+        if carried is not None:
+            carried.fill(self.input_ids, seqs)
         self.slot_tables.sync(seqs)
         self.slot_tables.gather(self.slots[:size], self.block_tables[:size])
         if size not in self.graphs:  # not captured (e.g. on the CPU): same padded step, run eagerly

@@ -2,6 +2,14 @@
 
 `add_request` validates and queues; `step` asks the scheduler for a batch, runs it on the runner,
 appends sampled tokens, applies stop rules and reports every request that progressed.
+
+Overlapped decode (`async_scheduling`): a step whose batch is all decodes is left in flight. Its
+sequences get a `PENDING_TOKEN`, so the next step can be scheduled and launched at once, reading those
+tokens on the device; only then does the host wait for the step in flight's tokens (copied back
+without blocking the stream), write them in and apply stop rules. The device never waits for the host
+between decode steps. A sequence that stops ran one step more than it needed; that token is dropped.
+Any step that is not all decodes (a prefill, an admission, a sequence waiting) first settles the step
+in flight, so prefill and preemption see only real tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +27,10 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE
-from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.runner import CarriedTokens, ModelRunner
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.tokenizer import load_tokenizer
@@ -58,6 +66,17 @@ class _Completion:
     """Where the text is cut when a stop string matched."""
     partial_text: IncrementalText | None = None
     """Text of an unfinished completion, decoded incrementally."""
+
+
+@dataclass
+class _InFlight:
+    """A launched decode step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    output: SamplerOutput
+    """Host copies of the sampler's output, valid once `ready` has fired."""
+    ready: torch.cuda.Event | None
+    carried: CarriedTokens
 
 
 @dataclass
@@ -105,6 +124,9 @@ class Engine:
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, _Completion] = {}
+        overlap = self.config.async_scheduling
+        self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _InFlight | None = None
         self._seed_source = random.Random(self.config.seed)
         self._token_texts: dict[int, str] = {}
         """Single-token decodes (special tokens kept), for logprobs."""
@@ -170,37 +192,86 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that progressed or finished."""
+        """Run one scheduled batch; return an output for every request that progressed or finished.
+
+        With overlapped decode a decode step's tokens are reported by the step after it."""
+        touched: dict[str, _Request] = {}
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and not self._can_overlap():
+            self._settle(in_flight, touched)
+            in_flight = None
         batch = self.scheduler.schedule()
         owner = self._seq_owner
-        touched: dict[str, _Request] = {}
         for seq in self.scheduler.pop_finished():
             request = owner[seq.request_id].request
             touched[request.request_id] = request
-        if batch is not None:
-            now = time.time()
-            for seq in batch.seqs:
-                request = owner[seq.request_id].request
-                if not request.metrics.first_scheduled_time:
-                    request.metrics.first_scheduled_time = now
-                request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
-            result = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        if batch is None:
+            return [self._finish_output(request) for request in touched.values()]
+        now = time.time()
+        for seq in batch.seqs:
+            request = owner[seq.request_id].request
+            if not request.metrics.first_scheduled_time:
+                request.metrics.first_scheduled_time = now
+            request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
+        carried = in_flight.carried if in_flight is not None else None
+        result = self.runner.execute(batch.seqs, batch.num_new_tokens, carried)
+        if self._overlap and result.output is not None and len(result.sampled) == len(batch.seqs) \
+                and not result.prompt_logits and all(n == 1 for n in batch.num_new_tokens):
+            launched = _launch_copy(batch.seqs, result.output)
+            if in_flight is not None:
+                self._settle(in_flight, touched)
+            outputs = [self._finish_output(request) for request in touched.values()]
             self.scheduler.postprocess(batch)
-            for i, (first, logits) in result.prompt_logits.items():
-                self._record_prompt_logprobs(batch.seqs[i], first, logits)
-            if result.output is not None:
-                seqs = batch.seqs if len(result.sampled) == len(batch.seqs) else [batch.seqs[i] for i in result.sampled]
-                self._append_tokens(seqs, result.output, touched)
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    seq.append_token(PENDING_TOKEN)
+            self._in_flight = launched
+            return outputs
+        if in_flight is not None:
+            raise RuntimeError("a step in flight was not settled before a step that is not all decodes")
+        self.scheduler.postprocess(batch)
+        for i, (first, logits) in result.prompt_logits.items():
+            self._record_prompt_logprobs(batch.seqs[i], first, logits)
+        if result.output is not None:
+            seqs = batch.seqs if len(result.sampled) == len(batch.seqs) else [batch.seqs[i] for i in result.sampled]
+            self._append_tokens(seqs, result.output, touched)
         return [self._finish_output(request) for request in touched.values()]
 
-    def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request]) -> None:
+    def _can_overlap(self) -> bool:
+        """Whether the next batch will be all decodes (nothing waiting, every running sequence decoding),
+        so it may launch before the step in flight is settled; not when every running sequence's
+        pending token ends it by length (that step would compute nothing anybody reads)."""
+        scheduler = self.scheduler
+        if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):
+            return False
+        max_model_len = self.config.max_model_len
+        return not all(
+            seq.num_tokens >= max_model_len
+            or (seq.sampling_params.max_tokens is not None and seq.num_output_tokens >= seq.sampling_params.max_tokens)
+            for seq in scheduler.running
+        )
+
+    def _settle(self, in_flight: _InFlight, touched: dict[str, _Request]) -> None:
+        """Wait for the step in flight's tokens and append them (see `_append_tokens`)."""
+        if in_flight.ready is not None:
+            in_flight.ready.synchronize()
+        self._append_tokens(in_flight.seqs, in_flight.output, touched, pending=True)
+
+    def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request], pending: bool = False) -> None:
+        """Add each row's token to its sequence and apply the stop rules; `pending`: the tokens replace
+        the sequences' `PENDING_TOKEN`s, and sequences that finished meanwhile are skipped."""
         now = time.time()
         owner, eos_token_ids, max_model_len = self._seq_owner, self.eos_token_ids, self.config.max_model_len
         host_output = None  # the logprob tensors come to the host only when some row reports them
         for row, (seq, token) in enumerate(zip(seqs, output.token_ids.tolist())):  # one device read
+            if pending:
+                if seq.is_finished:
+                    continue  # stopped or aborted while this step ran: its token is dropped
+                seq.resolve_pending(token)
+            else:
+                seq.append_token(token)
             completion = owner[seq.request_id]
             request, params = completion.request, completion.request.params
-            seq.append_token(token)
             if completion.logprobs is not None:
                 if host_output is None:
                     host_output = _host_lists(output)
@@ -322,6 +393,23 @@ class Engine:
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
         }
+
+
+def _launch_copy(seqs: list[Sequence], output: SamplerOutput) -> _InFlight:
+    """Start copying `output` to the host without blocking the stream (pinned buffers, an event)."""
+    carried = CarriedTokens(output.token_ids, {seq.request_id: row for row, seq in enumerate(seqs)})
+    if output.token_ids.device.type != "cuda":
+        return _InFlight(list(seqs), output, None, carried)
+    fields = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+    copies = {}
+    for name in fields:
+        value = getattr(output, name)
+        if value is not None:
+            copies[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            copies[name].copy_(value, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return _InFlight(list(seqs), replace(output, **copies), ready, carried)
 
 
 def _host_lists(output: SamplerOutput) -> SamplerOutput:

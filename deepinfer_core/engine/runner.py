@@ -19,6 +19,7 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.sequence import PENDING_TOKEN
 from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
 from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
 from deepinfer_core.models.weights import load_weights
@@ -37,6 +38,34 @@ class StepResult:
     prompt_logits: dict[int, tuple[int, torch.Tensor]]
     """Per sequence asking for prompt logprobs: (position of the first prompt token predicted,
     fp32 logits `[count, vocab]` predicting prompt tokens from that position on)."""
+
+
+@dataclass
+class CarriedTokens:
+    """Tokens sampled by the step still in flight: `tokens[rows[request_id]]` on the device is the real
+    id of that sequence's trailing `PENDING_TOKEN`."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
+
+    def fill(self, input_ids: torch.Tensor, seqs, flat_rows: list[int] | None = None) -> None:
+        """Write the carried token into `input_ids` for each of `seqs` whose last token is pending;
+        seq `i`'s last token sits at `flat_rows[i]` (default `i`)."""
+        dst, src = [], []
+        for i, seq in enumerate(seqs):
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                row = self.rows.get(seq.request_id)
+                if row is None:
+                    raise RuntimeError(f"{seq!r} has a pending token that no step in flight sampled")
+                dst.append(i if flat_rows is None else flat_rows[i])
+                src.append(row)
+        if not dst:
+            return
+        if dst == src and len(src) == self.tokens.numel():  # the same batch again, in the same order
+            input_ids[: len(dst)].copy_(self.tokens)
+            return
+        index = host_tensor(dst + src).to(input_ids.device, non_blocking=True).view(2, -1)
+        input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]).to(input_ids.dtype))
 
 
 class ModelRunner:
@@ -114,13 +143,17 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def execute(self, seqs, num_new_tokens: list[int]) -> StepResult:
-        """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed."""
+    def execute(self, seqs, num_new_tokens: list[int], carried: CarriedTokens | None = None) -> StepResult:
+        """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed.
+
+        A sequence whose last token is `PENDING_TOKEN` takes it from `carried` on the device."""
         if self._is_graph_step(seqs, num_new_tokens):
             sampled = list(range(len(seqs)))
             tensors = self._sampling_tensors(seqs, sampled)  # before the launch: its copies then need no wait
-            return self._sample(sampled, self.graphs.run(seqs), tensors, {})
+            return self._sample(sampled, self.graphs.run(seqs, carried), tensors, {})
         ctx, logits_indices, sampled, prompt_spans = self.prepare_inputs(seqs, num_new_tokens)
+        if carried is not None:
+            carried.fill(ctx.input_ids, seqs, list(accumulate(num_new_tokens, initial=-1))[1:])
         tensors = self._sampling_tensors(seqs, sampled)
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
@@ -160,6 +193,8 @@ class ModelRunner:
         for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new_tokens)):
             end = start + n
             ids += seq.token_ids[start:end]
+            if end == seq.num_tokens and ids[-1] == PENDING_TOKEN:
+                ids[-1] = 0  # CarriedTokens.fill writes the real id on the device
             positions += range(start, end)
             totals.append(end)
             if end == seq.num_tokens:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 _SEED_BITS = 64
 
+PENDING_TOKEN = -1
+"""Stands for a sampled token that is still on the device (overlapped decode, see `Engine.step`): the
+next step reads it there, and the engine writes the real id in once it comes back."""
+
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life."""
@@ -110,8 +114,16 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The generated tokens (a copy)."""
-        return self.token_ids[len(self.prompt_token_ids) :]
+        """The generated tokens (a copy), without a trailing `PENDING_TOKEN`."""
+        ids = self.token_ids[len(self.prompt_token_ids) :]
+        if ids and ids[-1] == PENDING_TOKEN:
+            ids.pop()
+        return ids
+
+    @property
+    def is_pending(self) -> bool:
+        """True while the newest token is a `PENDING_TOKEN` (sampled, not yet read back)."""
+        return self.token_ids[-1] == PENDING_TOKEN
 
     @property
     def last_token_id(self) -> int:
@@ -139,8 +151,14 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token; it is computed (enters the cache) in the next step."""
+        """Add a sampled token (or `PENDING_TOKEN`); it is computed (enters the cache) in the next step."""
         self.token_ids.append(token_id)
+
+    def resolve_pending(self, token_id: int) -> None:
+        """Replace the trailing `PENDING_TOKEN` with the sampled id."""
+        if self.token_ids[-1] != PENDING_TOKEN:
+            raise RuntimeError(f"{self!r} has no pending token to resolve")
+        self.token_ids[-1] = token_id
 
     def reset_cache_state(self) -> None:
         """Forget everything the cache held for this sequence (preemption, or an undone admission).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.engine.cuda_graph import NO_WRITE, DecodeGraphs, SlotBlockTables, batch_ladder
+from deepinfer_core.engine.runner import CarriedTokens
+from deepinfer_core.engine.sequence import PENDING_TOKEN
 from tests.oracle import FakeSeq, all_position_logprobs, make_runner, parity_config, random_state_dict
 
 CONFIG = parity_config("sliding_csa_hca")
@@ -27,20 +29,27 @@ def test_padded_decode_equals_plain_decode(tmp_path):
         seqs = [FakeSeq(list(p), slot=i, block_table=[i]) for i, p in enumerate(prompts)]
         all_position_logprobs(runner, seqs, [len(p) for p in prompts])
         pairs.append(seqs)
+    for i, s in enumerate(pairs[1]):
+        s.request_id = f"r{i}"
     for step in range(20):  # crosses CSA (4) and HCA (16) window closes for every request
         token = 5 + step
-        for seqs in pairs:
-            for s in seqs:
-                s.token_ids.append(token)
+        for s in pairs[0]:
+            s.token_ids.append(token)
         expected = torch.cat(all_position_logprobs(plain, pairs[0], [1] * 4))
         seqs = pairs[1]
-        logits = graphs.run(seqs)
+        carried = None
+        if step % 2:  # odd steps: the token is still "on the device", in another step's row order
+            carried = CarriedTokens(torch.tensor([0, token, 0, token, token, token]), {"r0": 1, "r1": 5, "r2": 3, "r3": 4})
+            token = PENDING_TOKEN
+        for s in seqs:
+            s.token_ids.append(token)
+        logits = graphs.run(seqs, carried)
         for s in seqs:
             s.num_computed_tokens += 1
         assert logits.shape[0] == 4  # padded to a ladder size of 4 here, padding rows dropped
         assert (logits.log_softmax(-1) - expected).abs().max().item() < 1e-5, step
     for a, b in zip(plain.kv_cache.layers, padded.kv_cache.layers):
-        assert torch.equal(a.window[:4], b.window[:4])
+        torch.testing.assert_close(a.window[:4], b.window[:4], rtol=0, atol=1e-5)
         if a.compressed is not None:  # real blocks only: the scratch block and row may differ
             rows = 4 * (a.compressed.shape[0] - 1) // (plain.num_blocks + 1)
             assert torch.allclose(a.compressed[:rows], b.compressed[:rows], atol=1e-6)

@@ -9,7 +9,13 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.engine.runner import CarriedTokens
 from deepinfer_core.engine.sequence import PENDING_TOKEN, Sequence
-from tests.engine.test_engine import assert_matches_oracle, make_engine, oracle, random_prompts, run  # noqa: F401
+from tests.engine.test_engine import CONFIG, WEIGHTS, assert_matches_oracle, make_engine, random_prompts, run
+from tests.oracle import hf_model
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return hf_model(CONFIG, WEIGHTS)
 
 
 def run_streaming(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, object]:

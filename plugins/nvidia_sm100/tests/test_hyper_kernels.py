@@ -133,7 +133,7 @@ def test_cases_cover_every_kernel_path(kernels, kernel_device):
         (False, False), (False, True), (True, False)}
 
 
-@pytest.mark.parametrize("block_tokens", [2, 8, 16])
+@pytest.mark.parametrize("block_tokens", [2, 8, 16, 64])
 def test_every_block_size(kernels, kernel_device, monkeypatch, block_tokens):
     """Several tokens a program (16: the tl.dot path), a ragged last block, the fold and the head."""
     monkeypatch.setattr(kernels, "BLOCK_TOKENS", ((1 << 30, block_tokens),))

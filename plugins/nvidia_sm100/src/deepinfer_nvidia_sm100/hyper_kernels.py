@@ -23,10 +23,10 @@ import triton.language as tl
 
 from deepinfer_core.backends.layer_ops import HyperWeights, LayerOpsSpec
 
-BLOCK_TOKENS = ((32, 1),)
-"""`(up to this many tokens, tokens per program)`; `MANY_TOKENS_BLOCK` beyond. More tokens a program read
-`fn` fewer times; fewer leave the last program of a block less of the collapse to do alone."""
-MANY_TOKENS_BLOCK = 16
+BLOCK_TOKENS = ((32, 1), (1024, 16))
+"""`(up to this many tokens, tokens per program)`; 64 beyond. More tokens a program read `fn` fewer times;
+fewer leave the last program of a block less of the collapse to do alone. (H200, 8,192 tokens, V4-Flash
+sizes: 2.66 ms a call at 16 tokens a program, 1.60 ms at 64; 2,048 tokens: 0.69 / 0.51 ms.)"""
 MAX_SPLIT_BLOCKS = 256
 """Token blocks a split launch may have: the size of the arrival-counter buffer."""
 
@@ -229,15 +229,16 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
                           mask=stream_mask & d_ok, other=0.0).to(tl.float32)
         flat = tl.reshape(new, [BT, NP * BD])
         sq += flat * flat
-        # dot row k = stream * BD + channel (as `flat` is laid out); `fn` is read along k, its contiguous
-        # dim (a [k, column] tile would make neighbouring threads read addresses a whole fn row apart)
+        # dot row k = stream * BD + channel (as `flat` is laid out), loaded straight into the 2-D tile: at
+        # 8K tokens this form ran faster on the H200 than a 3-D [stream, channel, column] tile reshaped to
+        # 2-D (bench/RESULTS.md, 2026-11-29, commit bd73305)
         k_ok = ((k // BD) < N) & (d0 + k % BD < hidden)
-        fn_at = fn_ptr + fn_row[:, None] * (N * hidden) + ((k // BD) * hidden + d0 + k % BD)[None, :]
-        w_t = tl.load(fn_at, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(fn_ptr + fn_row[None, :] * (N * hidden) + ((k // BD) * hidden + d0 + k % BD)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if BT >= 16:
-            acc = tl.dot(flat, tl.trans(w_t), acc, input_precision="ieee")
+            acc = tl.dot(flat, w, acc, input_precision="ieee")
         else:
-            acc += tl.sum(flat[:, :, None] * tl.trans(w_t)[None, :, :], axis=1)
+            acc += tl.sum(flat[:, :, None] * w[None, :, :], axis=1)
     sumsq = tl.sum(sq, axis=1)
 
     if HAS_FOLD:  # the collapse reads the new streams
@@ -357,7 +358,7 @@ class LaunchPlan(NamedTuple):
 def launch_plan(num_rows: int, n: int, hidden: int, is_head: bool, device: torch.device) -> LaunchPlan:
     """How a call is cut up: `block_tokens` per program, the hidden dim in `block_d` chunks over
     `num_splits` programs per token block; more than one split when token blocks alone leave SMs idle."""
-    block_tokens = next((bt for limit, bt in BLOCK_TOKENS if num_rows <= limit), MANY_TOKENS_BLOCK)
+    block_tokens = next((bt for limit, bt in BLOCK_TOKENS if num_rows <= limit), 64)
     n_pow2 = triton.next_power_of_2(n)
     num_cols = triton.next_power_of_2(n_pow2 * (1 if is_head else 2 + n_pow2))
     if block_tokens >= 16:

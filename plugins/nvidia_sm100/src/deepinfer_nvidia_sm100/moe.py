@@ -39,9 +39,9 @@ def pick_config(num_rows: int, num_experts: int) -> GemmConfig:
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    if rows_per_expert <= 64:
-        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
-    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    # H200, V4-Flash sizes, both GEMMs: 2,048 tokens 3.84 ms (64x64 tiles: 4.55), 8,192 tokens 8.12 ms
+    # (128x128: 8.29); padding each expert's rows to 64 wastes less than to 128
+    return GemmConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 @dataclass

@@ -84,7 +84,7 @@ def make_runner(tmp_path: Path, config: dict, weights, num_slots=8, num_blocks=6
 def all_position_logprobs(runner: ModelRunner, seqs: list[FakeSeq], num_new: list[int]) -> list[torch.Tensor]:
     """Run one step and return, per sequence, the logprobs at each of its computed positions."""
     ctx = runner.prepare_inputs(seqs, num_new)[0]
-    logits = runner.model(ctx, runner.kv_cache.layers, torch.arange(sum(num_new)))
+    logits = runner.model(ctx, runner.kv_cache.layers, torch.arange(sum(num_new), device=runner.device))
     out, offset = [], 0
     for seq, n in zip(seqs, num_new):
         out.append(logits[offset : offset + n].log_softmax(-1))

@@ -66,3 +66,17 @@ def test_v4_flash_shapes_match_reference_on_gpu(cuda_device: torch.device, num_t
     )
     error = float((out.float() - expected).norm() / expected.norm())
     assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_gemm_tiles_fit_hopper_shared_memory(element_size: int) -> None:
+    """Triton keeps `num_stages - 1` copies of the gate_up kernel's tiles (x, gate and up) in shared
+    memory; an fp32 run of the bf16 prefill tiles asked for 294,912 bytes on the H200 (227 KiB a block)."""
+    pytest.importorskip("triton")
+    from deepinfer_nvidia_sm100.moe import pick_config
+
+    for num_rows in (1, 64 * 6, 512 * 6, 2048 * 6, 8192 * 6, 65536 * 6):
+        c = pick_config(num_rows, 256, element_size)
+        gate_up_bytes = (c.num_stages - 1) * (c.block_m + 2 * c.block_n) * c.block_k * element_size
+        assert gate_up_bytes <= 227 * 1024, (num_rows, c)
+    assert pick_config(8192 * 6, 256, 4) != pick_config(8192 * 6, 256, 2)

@@ -34,11 +34,16 @@ class GemmConfig:
     num_stages: int
 
 
-def pick_config(num_rows: int, num_experts: int) -> GemmConfig:
-    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill."""
+def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmConfig:
+    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill.
+
+    `element_size` is the activation/weight dtype's: fp32 tiles take twice the shared memory, so fp32
+    keeps tiles whose pipelined stages fit a Hopper SM (227 KiB)."""
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if element_size > 2:
+        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
     # H200, V4-Flash sizes, both GEMMs: 2,048 tokens 3.84 ms (64x64 tiles: 4.55), 8,192 tokens 8.12 ms
     # (128x128: 8.29); padding each expert's rows to 64 wastes less than to 128
     return GemmConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
@@ -144,7 +149,7 @@ class TritonMoE:
         num_rows = num_tokens * spec.top_k
         if num_tokens == 0:
             return torch.zeros_like(x)
-        config = config or pick_config(num_rows, spec.num_experts)
+        config = config or pick_config(num_rows, spec.num_experts, x.element_size())
         x = x.contiguous()
         gate_up, down = weights.gate_up, weights.down
         if gate_up.stride(-1) != 1 or down.stride(-1) != 1:

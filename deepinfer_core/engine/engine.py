@@ -206,6 +206,8 @@ class Engine:
             request = owner[seq.request_id].request
             touched[request.request_id] = request
         if batch is None:
+            if in_flight is not None:  # everything running was preempted: nothing to launch
+                self._settle(in_flight, touched)
             return [self._finish_output(request) for request in touched.values()]
         now = time.time()
         for seq in batch.seqs:
@@ -213,13 +215,14 @@ class Engine:
             if not request.metrics.first_scheduled_time:
                 request.metrics.first_scheduled_time = now
             request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
-        carried = in_flight.carried if in_flight is not None else None
-        result = self.runner.execute(batch.seqs, batch.num_new_tokens, carried)
+        result = self.runner.execute(batch.seqs, batch.num_new_tokens, in_flight.carried if in_flight else None)
+        launched = None
         if self._overlap and result.output is not None and len(result.sampled) == len(batch.seqs) \
                 and not result.prompt_logits and all(n == 1 for n in batch.num_new_tokens):
             launched = _launch_copy(batch.seqs, result.output)
-            if in_flight is not None:
-                self._settle(in_flight, touched)
+        if in_flight is not None:  # read only now: the device already runs this step
+            self._settle(in_flight, touched)
+        if launched is not None:
             outputs = [self._finish_output(request) for request in touched.values()]
             self.scheduler.postprocess(batch)
             for seq in batch.seqs:
@@ -227,8 +230,6 @@ class Engine:
                     seq.append_token(PENDING_TOKEN)
             self._in_flight = launched
             return outputs
-        if in_flight is not None:
-            raise RuntimeError("a step in flight was not settled before a step that is not all decodes")
         self.scheduler.postprocess(batch)
         for i, (first, logits) in result.prompt_logits.items():
             self._record_prompt_logprobs(batch.seqs[i], first, logits)
@@ -264,9 +265,9 @@ class Engine:
         owner, eos_token_ids, max_model_len = self._seq_owner, self.eos_token_ids, self.config.max_model_len
         host_output = None  # the logprob tensors come to the host only when some row reports them
         for row, (seq, token) in enumerate(zip(seqs, output.token_ids.tolist())):  # one device read
+            if seq.is_finished:
+                continue  # stopped (by the step settled before this one) or aborted: the token is dropped
             if pending:
-                if seq.is_finished:
-                    continue  # stopped or aborted while this step ran: its token is dropped
                 seq.resolve_pending(token)
             else:
                 seq.append_token(token)

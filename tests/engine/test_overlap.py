@@ -161,3 +161,21 @@ def test_carried_tokens_fill_by_request_and_reject_unknown_pending():
     assert seqs[0].output_token_ids == [42] and seqs[2].output_token_ids == []
     with pytest.raises(RuntimeError, match="no pending token"):
         seqs[0].resolve_pending(43)
+
+
+def test_a_step_that_schedules_nothing_still_settles_the_step_in_flight(tmp_path):
+    engine = make_engine(tmp_path, max_num_seqs=4, num_kv_blocks=8, async_scheduling=True)
+    reference = run(make_engine(tmp_path, max_num_seqs=4, num_kv_blocks=8, async_scheduling=False), random_prompts([12]), [8])
+    engine.add_request("0", random_prompts([12])[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: None  # as when every running sequence had to be preempted
+    progressed = engine.step()
+    engine.scheduler.schedule = schedule
+    assert engine._in_flight is None and [len(o.outputs[0].token_ids) for o in progressed] == [3]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["0"].outputs[0].token_ids == reference["0"].outputs[0].token_ids

@@ -16,9 +16,10 @@ from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
 PROMPT = [0, 5, 6, 7, 8, 9, 10, 11]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(EngineConfig(model=str(embedded_tiny_model_dir()), device="cpu", max_model_len=512))
+@pytest.fixture(scope="module", params=[False, True], ids=["step-by-step", "overlapped"])
+def engine(request) -> Engine:
+    return Engine(EngineConfig(model=str(embedded_tiny_model_dir()), device="cpu", max_model_len=512,
+                               async_scheduling=request.param))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from tests.entrypoints.live import SERVED_NAME, LiveServer, tiny_engine
 
 @pytest.fixture(scope="package")
 def live_server() -> Iterator[LiveServer]:
-    engine = tiny_engine()
+    engine = tiny_engine(async_scheduling=True)  # as it serves on a GPU: decode steps overlapped
     app = build_app(engine, served_model_name=SERVED_NAME, model_aliases=["tiny"])
     with running_server(app) as base_url:
         yield LiveServer(base_url, app.state.server, engine)

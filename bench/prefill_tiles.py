@@ -1,0 +1,146 @@
+"""Tile sweeps of the NVIDIA plugin's prefill kernels at V4-Flash sizes (bf16), one CUDA GPU.
+
+Times, with `triton.testing.do_bench`, each candidate tiling of
+- attention (16 requests x 512 prompt tokens, CSA with top-512 and HCA at rate 128): heads a program,
+  keys a step, warps, stages (`TritonAttention.tiles["prefill"]`);
+- the mHC block boundary `hc_post_pre` (hidden 4096, hc_mult 4): tokens a program beyond 1,024 tokens;
+- the routed experts' two grouped GEMMs (hidden 4096, intermediate 2048, 256 experts, top 6): `GemmConfig`;
+and prints one JSON line per candidate with its time and its largest difference from the first one.
+`bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
+
+    python bench/prefill_tiles.py [--only attention,hyper,moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+ATTENTION_TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1),
+                   (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]
+HYPER_BLOCK_TOKENS = [16, 32, 64]
+MOE_TILES = [(16, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4),
+             (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)]
+
+
+def report(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def time_variants(label: str, variants, run, **fields) -> None:
+    """Time `run(variant)` for each variant; a variant that fails to compile is reported, not fatal."""
+    from triton.testing import do_bench
+
+    first = None
+    for variant in variants:
+        try:
+            out = run(variant)
+            outs = out if isinstance(out, tuple) else (out,)
+            first = first or outs
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, first))
+            ms = do_bench(lambda v=variant: run(v), warmup=5, rep=30)
+            report(kernel=label, variant=variant, ms=round(ms, 3), max_diff_vs_first=diff, **fields)
+        except Exception as err:  # noqa: BLE001 - e.g. a tile over the shared-memory limit
+            report(kernel=label, variant=variant, error=str(err)[:200], **fields)
+
+
+def sweep_attention(device: torch.device) -> None:
+    from deepinfer_nvidia_sm100.attention import TritonAttention
+
+    from deepinfer_core.backends.attention import AttentionSpec
+    from deepinfer_core.testing.cases import random_attention_case
+
+    specs = {
+        "hca": AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=128,
+                             dtype=torch.bfloat16),
+        "csa": AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=4, index_n_heads=64,
+                             index_head_dim=128, index_topk=512, dtype=torch.bfloat16),
+    }
+    for name, spec in specs.items():
+        case = random_attention_case(spec, [512] * 16, [0] * 16, poison=False).to(device, torch.bfloat16)
+        backend = TritonAttention(spec)
+
+        def run(tiles, backend=backend, case=case):
+            backend.tiles["prefill"] = tiles
+            return backend.forward(case.q, case.kv, case.window, case.compressed, case.sinks, case.metadata,
+                                   case.topk_indices, case.num_entries)
+
+        time_variants("attention", ATTENTION_TILES, run, case=name)
+
+
+def sweep_hyper(device: torch.device) -> None:
+    from deepinfer_nvidia_sm100 import hyper_kernels
+
+    from deepinfer_core.backends.layer_ops import HyperWeights, LayerOpsSpec
+
+    hidden, n = 4096, 4
+    spec = LayerOpsSpec(hidden_size=hidden, hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+                        dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = (2 + n) * n
+    hc = HyperWeights(torch.randn(rows, n * hidden, device=device, generator=gen) * 0.01,
+                      torch.randn(rows, device=device, generator=gen) * 0.1, torch.ones(3, device=device))
+    norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    counters = hyper_kernels.new_split_counters(device)
+    kept = hyper_kernels.BLOCK_TOKENS
+    for num_tokens in (2048, 8192):
+        streams = torch.randn(num_tokens, n, hidden, device=device, dtype=torch.bfloat16)
+        block_out = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
+        post = torch.rand(num_tokens, n, device=device)
+        comb = torch.rand(num_tokens, n, n, device=device)
+
+        def run(block_tokens, streams=streams, block_out=block_out, post=post, comb=comb):
+            hyper_kernels.BLOCK_TOKENS = ((1 << 30, block_tokens),)
+            try:
+                return hyper_kernels.hc_post_pre(streams, block_out, post, comb, hc, norm_weight, spec,
+                                                 counters=counters)
+            finally:
+                hyper_kernels.BLOCK_TOKENS = kept
+
+        time_variants("hc_post_pre", HYPER_BLOCK_TOKENS, run, tokens=num_tokens)
+
+
+def sweep_moe(device: torch.device) -> None:
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+
+    from deepinfer_core.backends.moe import MoESpec, MoEWeights
+
+    hidden, inter, experts, top_k = 4096, 2048, 256, 6
+    spec = MoESpec(hidden, inter, experts, top_k, "sqrtsoftplus", 1.5, 10.0, False, torch.bfloat16)
+    weights = MoEWeights(
+        router=torch.randn(experts, hidden, device=device, dtype=torch.bfloat16) * 0.02,
+        gate_up=torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.02,
+        down=torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.02,
+    )
+    moe = TritonMoE(spec)
+    for num_tokens in (2048, 8192):
+        x = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
+        ids = torch.rand(num_tokens, experts, device=device).topk(top_k).indices.to(torch.int32)
+        topk_weights = torch.rand(num_tokens, top_k, device=device)
+
+        def run(tiles, x=x, ids=ids, topk_weights=topk_weights):
+            return moe.experts(x, ids, topk_weights, weights, GemmConfig(*tiles))
+
+        time_variants("moe_experts", MOE_TILES, run, tokens=num_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="attention,hyper,moe", help="comma-separated sweeps to run")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/prefill_tiles.py times GPU kernels: it needs a CUDA device and deepinfer-nvidia-sm100")
+    device = torch.device("cuda")
+    report(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    sweeps = {"attention": sweep_attention, "hyper": sweep_hyper, "moe": sweep_moe}
+    for name in args.only.split(","):
+        if name not in sweeps:
+            sys.exit(f"--only: unknown sweep {name!r}; choose from {', '.join(sweeps)}")
+        sweeps[name](device)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,8 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.kv_cache import BLOCK_SIZE
-from deepinfer_core.engine.runner import CarriedTokens, ModelRunner
+from deepinfer_core.engine.overlap import InFlightStep, can_overlap, is_all_decodes, launch_copy
+from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
@@ -66,17 +67,6 @@ class _Completion:
     """Where the text is cut when a stop string matched."""
     partial_text: IncrementalText | None = None
     """Text of an unfinished completion, decoded incrementally."""
-
-
-@dataclass
-class _InFlight:
-    """A launched decode step whose sampled tokens the host has not read yet."""
-
-    seqs: list[Sequence]
-    output: SamplerOutput
-    """Host copies of the sampler's output, valid once `ready` has fired."""
-    ready: torch.cuda.Event | None
-    carried: CarriedTokens
 
 
 @dataclass
@@ -126,7 +116,7 @@ class Engine:
         self._seq_owner: dict[str, _Completion] = {}
         overlap = self.config.async_scheduling
         self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlightStep | None = None
         self._seed_source = random.Random(self.config.seed)
         self._token_texts: dict[int, str] = {}
         """Single-token decodes (special tokens kept), for logprobs."""
@@ -197,7 +187,7 @@ class Engine:
         With overlapped decode a decode step's tokens are reported by the step after it."""
         touched: dict[str, _Request] = {}
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and not self._can_overlap():
+        if in_flight is not None and not can_overlap(self.scheduler, self.config.max_model_len):
             self._settle(in_flight, touched)
             in_flight = None
         batch = self.scheduler.schedule()
@@ -209,17 +199,9 @@ class Engine:
             if in_flight is not None:  # everything running was preempted: nothing to launch
                 self._settle(in_flight, touched)
             return [self._finish_output(request) for request in touched.values()]
-        now = time.time()
-        for seq in batch.seqs:
-            request = owner[seq.request_id].request
-            if not request.metrics.first_scheduled_time:
-                request.metrics.first_scheduled_time = now
-            request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
+        self._note_scheduled(batch.seqs)
         result = self.runner.execute(batch.seqs, batch.num_new_tokens, in_flight.carried if in_flight else None)
-        launched = None
-        if self._overlap and result.output is not None and len(result.sampled) == len(batch.seqs) \
-                and not result.prompt_logits and all(n == 1 for n in batch.num_new_tokens):
-            launched = _launch_copy(batch.seqs, result.output)
+        launched = launch_copy(batch.seqs, result.output) if self._overlap and is_all_decodes(batch, result) else None
         if in_flight is not None:  # read only now: the device already runs this step
             self._settle(in_flight, touched)
         if launched is not None:
@@ -238,21 +220,15 @@ class Engine:
             self._append_tokens(seqs, result.output, touched)
         return [self._finish_output(request) for request in touched.values()]
 
-    def _can_overlap(self) -> bool:
-        """Whether the next batch will be all decodes (nothing waiting, every running sequence decoding),
-        so it may launch before the step in flight is settled; not when every running sequence's
-        pending token ends it by length (that step would compute nothing anybody reads)."""
-        scheduler = self.scheduler
-        if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):
-            return False
-        max_model_len = self.config.max_model_len
-        return not all(
-            seq.num_tokens >= max_model_len
-            or (seq.sampling_params.max_tokens is not None and seq.num_output_tokens >= seq.sampling_params.max_tokens)
-            for seq in scheduler.running
-        )
+    def _note_scheduled(self, seqs: list[Sequence]) -> None:
+        now, owner = time.time(), self._seq_owner
+        for seq in seqs:
+            request = owner[seq.request_id].request
+            if not request.metrics.first_scheduled_time:
+                request.metrics.first_scheduled_time = now
+            request.num_cached_tokens = max(request.num_cached_tokens, seq.num_cached_tokens)
 
-    def _settle(self, in_flight: _InFlight, touched: dict[str, _Request]) -> None:
+    def _settle(self, in_flight: InFlightStep, touched: dict[str, _Request]) -> None:
         """Wait for the step in flight's tokens and append them (see `_append_tokens`)."""
         if in_flight.ready is not None:
             in_flight.ready.synchronize()
@@ -394,23 +370,6 @@ class Engine:
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
         }
-
-
-def _launch_copy(seqs: list[Sequence], output: SamplerOutput) -> _InFlight:
-    """Start copying `output` to the host without blocking the stream (pinned buffers, an event)."""
-    carried = CarriedTokens(output.token_ids, {seq.request_id: row for row, seq in enumerate(seqs)})
-    if output.token_ids.device.type != "cuda":
-        return _InFlight(list(seqs), output, None, carried)
-    fields = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
-    copies = {}
-    for name in fields:
-        value = getattr(output, name)
-        if value is not None:
-            copies[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            copies[name].copy_(value, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return _InFlight(list(seqs), replace(output, **copies), ready, carried)
 
 
 def _host_lists(output: SamplerOutput) -> SamplerOutput:

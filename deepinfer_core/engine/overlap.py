@@ -1,0 +1,65 @@
+"""Overlapped decode (`EngineConfig.async_scheduling`): what a decode step left in flight holds, and when
+the next step may launch before it is read. `Engine.step` drives it; docs/structures.md describes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from deepinfer_core.backends import SamplerOutput
+from deepinfer_core.engine.runner import CarriedTokens, StepResult
+from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler
+from deepinfer_core.engine.sequence import Sequence
+
+_OUTPUT_FIELDS = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
+
+
+@dataclass
+class InFlightStep:
+    """A launched decode step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    output: SamplerOutput
+    """Host copies of the sampler's output, valid once `ready` has fired."""
+    ready: torch.cuda.Event | None
+    """Recorded after the copies (None when the output already lives on the host)."""
+    carried: CarriedTokens
+    """The sampled tokens on the device, for the next step's inputs."""
+
+
+def launch_copy(seqs: list[Sequence], output: SamplerOutput) -> InFlightStep:
+    """Start copying `output` to the host without blocking the stream (pinned buffers, an event)."""
+    carried = CarriedTokens(output.token_ids, {seq.request_id: row for row, seq in enumerate(seqs)})
+    if output.token_ids.device.type != "cuda":
+        return InFlightStep(list(seqs), output, None, carried)
+    copies = {}
+    for name in _OUTPUT_FIELDS:
+        value = getattr(output, name)
+        if value is not None:
+            copies[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            copies[name].copy_(value, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return InFlightStep(list(seqs), replace(output, **copies), ready, carried)
+
+
+def is_all_decodes(batch: ScheduledBatch, result: StepResult) -> bool:
+    """Whether the executed step computed one token of every sequence and sampled each (no prompt
+    logprobs): such a step may be left in flight."""
+    return (result.output is not None and len(result.sampled) == len(batch.seqs) and not result.prompt_logits
+            and all(n == 1 for n in batch.num_new_tokens))
+
+
+def can_overlap(scheduler: Scheduler, max_model_len: int) -> bool:
+    """Whether the next batch will be all decodes (nothing waiting, every running sequence decoding), so it
+    may launch before the step in flight is settled; not when every running sequence's pending token ends
+    it by length (that step would compute nothing anybody reads)."""
+    if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):
+        return False
+    return not all(
+        seq.num_tokens >= max_model_len
+        or (seq.sampling_params.max_tokens is not None and seq.num_output_tokens >= seq.sampling_params.max_tokens)
+        for seq in scheduler.running
+    )

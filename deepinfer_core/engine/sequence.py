@@ -121,11 +121,6 @@ class Sequence:
         return ids
 
     @property
-    def is_pending(self) -> bool:
-        """True while the newest token is a `PENDING_TOKEN` (sampled, not yet read back)."""
-        return self.token_ids[-1] == PENDING_TOKEN
-
-    @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 

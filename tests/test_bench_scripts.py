@@ -1,0 +1,39 @@
+"""The GPU bench scripts still run end to end, on the CPU with a tiny model (their check modes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
+    rows = json_lines(run_script("bench/gpu_decode.py", "--tiny", "--batches", "1,2", "--new-tokens", "5"))
+    measured = {(r["side"], r["batch"]) for r in rows if "side" in r}
+    assert measured == {(side, b) for side in ("transformers", "deepinfer") for b in (1, 2)}
+    for row in rows:
+        if "side" in row:
+            assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["ttft_s"] > 0
+    parity = next(r for r in rows if "greedy_tokens_equal_bs1_8" in r)
+    assert parity["greedy_tokens_equal_bs1_8"] and len(parity["deepinfer"]) == 8
+    engine = next(r for r in rows if "backends" in r)
+    assert engine["max_num_batched_tokens"] == 8192 and engine["async_scheduling"] is False  # CPU defaults
+
+
+def test_host_overhead_reports_every_mode_and_batch():
+    table = run_script("bench/host_overhead.py", "--batch", "1,4", "--steps", "4")
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith(("| eager", "| graph"))]
+    assert sorted((mode.strip(), int(batch)) for mode, batch in rows) == [("eager", 1), ("eager", 4), ("graph", 1), ("graph", 4)]

@@ -213,3 +213,13 @@ def test_stop_strings_cut_the_text_and_end_the_completion(tmp_path):
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[:first] and len(cut.token_ids) < len(full.token_ids)
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_validate_prompt_rejects_ids_outside_the_vocabulary_and_non_integers(tmp_path):
+    engine = make_engine(tmp_path, max_num_seqs=2, num_kv_blocks=4)
+    vocab = CONFIG["vocab_size"]
+    engine.validate_prompt([0, 5, vocab - 1])
+    for prompt, shown in (([0, vocab], [vocab]), ([-1, 3], [-1]), ([3, 2.0], [2.0]), ([3, "7"], ["7"])):
+        with pytest.raises(ValueError, match="outside the vocabulary") as err:
+            engine.validate_prompt(prompt)
+        assert str(shown) in str(err.value)

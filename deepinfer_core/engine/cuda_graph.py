@@ -166,12 +166,11 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         )
         model = self.runner.model
-        rates = {p.compress_rate for p in self.runner.plans if p.has_compressor}
         ctx = ForwardContext(
             metadata=meta,
             input_ids=self.input_ids[:size],
             rope=model.rope_tables(positions),
-            num_entries={rate: (positions + 1) // rate for rate in rates},
+            num_entries={rate: (positions + 1) // rate for rate in self.runner.compress_rates},
             no_write_before=self.no_write_before[:size],
         )
         return model(ctx, self.runner.kv_cache.layers, self.rows[:size])

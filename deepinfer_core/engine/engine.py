@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -378,5 +378,5 @@ class Engine:
 
 def _host_lists(output: SamplerOutput) -> SamplerOutput:
     """`output` with every field as host lists, which `build_logprobs_entry` reads fast row by row."""
-    fields = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
-    return replace(output, **{name: getattr(output, name).tolist() for name in fields if getattr(output, name) is not None})
+    values = {f.name: getattr(output, f.name) for f in fields(output)}
+    return replace(output, **{name: value.tolist() for name, value in values.items() if value is not None})

@@ -4,16 +4,15 @@ the next step may launch before it is read. `Engine.step` drives it; docs/struct
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.engine.runner import CarriedTokens, StepResult
+from deepinfer_core.engine.sampling import ends_by_length
 from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer_core.engine.sequence import Sequence
-
-_OUTPUT_FIELDS = ("token_ids", "logprobs", "ranks", "top_token_ids", "top_logprobs")
 
 
 @dataclass
@@ -35,7 +34,7 @@ def launch_copy(seqs: list[Sequence], output: SamplerOutput) -> InFlightStep:
     if output.token_ids.device.type != "cuda":
         return InFlightStep(list(seqs), output, None, carried)
     copies = {}
-    for name in _OUTPUT_FIELDS:
+    for name in (f.name for f in fields(output)):
         value = getattr(output, name)
         if value is not None:
             copies[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
@@ -59,7 +58,6 @@ def can_overlap(scheduler: Scheduler, max_model_len: int) -> bool:
     if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):
         return False
     return not all(
-        seq.num_tokens >= max_model_len
-        or (seq.sampling_params.max_tokens is not None and seq.num_output_tokens >= seq.sampling_params.max_tokens)
+        ends_by_length(seq.sampling_params, seq.num_output_tokens, seq.num_tokens >= max_model_len)
         for seq in scheduler.running
     )

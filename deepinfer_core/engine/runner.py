@@ -180,7 +180,8 @@ class ModelRunner:
         )
 
     @functools.cached_property
-    def _compress_rates(self) -> set[int]:
+    def compress_rates(self) -> set[int]:
+        """The compression rates of the model's compressing layers (CSA and HCA)."""
         return {p.compress_rate for p in self.plans if p.has_compressor}
 
     def prepare_inputs(self, seqs, num_new_tokens: list[int]):
@@ -232,7 +233,7 @@ class ModelRunner:
             metadata=meta,
             input_ids=input_ids,
             rope=self.model.rope_tables(position_t),
-            num_entries={rate: total_t // rate for rate in self._compress_rates},
+            num_entries={rate: total_t // rate for rate in self.compress_rates},
             no_write_before=no_write_before,
         )
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}

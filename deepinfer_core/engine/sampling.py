@@ -125,11 +125,12 @@ def check_stop(
             return "stop"
         if not params.ignore_eos and token_id in eos_token_ids:
             return "stop"
-    if params.max_tokens is not None and num_generated_after >= params.max_tokens:
-        return "length"
-    if max_model_len_reached:
-        return "length"
-    return None
+    return "length" if ends_by_length(params, num_generated_after, max_model_len_reached) else None
+
+
+def ends_by_length(params: SamplingParams, num_generated: int, max_model_len_reached: bool) -> bool:
+    """Whether a completion with `num_generated` tokens is done by length (`max_tokens` or the context)."""
+    return max_model_len_reached or (params.max_tokens is not None and num_generated >= params.max_tokens)
 
 
 def build_logprobs_entry(

@@ -81,7 +81,6 @@ class ReferenceSampler:
         return sampler_output(logits, token_ids, params)
 
 
-
 def check_sampler_inputs(spec: SamplingSpec, logits: torch.Tensor, params: SamplingTensors) -> None:
     """`ValueError` unless `logits` is `[batch, vocab_size]` and `params` asks for at most `max_logprobs`."""
     if logits.dim() != 2 or logits.shape[1] != spec.vocab_size:

@@ -545,9 +545,33 @@ def profile_prefill(engine, prompts: list[list[int]]) -> None:
             f"  {e.self_device_time_total / 1e3:8.3f} ms {e.self_device_time_total / total_us:6.1%} "
             f"x{e.count:<5d} {e.key[:90]}"
         )
+    print(json.dumps(device_gaps(prof)), flush=True)
     if torch.cuda.is_available():
         syncs = host_syncs(lambda: engine_generate(engine, prompts, 1))
         print(json.dumps({"prefill_host_syncs": syncs}), flush=True)
+
+
+def device_gaps(prof, top: int = 8) -> dict:
+    """When the device sat idle in a profile: before its first kernel (after the first host op began),
+    between kernels (the `top` longest gaps, with the kernels on either side) and after its last."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = [e.time_range for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    if not kernels or not host:
+        return {"device_gaps": "no kernels or host ops recorded"}
+    gaps, busy_until = [], kernels[0][1]
+    for (start, end, name), (_, _, before) in zip(kernels[1:], kernels):
+        if start > busy_until:
+            gaps.append((start - busy_until, before, name))
+        busy_until = max(busy_until, end)
+    gaps.sort(reverse=True)
+    return {
+        "device_gaps": "prefill",
+        "before_first_kernel_ms": round((kernels[0][0] - min(r.start for r in host)) / 1e3, 3),
+        "between_kernels_ms": round(sum(g for g, _, _ in gaps) / 1e3, 3),
+        "after_last_kernel_ms": round((max(r.end for r in host) - busy_until) / 1e3, 3),
+        "longest": [[round(g / 1e3, 3), before[:40], after[:40]] for g, before, after in gaps[:top]],
+    }
 
 
 def host_syncs(run) -> dict[str, int]:

@@ -3,7 +3,8 @@
 Times, with `triton.testing.do_bench`, each candidate tiling of
 - attention (16 requests x 512 prompt tokens, CSA with top-512 and HCA at rate 128): heads a program,
   keys a step, warps, stages (`TritonAttention.tiles["prefill"]`);
-- the mHC block boundary `hc_post_pre` (hidden 4096, hc_mult 4): tokens a program beyond 1,024 tokens;
+- the mHC block boundary `hc_post_pre` (hidden 4096, hc_mult 4): tokens a program beyond 1,024 tokens, one
+  launch or two, the `fn` dot in fp32 or on tensor cores;
 - the routed experts' two grouped GEMMs (hidden 4096, intermediate 2048, 256 experts, top 6): `GemmConfig`;
 and prints one JSON line per candidate with its time and its largest difference from the first one.
 `bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
@@ -21,9 +22,15 @@ import torch
 
 ATTENTION_TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1),
                    (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]
-HYPER_BLOCK_TOKENS = [16, 32, 64]
-MOE_TILES = [(16, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4),
-             (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3)]
+HYPER_VARIANTS = [(64, False, False, 4), (64, False, True, 4), (64, True, False, 4), (64, True, True, 4),
+                  (64, True, True, 2), (64, True, True, 8), (32, True, True, 4), (16, True, True, 4),
+                  (128, True, True, 4)]
+"""mHC: tokens a program, two launches (`TWO_PASS_MIN_ROWS` 1 or never), the `fn` dot on tensor cores,
+rows a program of the second launch."""
+MOE_TILES = [(64, 256, 64, 8, 3, False), (64, 256, 64, 8, 3, True), (64, 128, 64, 4, 3, True),
+             (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True),
+             (64, 128, 64, 4, 4, True), (64, 64, 64, 4, 4, True)]
+"""`GemmConfig` fields: block_m, block_n, block_k, num_warps, num_stages, n_fastest (launch order)."""
 
 
 def report(**row) -> None:
@@ -85,22 +92,28 @@ def sweep_hyper(device: torch.device) -> None:
                       torch.randn(rows, device=device, generator=gen) * 0.1, torch.ones(3, device=device))
     norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
     counters = hyper_kernels.new_split_counters(device)
-    kept = hyper_kernels.BLOCK_TOKENS
-    for num_tokens in (2048, 8192):
+    names = ("BLOCK_TOKENS", "TWO_PASS_MIN_ROWS", "TENSOR_CORE_DOT", "TAIL_TOKENS")
+    for num_tokens in (256, 2048, 8192):
         streams = torch.randn(num_tokens, n, hidden, device=device, dtype=torch.bfloat16)
         block_out = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
         post = torch.rand(num_tokens, n, device=device)
         comb = torch.rand(num_tokens, n, n, device=device)
 
-        def run(block_tokens, streams=streams, block_out=block_out, post=post, comb=comb):
+        def run(variant, streams=streams, block_out=block_out, post=post, comb=comb):
+            block_tokens, two_pass, tensor_cores, tail_tokens = variant
+            saved = {name: getattr(hyper_kernels, name) for name in names}
             hyper_kernels.BLOCK_TOKENS = ((1 << 30, block_tokens),)
+            hyper_kernels.TWO_PASS_MIN_ROWS = 1 if two_pass else 1 << 30
+            hyper_kernels.TENSOR_CORE_DOT = tensor_cores
+            hyper_kernels.TAIL_TOKENS = tail_tokens
             try:
                 return hyper_kernels.hc_post_pre(streams, block_out, post, comb, hc, norm_weight, spec,
                                                  counters=counters)
             finally:
-                hyper_kernels.BLOCK_TOKENS = kept
+                for name, value in saved.items():
+                    setattr(hyper_kernels, name, value)
 
-        time_variants("hc_post_pre", HYPER_BLOCK_TOKENS, run, tokens=num_tokens)
+        time_variants("hc_post_pre", HYPER_VARIANTS, run, tokens=num_tokens)
 
 
 def sweep_moe(device: torch.device) -> None:

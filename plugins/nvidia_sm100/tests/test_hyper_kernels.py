@@ -169,3 +169,37 @@ def test_bad_shapes_raise(kernels, kernel_device):
         kernels.hc_pre(inputs["streams"][:, :1], hc, inputs["norm_weight"], spec)
     with pytest.raises(ValueError, match="block mHC fn"):
         kernels.hc_pre(inputs["streams"], head, inputs["norm_weight"], spec)
+
+
+@pytest.mark.parametrize("tensor_core_dot", [True, False])
+@pytest.mark.parametrize(("block_tokens", "n", "num_tokens", "hidden"),
+                         [(16, 3, 19, 96), (16, 4, 40, 32), (64, 2, 70, 160), (2, 4, 9, 96)])
+def test_two_pass(kernels, kernel_device, monkeypatch, tensor_core_dot, block_tokens, n, num_tokens, hidden):
+    """Many tokens: phase 1 in one launch (one split or several), phases 2-4 in a second."""
+    monkeypatch.setattr(kernels, "TWO_PASS_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "BLOCK_TOKENS", ((1 << 30, block_tokens),))
+    monkeypatch.setattr(kernels, "TENSOR_CORE_DOT", tensor_core_dot)
+    plan = kernels.launch_plan(num_tokens, n, hidden, False, kernel_device)
+    assert plan.two_pass and plan.split_dot == (tensor_core_dot and block_tokens >= 16)
+    spec, hc, head, inputs = make_case(kernel_device, n, num_tokens, hidden, torch.bfloat16, seed=2)
+    ref = ReferenceLayerOps(spec)
+    for actual, expected in zip(kernels.hc_pre(inputs["streams"], hc, inputs["norm_weight"], spec),
+                                ref.hc_pre(inputs["streams"], hc, inputs["norm_weight"]), strict=True):
+        assert_matches(actual, expected, torch.bfloat16)
+    args = (inputs["streams"], inputs["block_out"], inputs["post"], inputs["comb"])
+    for actual, expected in zip(kernels.hc_post_pre(*args, hc, inputs["norm_weight"], spec),
+                                ref.hc_post_pre(*args, hc, inputs["norm_weight"]), strict=True):
+        assert_matches(actual, expected, torch.bfloat16)
+    rows = torch.arange(num_tokens - 1, -1, -3, device=kernel_device)
+    assert_matches(kernels.hc_post_head(*args, rows, head, inputs["norm_weight"], spec),
+                   ref.hc_post_head(*args, rows, head, inputs["norm_weight"]), torch.bfloat16)
+
+
+def test_two_pass_plans(kernels, kernel_device):
+    """V4-Flash sizes: one launch up to `TWO_PASS_MIN_ROWS`, then two; on a GPU phase 1 has several
+    splits (the interpreter's target is 4 programs, which 128 token blocks already exceed)."""
+    assert not kernels.launch_plan(kernels.TWO_PASS_MIN_ROWS - 1, 4, 4096, False, kernel_device).two_pass
+    plan = kernels.launch_plan(8192, 4, 4096, False, kernel_device)
+    assert plan.two_pass and plan.block_tokens == 64 and plan.split_dot
+    assert plan.num_splits > 1 if kernel_device.type == "cuda" else plan.num_splits == 1
+    assert plan.num_splits * plan.chunks_per_split * plan.block_d >= 4096

@@ -80,3 +80,27 @@ def test_gemm_tiles_fit_hopper_shared_memory(element_size: int) -> None:
         gate_up_bytes = (c.num_stages - 1) * (c.block_m + 2 * c.block_n) * c.block_k * element_size
         assert gate_up_bytes <= 227 * 1024, (num_rows, c)
     assert pick_config(8192 * 6, 256, 4) != pick_config(8192 * 6, 256, 2)
+
+
+def test_launch_orders_agree(kernel_device: torch.device) -> None:
+    """Both launch orders run the same tiles: identical results, compiled or in the interpreter (fp32:
+    the interpreter's bf16 `tl.dot` returns garbage)."""
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+
+    spec = dataclasses.replace(SMALL, hidden_size=64, intermediate_size=64, num_experts=4, top_k=2,
+                               dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    weights = MoEWeights(
+        router=torch.randn(4, 64, generator=gen).to(kernel_device),
+        gate_up=(torch.randn(4, 128, 64, generator=gen) * 0.1).to(kernel_device),
+        down=(torch.randn(4, 64, 64, generator=gen) * 0.1).to(kernel_device),
+    )
+    x = torch.randn(37, 64, generator=gen).to(kernel_device)
+    ids = torch.randint(0, 4, (37, 2), generator=gen).to(torch.int32).to(kernel_device)
+    topk_weights = torch.rand(37, 2, generator=gen).to(kernel_device)
+    moe = TritonMoE(spec)
+    outs = [moe.experts(x, ids, topk_weights, weights, GemmConfig(16, 32, 32, 4, 2, n_fastest=order))
+            for order in (False, True)]
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+    expected = ReferenceMoE(spec, kernel_device)._gathered(x, ids.long(), topk_weights, weights)
+    torch.testing.assert_close(outs[1], expected, rtol=1e-4, atol=1e-5)

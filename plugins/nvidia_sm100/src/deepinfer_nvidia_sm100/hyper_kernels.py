@@ -27,6 +27,12 @@ BLOCK_TOKENS = ((32, 1), (1024, 16))
 """`(up to this many tokens, tokens per program)`; 64 beyond. More tokens a program read `fn` fewer times;
 fewer leave the last program of a block less of the collapse to do alone. (H200, 8,192 tokens, V4-Flash
 sizes: 2.66 ms a call at 16 tokens a program, 1.60 ms at 64; 2,048 tokens: 0.69 / 0.51 ms.)"""
+TWO_PASS_MIN_ROWS = 1024
+"""From this many rows on a call runs in two launches (`LaunchPlan.two_pass`)."""
+TAIL_TOKENS = 4
+"""Rows a program of the two-pass path's second launch."""
+TENSOR_CORE_DOT = True
+"""Programs of 16+ tokens take the `fn` dot on tensor cores (`_dot_bf16x3`) when the streams are bf16."""
 MAX_SPLIT_BLOCKS = 256
 """Token blocks a split launch may have: the size of the arrival-counter buffer."""
 
@@ -50,6 +56,27 @@ def _round(x, dtype: tl.constexpr):
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def _dot_bf16x3(a, w, acc, EMULATE: tl.constexpr):
+    """`acc + a @ w` for bf16-valued fp32 `a` and fp32 `w` on tensor cores: `w` split into three bf16
+    parts (8 significant bits each, 24 in all) whose products with `a` are exact in fp32, so the result
+    is fp32's up to summation order. `EMULATE` (Triton's interpreter, whose bf16 `tl.dot` is broken)
+    multiplies the same bf16 values in fp32."""
+    a16 = a.to(tl.bfloat16)
+    hi = w.to(tl.bfloat16)
+    rest = w - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    if EMULATE:
+        a32 = a16.to(tl.float32)
+        acc = tl.dot(a32, lo.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(a32, mid.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a32, hi.to(tl.float32), acc, input_precision="ieee")
+    acc = tl.dot(a16, lo, acc)
+    acc = tl.dot(a16, mid, acc)
+    return tl.dot(a16, hi, acc)
 
 
 @triton.jit
@@ -170,8 +197,10 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
                  hc_eps, rms_eps,
                  N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                  TAIL_D: tl.constexpr, SG: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HAS_FOLD: tl.constexpr,
-                 IS_HEAD: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """One program: `BT` output rows x one split of the hidden dim (see the module docstring)."""
+                 IS_HEAD: tl.constexpr, IS_SPLIT: tl.constexpr, TAIL: tl.constexpr, SPLIT_DOT: tl.constexpr,
+                 EMULATE: tl.constexpr):
+    """One program: `BT` output rows x one split of the hidden dim (see the module docstring). Without
+    `TAIL` the program only stores its partial sums (`hyper_tail_kernel` goes on from there)."""
     block = tl.program_id(0)
     split = tl.program_id(1)
     rows = block * BT + tl.arange(0, BT)
@@ -235,7 +264,9 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
         k_ok = ((k // BD) < N) & (d0 + k % BD < hidden)
         w = tl.load(fn_ptr + fn_row[None, :] * (N * hidden) + ((k // BD) * hidden + d0 + k % BD)[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if BT >= 16:
+        if SPLIT_DOT:
+            acc = _dot_bf16x3(flat, w, acc, EMULATE)
+        elif BT >= 16:
             acc = tl.dot(flat, w, acc, input_precision="ieee")
         else:
             acc += tl.sum(flat[:, :, None] * w[None, :, :], axis=1)
@@ -247,20 +278,37 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
         padded = tl.num_programs(0) * BT
         tl.store(part_m_ptr + (split * padded + rows[:, None]) * C + c[None, :], acc)
         tl.store(part_sq_ptr + split * padded + rows, sumsq)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if arrived == num_splits - 1:
-            tl.atomic_xchg(counter_ptr + block, 0)
-            acc, sumsq = _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT, C, SG)
-            _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr,
-                  post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
-                  SINKHORN_ITERS, IS_HEAD)
+        if TAIL:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if arrived == num_splits - 1:
+                tl.atomic_xchg(counter_ptr + block, 0)
+                acc, sumsq = _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT, C, SG)
+                _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
+                      norm_w_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT,
+                      TAIL_D, SINKHORN_ITERS, IS_HEAD)
     else:
         tl.debug_barrier()
         _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr,
               post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
               SINKHORN_ITERS, IS_HEAD)
+
+
+@triton.jit
+def hyper_tail_kernel(src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr,
+                      x_ptr, pre_ptr, part_m_ptr, part_sq_ptr, num_rows, padded, hidden, num_splits, hc_eps,
+                      rms_eps, N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                      TAIL_D: tl.constexpr, SG: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
+                      IS_HEAD: tl.constexpr):
+    """The two-pass path's second launch: `BT` rows a program add up the partial sums `hyper_kernel`
+    stored and go on with phases 2-4, so the collapse of many tokens is spread over the whole GPU."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    live = rows < num_rows
+    acc, sumsq = _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT, C, SG)
+    _tail(acc, sumsq, rows.to(tl.int64), live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
+          norm_w_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
+          SINKHORN_ITERS, IS_HEAD)
 
 
 def hc_pre(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
@@ -321,11 +369,18 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
     padded = num_blocks * plan.block_tokens
     pre = x.new_empty((padded, plan.n_pow2), dtype=torch.float32)
     part_m = part_sq = pre  # placeholders where unread
-    if plan.num_splits > 1:
+    stores_partials = plan.num_splits > 1 or plan.two_pass
+    if stores_partials:
         part_m = x.new_empty((plan.num_splits, padded, plan.num_cols), dtype=torch.float32)
         part_sq = x.new_empty((plan.num_splits, padded), dtype=torch.float32)
-        if counters is None:
+        if counters is None and not plan.two_pass:
             counters = torch.zeros(num_blocks, dtype=torch.int32, device=x.device)
+    common = {"N": n, "NP": plan.n_pow2, "C": plan.num_cols, "SINKHORN_ITERS": spec.hc_sinkhorn_iters,
+              "IS_HEAD": is_head}
+    # the second launch's rows stay within the first's padded rows (both powers of two)
+    tail_tokens = min(TAIL_TOKENS, plan.block_tokens) if plan.two_pass else plan.block_tokens
+    tail = {"TAIL_D": min(triton.next_power_of_2(hidden), max(32, 4096 // tail_tokens)),
+            "SG": max(1, min(triton.next_power_of_2(plan.num_splits), 8192 // (tail_tokens * plan.num_cols)))}
     hyper_kernel[(num_blocks, plan.num_splits)](
         streams, *streams.stride(),
         x if block_out is None else block_out, *((0, 0) if block_out is None else block_out.stride()),
@@ -335,12 +390,20 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
         x if new is None else new, pre if post_out is None else post_out,
         pre if comb_out is None else comb_out, x, pre, part_m, part_sq, pre if counters is None else counters,
         num_rows, hidden, plan.chunks_per_split, plan.num_splits, spec.hc_eps, spec.rms_norm_eps,
-        N=n, NP=plan.n_pow2, C=plan.num_cols, BT=plan.block_tokens, BD=plan.block_d,
-        TAIL_D=min(triton.next_power_of_2(hidden), max(32, 4096 // plan.block_tokens)),
-        SG=max(1, min(triton.next_power_of_2(plan.num_splits), 8192 // (plan.block_tokens * plan.num_cols))),
-        SINKHORN_ITERS=spec.hc_sinkhorn_iters, HAS_FOLD=has_fold, IS_HEAD=is_head,
-        IS_SPLIT=plan.num_splits > 1, num_warps=8,
+        BT=plan.block_tokens, BD=plan.block_d, HAS_FOLD=has_fold, IS_SPLIT=stores_partials,
+        TAIL=not plan.two_pass, SPLIT_DOT=plan.split_dot and x.dtype == torch.bfloat16,
+        EMULATE=x.device.type != "cuda", num_warps=8, **common, **tail,
     )
+    if plan.two_pass:
+        if has_fold:  # the collapse reads the new streams
+            src, strides = new, (n * hidden, hidden, 1)
+        else:
+            src, strides = streams, streams.stride()
+        hyper_tail_kernel[(triton.cdiv(num_rows, tail_tokens),)](
+            src, *strides, hc.base, hc.scale, norm_weight, pre if post_out is None else post_out,
+            pre if comb_out is None else comb_out, x, pre, part_m, part_sq, num_rows, padded, hidden,
+            plan.num_splits, spec.hc_eps, spec.rms_norm_eps, BT=tail_tokens, num_warps=4, **common, **tail,
+        )
 
 
 class LaunchPlan(NamedTuple):
@@ -353,11 +416,16 @@ class LaunchPlan(NamedTuple):
     n_pow2: int
     num_cols: int
     """Dot-product columns (`C`): `fn` rows as a `[C // n_pow2, n_pow2]` grid."""
+    two_pass: bool = False
+    """Phase 1 in one launch, phases 2-4 in a second over `TAIL_TOKENS`-row programs."""
+    split_dot: bool = False
+    """The `fn` dot on tensor cores as three bf16 products (`_dot_bf16x3`) when the streams are bf16."""
 
 
 def launch_plan(num_rows: int, n: int, hidden: int, is_head: bool, device: torch.device) -> LaunchPlan:
     """How a call is cut up: `block_tokens` per program, the hidden dim in `block_d` chunks over
-    `num_splits` programs per token block; more than one split when token blocks alone leave SMs idle."""
+    `num_splits` programs per token block; more than one split when token blocks alone leave SMs idle.
+    From `TWO_PASS_MIN_ROWS` rows on, two launches (see `LaunchPlan.two_pass`)."""
     block_tokens = next((bt for limit, bt in BLOCK_TOKENS if num_rows <= limit), 64)
     n_pow2 = triton.next_power_of_2(n)
     num_cols = triton.next_power_of_2(n_pow2 * (1 if is_head else 2 + n_pow2))
@@ -368,12 +436,16 @@ def launch_plan(num_rows: int, n: int, hidden: int, is_head: bool, device: torch
         block_d = min(64, max(8, 8192 // (block_tokens * n_pow2 * num_cols)))
     num_blocks = triton.cdiv(num_rows, block_tokens)
     num_chunks = triton.cdiv(hidden, block_d)
+    two_pass = num_rows >= TWO_PASS_MIN_ROWS
     num_splits = 1
-    if num_blocks <= MAX_SPLIT_BLOCKS:
+    if two_pass:
+        num_splits = max(1, min(num_chunks, triton.cdiv(2 * _target_programs(device), num_blocks)))
+    elif num_blocks <= MAX_SPLIT_BLOCKS:
         num_splits = max(1, min(num_chunks, _target_programs(device) // num_blocks))
     chunks_per_split = triton.cdiv(num_chunks, num_splits)
     num_splits = triton.cdiv(num_chunks, chunks_per_split)
-    return LaunchPlan(block_tokens, block_d, num_splits, chunks_per_split, n_pow2, num_cols)
+    return LaunchPlan(block_tokens, block_d, num_splits, chunks_per_split, n_pow2, num_cols, two_pass,
+                      block_tokens >= 16 and TENSOR_CORE_DOT)
 
 
 def _target_programs(device: torch.device) -> int:

@@ -2,7 +2,8 @@
 
 One step does, with no host synchronisation (so the whole forward can be captured in a CUDA graph):
 
-1. router logits `x @ router.T` in fp32 (cuBLAS), then one Triton program per token scores the experts,
+1. router logits `x @ router.T` in fp32 (cuBLAS; bf16 inputs multiplied as they are, into fp32), then
+   one Triton program per token scores the experts,
    picks the top k (or reads `tid2eid`), normalises and scales the weights;
 2. `sort_rows_by_expert`: the flat `(token, k)` rows are sorted by expert and each expert's run is padded
    to a multiple of `BLOCK_M` (torch ops on the device);
@@ -32,6 +33,12 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    n_fastest: bool = False
+    """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
+
+    def grid(self, num_blocks: int, num_cols: int) -> tuple[int, int]:
+        n_tiles = triton.cdiv(num_cols, self.block_n)
+        return (n_tiles, num_blocks) if self.n_fastest else (num_blocks, n_tiles)
 
 
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmConfig:
@@ -43,10 +50,10 @@ def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmC
     if rows_per_expert <= 16:
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if element_size > 2:
-        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True)
     # H200, V4-Flash sizes, both GEMMs: 2,048 tokens 3.84 ms (64x64 tiles: 4.55), 8,192 tokens 8.12 ms
     # (128x128: 8.29); padding each expert's rows to 64 wastes less than to 128
-    return GemmConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    return GemmConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3, n_fastest=True)
 
 
 @dataclass
@@ -103,7 +110,11 @@ class TritonMoE:
         """Return `[T, top_k]` int32 expert ids and fp32 weights (normalised, scaled)."""
         spec = self.spec
         num_tokens = x.shape[0]
-        logits = torch.matmul(x.float(), weights.router.float().t()).contiguous()
+        if x.dtype == weights.router.dtype == torch.bfloat16:
+            # bf16 products are exact in fp32 and cuBLAS adds them in fp32: fp32 logits at bf16 speed
+            logits = torch.mm(x, weights.router.t(), out_dtype=torch.float32)
+        else:
+            logits = torch.matmul(x.float(), weights.router.float().t()).contiguous()
         ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int32, device=x.device)
         topk_weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
         if num_tokens == 0:
@@ -158,7 +169,7 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-        gate_up_kernel[(num_blocks, triton.cdiv(inter, config.block_n))](
+        gate_up_kernel[config.grid(num_blocks, inter)](
             x,
             gate_up,
             act,
@@ -178,11 +189,12 @@ class TritonMoE:
             BLOCK_K=config.block_k,
             HAS_LIMIT=spec.swiglu_limit > 0,
             IEEE=self._ieee,
+            N_FASTEST=config.n_fastest,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
-        down_kernel[(num_blocks, triton.cdiv(hidden, config.block_n))](
+        down_kernel[config.grid(num_blocks, hidden)](
             act,
             down,
             out,
@@ -200,6 +212,7 @@ class TritonMoE:
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             IEEE=self._ieee,
+            N_FASTEST=config.n_fastest,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

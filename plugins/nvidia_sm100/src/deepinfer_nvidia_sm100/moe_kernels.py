@@ -74,6 +74,16 @@ def route_kernel(
 
 
 @triton.jit
+def _tile(N_FASTEST: tl.constexpr):
+    """`(row block, output tile)` of this program. With `N_FASTEST` (grid `[n tiles, row blocks]`) the
+    programs running at once cover all output tiles of a few row blocks, so each block's rows come from
+    HBM once; otherwise (grid `[row blocks, n tiles]`) they cover one output tile of many row blocks."""
+    if N_FASTEST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -94,10 +104,10 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     IEEE: tl.constexpr,
+    N_FASTEST: tl.constexpr,
 ):
     """act[r, n] = silu(min(g, limit)) * clamp(u, -limit, limit), with g, u = gate_up[e] @ x[token(r)]."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile(N_FASTEST)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -156,10 +166,10 @@ def down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    N_FASTEST: tl.constexpr,
 ):
     """out[row, n] = weight[row] * (down[e] @ act[r])[n], written at the row's original place."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile(N_FASTEST)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return

@@ -22,15 +22,25 @@ import torch
 
 ATTENTION_TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1),
                    (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]
-HYPER_VARIANTS = [(64, False, False, 4), (64, False, True, 4), (64, True, False, 4), (64, True, True, 4),
-                  (64, True, True, 2), (64, True, True, 8), (32, True, True, 4), (16, True, True, 4),
-                  (128, True, True, 4)]
-"""mHC: tokens a program, two launches (`TWO_PASS_MIN_ROWS` 1 or never), the `fn` dot on tensor cores,
-rows a program of the second launch."""
-MOE_TILES = [(64, 256, 64, 8, 3, False), (64, 256, 64, 8, 3, True), (64, 128, 64, 4, 3, True),
-             (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True),
-             (64, 128, 64, 4, 4, True), (64, 64, 64, 4, 4, True)]
-"""`GemmConfig` fields: block_m, block_n, block_k, num_warps, num_stages, n_fastest (launch order)."""
+HYPER_VARIANTS = [
+    {"TWO_PASS_MIN_ROWS": 1 << 30, "TENSOR_CORE_DOT": False},  # one launch, fp32 dot (the earlier kernel)
+    {"TWO_PASS_MIN_ROWS": 1 << 30},
+    {}, {"TAIL_TOKENS": 2}, {"TAIL_TOKENS": 8},
+    {"TWO_PASS_TILE": (64, 4, 4)}, {"TWO_PASS_TILE": (32, 4, 4)}, {"TWO_PASS_TILE": (32, 8, 4)},
+    {"TWO_PASS_TILE": (64, 8, 2)}, {"TWO_PASS_TILE": (64, 8, 8)}, {"TWO_PASS_TILE": (32, 4, 8)},
+]
+"""mHC: module settings of `hyper_kernels` that differ from the plugin's (tokens a program, one launch or
+two, the `fn` dot on tensor cores, the two-pass tiles)."""
+
+
+_WIDE = (128, 128, 64, 8, 3, True)
+MOE_TILES = [((64, 256, 64, 8, 3, True), None), ((64, 64, 64, 4, 4, True), None),
+             ((64, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, True)), ((64, 64, 64, 4, 4, True), (64, 256, 64, 8, 3, True)),
+             (_WIDE, None), ((128, 128, 64, 8, 3, False), None), (_WIDE, (128, 256, 64, 8, 3, True)),
+             (_WIDE, (128, 256, 64, 8, 4, True)), (_WIDE, (128, 128, 128, 8, 3, True)),
+             ((128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True))]
+"""`(gate_up, down)` `GemmConfig` fields (block_m, block_n, block_k, num_warps, num_stages, n_fastest); down
+`None`: the same as gate_up."""
 
 
 def report(**row) -> None:
@@ -92,7 +102,6 @@ def sweep_hyper(device: torch.device) -> None:
                       torch.randn(rows, device=device, generator=gen) * 0.1, torch.ones(3, device=device))
     norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
     counters = hyper_kernels.new_split_counters(device)
-    names = ("BLOCK_TOKENS", "TWO_PASS_MIN_ROWS", "TENSOR_CORE_DOT", "TAIL_TOKENS")
     for num_tokens in (256, 2048, 8192):
         streams = torch.randn(num_tokens, n, hidden, device=device, dtype=torch.bfloat16)
         block_out = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
@@ -100,12 +109,9 @@ def sweep_hyper(device: torch.device) -> None:
         comb = torch.rand(num_tokens, n, n, device=device)
 
         def run(variant, streams=streams, block_out=block_out, post=post, comb=comb):
-            block_tokens, two_pass, tensor_cores, tail_tokens = variant
-            saved = {name: getattr(hyper_kernels, name) for name in names}
-            hyper_kernels.BLOCK_TOKENS = ((1 << 30, block_tokens),)
-            hyper_kernels.TWO_PASS_MIN_ROWS = 1 if two_pass else 1 << 30
-            hyper_kernels.TENSOR_CORE_DOT = tensor_cores
-            hyper_kernels.TAIL_TOKENS = tail_tokens
+            saved = {name: getattr(hyper_kernels, name) for name in variant}
+            for name, value in variant.items():
+                setattr(hyper_kernels, name, value)
             try:
                 return hyper_kernels.hc_post_pre(streams, block_out, post, comb, hc, norm_weight, spec,
                                                  counters=counters)
@@ -135,7 +141,8 @@ def sweep_moe(device: torch.device) -> None:
         topk_weights = torch.rand(num_tokens, top_k, device=device)
 
         def run(tiles, x=x, ids=ids, topk_weights=topk_weights):
-            return moe.experts(x, ids, topk_weights, weights, GemmConfig(*tiles))
+            gate_up, down = tiles
+            return moe.experts(x, ids, topk_weights, weights, GemmConfig(*gate_up), down and GemmConfig(*down))
 
         time_variants("moe_experts", MOE_TILES, run, tokens=num_tokens)
 

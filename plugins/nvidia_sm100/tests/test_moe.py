@@ -70,16 +70,33 @@ def test_v4_flash_shapes_match_reference_on_gpu(cuda_device: torch.device, num_t
 
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_gemm_tiles_fit_hopper_shared_memory(element_size: int) -> None:
-    """Triton keeps `num_stages - 1` copies of the gate_up kernel's tiles (x, gate and up) in shared
-    memory; an fp32 run of the bf16 prefill tiles asked for 294,912 bytes on the H200 (227 KiB a block)."""
+    """Triton keeps `num_stages - 1` copies of the gate_up kernel's tiles (x, gate and up; down: act and
+    the weight) in shared memory; an fp32 run of bf16 prefill tiles asked for 294,912 bytes on the H200
+    (227 KiB a block)."""
     pytest.importorskip("triton")
-    from deepinfer_nvidia_sm100.moe import pick_config
+    from deepinfer_nvidia_sm100.moe import pick_config, pick_down_config
 
     for num_rows in (1, 64 * 6, 512 * 6, 2048 * 6, 8192 * 6, 65536 * 6):
         c = pick_config(num_rows, 256, element_size)
         gate_up_bytes = (c.num_stages - 1) * (c.block_m + 2 * c.block_n) * c.block_k * element_size
         assert gate_up_bytes <= 227 * 1024, (num_rows, c)
+        d = pick_down_config(c, element_size)
+        assert d.block_m == c.block_m
+        assert (d.num_stages - 1) * (d.block_m + d.block_n) * d.block_k * element_size <= 227 * 1024, (num_rows, d)
     assert pick_config(8192 * 6, 256, 4) != pick_config(8192 * 6, 256, 2)
+
+
+def test_down_tiles_must_share_the_row_blocks() -> None:
+    pytest.importorskip("triton")
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+
+    x = torch.zeros(4, SMALL.hidden_size)
+    ids = torch.zeros(4, SMALL.top_k, dtype=torch.int32)
+    weights = MoEWeights(router=torch.zeros(16, 256), gate_up=torch.zeros(16, 256, 256),
+                         down=torch.zeros(16, 256, 128))
+    with pytest.raises(ValueError, match="block_m 16 and 32 differ"):
+        TritonMoE(SMALL).experts(x, ids, torch.ones(4, SMALL.top_k), weights, GemmConfig(16, 32, 32, 4, 2),
+                                 GemmConfig(32, 32, 32, 4, 2))
 
 
 def test_launch_orders_agree(kernel_device: torch.device) -> None:

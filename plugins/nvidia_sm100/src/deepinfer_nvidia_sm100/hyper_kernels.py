@@ -31,6 +31,8 @@ TWO_PASS_MIN_ROWS = 1024
 """From this many rows on a call runs in two launches (`LaunchPlan.two_pass`)."""
 TAIL_TOKENS = 4
 """Rows a program of the two-pass path's second launch."""
+TWO_PASS_TILE = (64, 8, 4)
+"""The two-pass path's first launch: hidden channels a step (`BD`), warps, programs an SM it aims for."""
 TENSOR_CORE_DOT = True
 """Programs of 16+ tokens take the `fn` dot on tensor cores (`_dot_bf16x3`) when the streams are bf16."""
 MAX_SPLIT_BLOCKS = 256
@@ -392,7 +394,7 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
         num_rows, hidden, plan.chunks_per_split, plan.num_splits, spec.hc_eps, spec.rms_norm_eps,
         BT=plan.block_tokens, BD=plan.block_d, HAS_FOLD=has_fold, IS_SPLIT=stores_partials,
         TAIL=not plan.two_pass, SPLIT_DOT=plan.split_dot and x.dtype == torch.bfloat16,
-        EMULATE=x.device.type != "cuda", num_warps=8, **common, **tail,
+        EMULATE=x.device.type != "cuda", num_warps=TWO_PASS_TILE[1] if plan.two_pass else 8, **common, **tail,
     )
     if plan.two_pass:
         if has_fold:  # the collapse reads the new streams
@@ -429,17 +431,18 @@ def launch_plan(num_rows: int, n: int, hidden: int, is_head: bool, device: torch
     block_tokens = next((bt for limit, bt in BLOCK_TOKENS if num_rows <= limit), 64)
     n_pow2 = triton.next_power_of_2(n)
     num_cols = triton.next_power_of_2(n_pow2 * (1 if is_head else 2 + n_pow2))
+    two_pass = num_rows >= TWO_PASS_MIN_ROWS
     if block_tokens >= 16:
         num_cols = max(num_cols, 16)  # tl.dot needs every dim >= 16
-        block_d = 64
+        block_d = TWO_PASS_TILE[0] if two_pass else 64
     else:  # the broadcast product [BT, n_pow2 * BD, C] stays within 8K elements
         block_d = min(64, max(8, 8192 // (block_tokens * n_pow2 * num_cols)))
     num_blocks = triton.cdiv(num_rows, block_tokens)
     num_chunks = triton.cdiv(hidden, block_d)
-    two_pass = num_rows >= TWO_PASS_MIN_ROWS
     num_splits = 1
     if two_pass:
-        num_splits = max(1, min(num_chunks, triton.cdiv(2 * _target_programs(device), num_blocks)))
+        target = TWO_PASS_TILE[2] * _target_programs(device) // 2
+        num_splits = max(1, min(num_chunks, triton.cdiv(target, num_blocks)))
     elif num_blocks <= MAX_SPLIT_BLOCKS:
         num_splits = max(1, min(num_chunks, _target_programs(device) // num_blocks))
     chunks_per_split = triton.cdiv(num_chunks, num_splits)

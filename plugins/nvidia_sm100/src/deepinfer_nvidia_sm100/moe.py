@@ -51,9 +51,22 @@ def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmC
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if element_size > 2:
         return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True)
-    # H200, V4-Flash sizes, both GEMMs: 2,048 tokens 3.84 ms (64x64 tiles: 4.55), 8,192 tokens 8.12 ms
-    # (128x128: 8.29); padding each expert's rows to 64 wastes less than to 128
-    return GemmConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3, n_fastest=True)
+    # H200, V4-Flash sizes, 256 experts, both GEMMs (bench/RESULTS.md): 2,048 tokens (48 rows an
+    # expert) 3.43 ms with 64x64 tiles (64x256: 3.56); 8,192 tokens (192 rows) 7.20 ms with 128x128
+    # (64x256: 7.69), the larger tiles paying for padding each expert's rows to 128
+    if rows_per_expert <= 96:
+        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, n_fastest=True)
+
+
+def pick_down_config(gate_up: GemmConfig, element_size: int = 2) -> GemmConfig:
+    """The down projection's tiles: the same rows a block as `gate_up` (they share the sorted rows); the
+    down kernel holds one accumulator where gate_up holds two, so it can afford wider tiles."""
+    return DOWN_WIDE if gate_up.block_m == DOWN_WIDE.block_m and element_size == 2 else gate_up
+
+
+DOWN_WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, n_fastest=True)
+"""The down projection's tiles beside 128-row gate_up tiles."""
 
 
 @dataclass
@@ -153,14 +166,22 @@ class TritonMoE:
         topk_weights: torch.Tensor,
         weights: MoEWeights,
         config: GemmConfig | None = None,
+        down_config: GemmConfig | None = None,
     ) -> torch.Tensor:
-        """Weighted sum over each token's picked experts of `down(swiglu(gate_up @ x))`."""
+        """Weighted sum over each token's picked experts of `down(swiglu(gate_up @ x))`; `config` and
+        `down_config` (default: `config`, or both picked from the row count) are the two GEMMs' tiles."""
         spec = self.spec
         num_tokens, hidden = x.shape
         num_rows = num_tokens * spec.top_k
         if num_tokens == 0:
             return torch.zeros_like(x)
-        config = config or pick_config(num_rows, spec.num_experts, x.element_size())
+        if config is None:
+            config = pick_config(num_rows, spec.num_experts, x.element_size())
+            down_config = down_config or pick_down_config(config, x.element_size())
+        down_config = down_config or config
+        if down_config.block_m != config.block_m:
+            raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
+                             f"{down_config.block_m} differ")
         x = x.contiguous()
         gate_up, down = weights.gate_up, weights.down
         if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
@@ -194,7 +215,7 @@ class TritonMoE:
             num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
-        down_kernel[config.grid(num_blocks, hidden)](
+        down_kernel[down_config.grid(num_blocks, hidden)](
             act,
             down,
             out,
@@ -208,12 +229,12 @@ class TritonMoE:
             down.stride(0),
             down.stride(1),
             out.stride(0),
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
+            BLOCK_M=down_config.block_m,
+            BLOCK_N=down_config.block_n,
+            BLOCK_K=down_config.block_k,
             IEEE=self._ieee,
-            N_FASTEST=config.n_fastest,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            N_FASTEST=down_config.n_fastest,
+            num_warps=down_config.num_warps,
+            num_stages=down_config.num_stages,
         )
         return out.view(num_tokens, spec.top_k, hidden).sum(dim=1).to(x.dtype)

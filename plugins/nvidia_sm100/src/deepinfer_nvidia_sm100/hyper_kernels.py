@@ -9,6 +9,10 @@ not depend on arrival order) and goes on. Phase 2, in registers: the mixing weig
 Sinkhorn). Phase 3: the collapse `sum_i pre[i] * stream[i]`, stored; phase 4: its weighted RMSNorm in place.
 
 Splitting `D` spreads decode's read of `fn` (1.5 MB at V4-Flash, fp32) over the GPU instead of one SM.
+From `TWO_PASS_MIN_ROWS` rows on (prefill) a call takes two launches: `hyper_kernel` runs phase 1 over
+`D` splits and stores the partial sums, taking the `fn` dot on tensor cores as three bf16 products
+(`_dot_bf16x3`, exact for bf16 streams); `hyper_tail_kernel` then adds the partials up and runs phases 2-4
+for a few tokens a program, so no program is left to collapse a block of 64 tokens alone.
 The `fn` rows land in the accumulator's columns as a `[C // NP, NP]` grid (`NP = next_pow2(n)`): row 0 holds
 `pre`, row 1 `post`, rows `2 + i` hold `comb[i, :]`, so the Sinkhorn runs on a masked slice of it.
 """

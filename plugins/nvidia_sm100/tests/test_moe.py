@@ -121,3 +121,13 @@ def test_launch_orders_agree(kernel_device: torch.device) -> None:
     assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
     expected = ReferenceMoE(spec, kernel_device)._gathered(x, ids.long(), topk_weights, weights)
     torch.testing.assert_close(outs[1], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_grid_keeps_row_blocks_within_cuda_limits() -> None:
+    pytest.importorskip("triton")
+    from deepinfer_nvidia_sm100.moe import MAX_GRID_Y, GemmConfig
+
+    config = GemmConfig(128, 128, 64, 8, 3, n_fastest=True)
+    assert config.grid(1000, 4096) == ((32, 1000), True)
+    assert config.grid(MAX_GRID_Y + 1, 4096) == ((MAX_GRID_Y + 1, 32), False)
+    assert GemmConfig(16, 64, 128, 4, 3).grid(1000, 4096) == ((1000, 64), False)

@@ -23,6 +23,9 @@ import triton
 from deepinfer_core.backends.moe import MoESpec, MoEWeights
 from deepinfer_nvidia_sm100.moe_kernels import SCORING_CODES, down_kernel, gate_up_kernel, route_kernel
 
+MAX_GRID_Y = 65535
+"""CUDA's limit on a launch grid's second dimension."""
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -36,9 +39,14 @@ class GemmConfig:
     n_fastest: bool = False
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
 
-    def grid(self, num_blocks: int, num_cols: int) -> tuple[int, int]:
+    def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
+        """The launch grid over `num_blocks` row blocks and `num_cols` output columns, and whether it puts
+        the output tiles first (the kernels' `N_FASTEST`): not when the row blocks would exceed CUDA's
+        limit on a grid's second dimension."""
         n_tiles = triton.cdiv(num_cols, self.block_n)
-        return (n_tiles, num_blocks) if self.n_fastest else (num_blocks, n_tiles)
+        if self.n_fastest and num_blocks <= MAX_GRID_Y:
+            return (n_tiles, num_blocks), True
+        return (num_blocks, n_tiles), False
 
 
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmConfig:
@@ -191,7 +199,8 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-        gate_up_kernel[config.grid(num_blocks, inter)](
+        grid, n_fastest = config.grid(num_blocks, inter)
+        gate_up_kernel[grid](
             x,
             gate_up,
             act,
@@ -211,12 +220,13 @@ class TritonMoE:
             BLOCK_K=config.block_k,
             HAS_LIMIT=spec.swiglu_limit > 0,
             IEEE=self._ieee,
-            N_FASTEST=config.n_fastest,
+            N_FASTEST=n_fastest,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
-        down_kernel[down_config.grid(num_blocks, hidden)](
+        grid, n_fastest = down_config.grid(num_blocks, hidden)
+        down_kernel[grid](
             act,
             down,
             out,
@@ -234,7 +244,7 @@ class TritonMoE:
             BLOCK_N=down_config.block_n,
             BLOCK_K=down_config.block_k,
             IEEE=self._ieee,
-            N_FASTEST=down_config.n_fastest,
+            N_FASTEST=n_fastest,
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )

@@ -57,25 +57,23 @@ def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmC
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    if element_size > 2:
-        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True)
     # H200, V4-Flash sizes, 256 experts, both GEMMs (bench/RESULTS.md): 2,048 tokens (48 rows an
     # expert) 3.44 ms with 64x64 tiles (64x256: 3.57); 8,192 tokens (192 rows) 7.23 ms with 128x128
     # (64x256: 7.68), the larger tiles paying for padding each expert's rows to 128
-    if rows_per_expert <= 96:
+    if element_size > 2 or rows_per_expert <= 96:
         return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True)
     return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, n_fastest=True)
+
+
+DOWN_WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, n_fastest=True)
+"""The down projection's tiles beside 128-row gate_up tiles (8,192 tokens: 7.23 ms for both GEMMs, 7.36
+with 128x128 down tiles)."""
 
 
 def pick_down_config(gate_up: GemmConfig, element_size: int = 2) -> GemmConfig:
     """The down projection's tiles: the same rows a block as `gate_up` (they share the sorted rows); the
     down kernel holds one accumulator where gate_up holds two, so it can afford wider tiles."""
     return DOWN_WIDE if gate_up.block_m == DOWN_WIDE.block_m and element_size == 2 else gate_up
-
-
-DOWN_WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, n_fastest=True)
-"""The down projection's tiles beside 128-row gate_up tiles (8,192 tokens: 7.23 ms for both GEMMs, 7.36
-with 128x128 down tiles)."""
 
 
 @dataclass

@@ -163,7 +163,10 @@ def register_tokenizers(register: Callable[..., None]) -> None:
 def register_chat_encodings(register: Callable[..., None]) -> None:
     """Offer chat encodings (conversation -> prompt token ids, and streamed output parsing).
 
-    Call `register(model_type, factory)` where `factory(tokenizer, config) -> encoding | None`.
+    Call `register(model_type, factory)` where `factory(tokenizer, config) -> encoding | None` returns
+    an object satisfying `deepinfer_core.chat_contract.ChatEncoding` (its requests, errors and output
+    streams are the `PreparedRequest`, `ApiError` and `OutputStream` of that module), or `None` when it
+    cannot serve that checkpoint.
 
     :param register: the registration callback.
     """

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_core import plugins
-from deepinfer_core.entrypoints.protocol import ApiError, ChatEncoding, PreparedRequest
+from deepinfer_core.chat_contract import ApiError, ChatEncoding, PreparedRequest
 
 if TYPE_CHECKING:
     from deepinfer_core.outputs import RequestOutput

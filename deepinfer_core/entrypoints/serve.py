@@ -27,10 +27,10 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
+from deepinfer_core.chat_contract import Api, ApiError, ChatEncoding, OutputStream, PreparedRequest
 from deepinfer_core.engine.async_engine import AsyncEngine, EngineDeadError
 from deepinfer_core.entrypoints.chat import load_chat_encoding
 from deepinfer_core.entrypoints.metrics import ServerMetrics
-from deepinfer_core.entrypoints.protocol import Api, ApiError, ChatEncoding, OutputStream, PreparedRequest
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.engine import Engine

@@ -8,7 +8,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
-from deepinfer_core.entrypoints.protocol import Api, ApiError, PreparedRequest, error_body
+from deepinfer_core.chat_contract import Api, ApiError, PreparedRequest, error_body
 from deepinfer_recipe.stream import PROTOCOLS, RecipeOutputStream
 from deepinfer_recipe.tokenizer import V41_MODEL_TYPE, DeepseekTokenizer
 

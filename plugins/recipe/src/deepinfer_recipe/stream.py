@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import deepseek_recipe as dr
 
-from deepinfer_core.entrypoints.protocol import PreparedRequest
+from deepinfer_core.chat_contract import PreparedRequest
 
 if TYPE_CHECKING:
     from deepinfer_recipe.tokenizer import DeepseekTokenizer

@@ -1,10 +1,10 @@
-"""What the HTTP server and `LLM.chat` need from a chat encoding.
+"""The chat-encoding contract: what the HTTP server and `LLM.chat` need from a chat encoding.
 
-A chat encoding (offered through the `register_chat_encodings` hook, see `deepinfer_core.hookspecs`)
-turns a request of one of the served APIs into prompt token ids and sampling settings, and turns the
-engine's generated token ids back into that API's response events. The recipe plugin
-(`deepinfer-recipe`) implements it with deepseek-recipe, so prompts, parsing and response shapes match
-DeepSeek's own API. The core never imports that plugin; it talks to these Protocols.
+Part of the plugin contract, beside `deepinfer_core.hookspecs`: a chat encoding (offered through the
+`register_chat_encodings` hook) turns a request of one of the served APIs into prompt token ids and
+sampling settings, and turns the engine's generated token ids back into that API's response events.
+The recipe plugin (`deepinfer-recipe`) implements it with deepseek-recipe, so prompts, parsing and
+response shapes match DeepSeek's own API. The core never imports that plugin; it talks to these Protocols.
 """
 
 from __future__ import annotations

@@ -172,4 +172,17 @@ def register_chat_encodings(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def register_models(register: Callable[..., None]) -> None:
+    """Offer model families beyond the built-in ones (`deepinfer_core.models.registry`).
+
+    Call `register(model_type, architectures, model_class, config_class=...)`: `model_class` and
+    `config_class` are `"package.module:Class"` strings imported on first use; the model class
+    satisfies `deepinfer_core.models.interface.CausalLM`. An entry registered here is found before a
+    built-in one of the same `model_type`.
+
+    :param register: the registration callback.
+    """
+
+
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]

@@ -347,6 +347,20 @@ def chat_encodings() -> dict[str, Callable[..., Any]]:
     return encodings
 
 
+def model_entries() -> list:
+    """Model families registered by plugins (`register_models`), as `ModelEntry`s in call order."""
+    from deepinfer_core.models.registry import ModelEntry
+
+    entries = []
+
+    def register(model_type: str, architectures, model_class: str,
+                 config_class: str = "deepinfer_core.config:ModelConfig") -> None:
+        entries.append(ModelEntry(model_type, tuple(architectures), model_class, config_class))
+
+    get_plugin_manager().hook.register_models(register=register)
+    return entries
+
+
 # ---------------------------------------------------------------------------------------------------
 # Report (`deepinfer plugins`)
 # ---------------------------------------------------------------------------------------------------

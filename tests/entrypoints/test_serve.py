@@ -63,6 +63,18 @@ def test_chat_non_streaming_matches_streaming(oai: openai.OpenAI, live_server: L
         assert whole.usage.completion_tokens == 12
 
 
+def test_an_answer_ending_mid_character_counts_every_token(oai: openai.OpenAI) -> None:
+    # The seed makes the tiny model's 32nd token end in the middle of a multi-byte character.
+    kwargs = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32,
+              "seed": 6}
+    whole = oai.chat.completions.create(**kwargs)
+    chunks = list(oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 32
+    streamed = "".join(c.choices[0].delta.reasoning_content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.reasoning_content == streamed
+
+
 def test_chat_thinking_on_reports_reasoning(oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(model="tiny", messages=USER, max_tokens=6)
     message = response.choices[0].message

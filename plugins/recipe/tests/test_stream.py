@@ -102,3 +102,50 @@ def test_logprobs_are_passed_through(encoding, v4_tokenizer) -> None:
     content = json.loads(stream.response_json())["choices"][0]["logprobs"]["content"]
     assert [entry["logprob"] for entry in content] == [-0.5] * (len(generated) - 1)
     assert len(content[0]["top_logprobs"]) == 2
+
+
+# 🙂 is two ids of the V4 vocabulary, neither a whole character alone.
+SMILE = [80300, 227]
+SMILE_FIRST_HALF = SMILE[:1]
+
+
+def chat_text(frames: list[str]) -> str:
+    return "".join(json.loads(f[6:])["choices"][0]["delta"].get("content") or ""
+                   for f in frames if f.startswith("data: {") and json.loads(f[6:])["choices"])
+
+
+def test_a_character_split_across_ids_arrives_whole(encoding, v4_tokenizer) -> None:
+    generated = v4_tokenizer.encode("Hi ") + SMILE + v4_tokenizer.encode(" ok") + [EOS]
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled"},
+            "stream": True, "stream_options": {"include_usage": True}}
+    frames, _ = run(encoding, "chat", body, generated)
+    assert chat_text(frames) == "Hi 🙂 ok"
+    assert json.loads(frames[-2][6:])["usage"]["completion_tokens"] == len(generated)
+
+
+def test_an_answer_ending_mid_character_keeps_its_last_token(encoding, v4_tokenizer) -> None:
+    generated = v4_tokenizer.encode("Tell me") + SMILE_FIRST_HALF
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled"},
+            "stream": True, "stream_options": {"include_usage": True}}
+    frames, _ = run(encoding, "chat", body, generated, finish_reason="length")
+    assert chat_text(frames) == "Tell me\ufffd"  # the partial character flushed, replaced
+    final = json.loads(frames[-2][6:])
+    assert final["usage"]["completion_tokens"] == len(generated)
+    assert final["choices"][0]["finish_reason"] == "length"
+
+
+def test_one_output_ending_mid_character_is_not_lost(encoding, v4_tokenizer) -> None:
+    """LLM.chat pushes one finished output holding every id."""
+    generated = v4_tokenizer.encode("</think>Once upon a time") + SMILE_FIRST_HALF
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    prepared = encoding.prepare("chat", body, 4096)
+    stream = encoding.open_stream(prepared, "chatcmpl-1", [EOS])
+    lps = [{t: Logprob(-0.5)} for t in generated]
+    completion = CompletionOutput(0, "", generated, None, lps, "length")
+    stream.push(RequestOutput("r", None, prepared.prompt_token_ids, [completion], True))
+    stream.finish()
+    response = json.loads(stream.response_json())
+    assert response["choices"][0]["message"]["content"] == "Once upon a time\ufffd"
+    assert response["usage"]["completion_tokens"] == len(generated)
+    # Every whole answer token keeps its logprob; the flushed partial one has none to show.
+    assert [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]] == ["Once", " upon", " a", " time"]

@@ -3,6 +3,11 @@
 The engine's generated ids are pushed as they arrive, minus stop-token ids (recipe would show the EOS
 id as literal text); the engine's finish reason is pushed as recipe's finish chunk. Recipe applies stop
 sequences itself: once `finished` turns true the caller must stop the engine's request.
+
+Ids whose bytes end in the middle of a UTF-8 character are held back until a later id completes it.
+Recipe's processor drops a tokens chunk it cannot decode when the stream ends, so a tail still
+incomplete at the end is flushed as a text chunk (lossy, U+FFFD for the partial character, as
+DeepSeek's API shows it) that counts its tokens: no text and no token is lost from the usage.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ PROTOCOLS: dict[str, tuple[Any, Any]] = {
     "responses": (dr.ResponsesRequest, dr.ResponsesResponse),
     "messages": (dr.MessagesRequest, dr.MessagesResponse),
 }
+
+REPLACEMENT_CHARACTER = "\ufffd"
+MAX_INCOMPLETE_IDS = 3
 
 FINISH_REASONS = {
     "stop": dr.InferenceFinishReason.Stop,
@@ -74,7 +82,11 @@ class RecipeOutputStream:
         self._processor = dr.StreamProcessor(generator, state.conversation_request.parsing_options, tokenizer.recipe)
         self._prepared = prepared
         self._stop_token_ids = frozenset(stop_token_ids)
+        self._tokenizer = tokenizer
         self._num_seen = 0
+        # Generated ids (stop ids removed) whose text ends mid-character, not yet given to the processor.
+        self._held_ids: list[int] = []
+        self._held_pairs: list[tuple[float, list[tuple[int, float]]]] = []
         self._is_ready = False
         self._is_closed = False
         self._response = None
@@ -101,13 +113,14 @@ class RecipeOutputStream:
         completion = output.outputs[0]
         events += self._push_new_tokens(list(completion.token_ids), getattr(completion, "logprobs", None))
         if output.finished and not self._processor.finished:
+            events += self._flush_held()
             reason = FINISH_REASONS.get(completion.finish_reason or "stop", dr.InferenceFinishReason.Stop)
             events += self._processor.push(dr.InferenceChunk.finish(reason))
         return self._emit(events)
 
     def finish(self) -> list[str]:
         """End the response as a normal stop if it has not ended; return the last frames (with `[DONE]`)."""
-        frames = [] if self._is_closed else self._emit(self._processor.finish())
+        frames = [] if self._is_closed else self._emit(self._flush_held() + self._processor.finish())
         done = self._response_cls.sse_done_data()
         if done is not None and self._response is None:
             frames.append(sse_frame(None, done))
@@ -132,16 +145,39 @@ class RecipeOutputStream:
         keep = [i for i, token_id in enumerate(new_ids) if token_id not in self._stop_token_ids]
         events = []
         if keep:
-            ids = [new_ids[i] for i in keep]
+            ids = self._held_ids + [new_ids[i] for i in keep]
             pairs = None
             if new_logprobs:
-                pairs = _recipe_logprobs(ids, [new_logprobs[i] for i in keep], self._prepared.logprobs or 0)
-            events += self._processor.push(dr.InferenceChunk.tokens(ids, pairs))
+                pairs = self._held_pairs + _recipe_logprobs(ids[len(self._held_ids):], [new_logprobs[i] for i in keep],
+                                                            self._prepared.logprobs or 0)
+            num_complete = self._num_complete(ids)
+            self._held_ids, self._held_pairs = ids[num_complete:], (pairs or [])[num_complete:]
+            if num_complete:
+                events += self._processor.push(
+                    dr.InferenceChunk.tokens(ids[:num_complete], pairs[:num_complete] if pairs else None))
         num_stop = len(new_ids) - len(keep)
         if num_stop and not self._processor.finished:
             # Stop tokens count as generated (usage matches the engine) but carry no text.
             events += self._processor.push(dr.InferenceChunk.text("", num_stop))
         return events
+
+    def _num_complete(self, ids: list[int]) -> int:
+        """How many leading `ids` decode to whole characters (the rest end mid-character)."""
+        if not self._tokenizer.decode(ids).endswith(REPLACEMENT_CHARACTER):
+            return len(ids)
+        # A character has at most 4 bytes, so an incomplete one starts in one of the last 3 ids.
+        for num_held in range(1, min(len(ids), MAX_INCOMPLETE_IDS) + 1):
+            if not self._tokenizer.decode(ids[:-num_held]).endswith(REPLACEMENT_CHARACTER):
+                return len(ids) - num_held
+        return 0
+
+    def _flush_held(self) -> list[Any]:
+        """The held tail, as text with its partial character replaced, counted as its tokens."""
+        if not self._held_ids or self._processor.finished:
+            return []
+        text = self._tokenizer.decode(self._held_ids)
+        num_held, self._held_ids, self._held_pairs = len(self._held_ids), [], []
+        return self._processor.push(dr.InferenceChunk.text(text, num_held))
 
     def _emit(self, events: list[Any]) -> list[str]:
         if self._response is not None:

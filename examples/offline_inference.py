@@ -50,7 +50,7 @@ def model_dir() -> str:
     directory = os.environ.get(MODEL_DIR_ENV)
     if directory:
         return directory
-    from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
     print(f"{MODEL_DIR_ENV} is not set: using a tiny random DeepSeek-V4 model "
           "(built on first use, a few seconds, then cached) ...", flush=True)

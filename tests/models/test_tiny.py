@@ -1,4 +1,8 @@
+"""The tiny checkpoints: configs, random weights, the writer and the embedded tiny model."""
+
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,15 +10,15 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from deepinfer_core.config import CSA, HCA, SLIDING, ModelConfig
-from deepinfer_core.models.weights import expected_tensors, load_weights
-from deepinfer_core.testing import checkpoints
-from deepinfer_core.testing.checkpoints import (
+from deepinfer_core.models import tiny
+from deepinfer_core.models.tiny import (
     PRESETS,
     embedded_tiny_model_dir,
     random_state_dict,
     tiny_config,
     write_checkpoint,
 )
+from deepinfer_core.models.weights import expected_tensors, load_weights
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -98,7 +102,7 @@ def test_embedded_tiny_model_has_the_real_tokenizer(cache_home):
 def test_embedded_tiny_model_is_built_once(cache_home, monkeypatch):
     first = embedded_tiny_model_dir()
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(checkpoints, "write_checkpoint", lambda *a, **k: pytest.fail("rebuilt"))
+    monkeypatch.setattr(tiny, "write_checkpoint", lambda *a, **k: pytest.fail("rebuilt"))
     assert embedded_tiny_model_dir() == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging directory left
@@ -106,6 +110,23 @@ def test_embedded_tiny_model_is_built_once(cache_home, monkeypatch):
 
 def test_embedded_tiny_model_key_changes_with_version(cache_home, monkeypatch):
     first = embedded_tiny_model_dir()
-    monkeypatch.setattr(checkpoints, "TINY_MODEL_VERSION", "test-other")
+    monkeypatch.setattr(tiny, "TINY_MODEL_VERSION", "test-other")
     second = embedded_tiny_model_dir()
     assert first != second and json.loads((second / "config.json").read_text())["vocab_size"] == 129280
+
+
+def test_only_tests_import_the_testing_package():
+    # serve and the example build the embedded model from models/tiny.py, not from deepinfer_core.testing
+    root = Path(__file__).resolve().parents[2]
+    sources = [*(root / "deepinfer_core").rglob("*.py"), *(root / "examples").rglob("*.py")]
+    offenders = []
+    for path in sources:
+        if "testing" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(name == "deepinfer_core.testing" or name.startswith("deepinfer_core.testing.") for name in names):
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []

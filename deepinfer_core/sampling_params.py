@@ -15,6 +15,22 @@ from numbers import Integral, Real
 MAX_LOGPROBS = 20
 """Largest number of top logprobs a request may ask for, per generated (or prompt) token."""
 
+MAX_N = 128
+"""Most completions one request may ask for (OpenAI's bound for `n`)."""
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id (or `top_k`) a request may name; the model's vocabulary bounds ids further when the
+request reaches the engine (`deepinfer_core.engine.sampling.check_sampling_params`)."""
+
+MAX_PENALTY = 2.0
+"""`presence_penalty` and `frequency_penalty` lie in [-MAX_PENALTY, MAX_PENALTY], as in vLLM."""
+
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""Allowed `repetition_penalty` values (1 turns it off); the bounds keep fp32 logits finite."""
+
+MAX_LOGIT_BIAS = 100.0
+"""`logit_bias` values are clamped to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as vLLM and OpenAI do."""
+
 MAX_SEED = 2**64 - 1
 """Largest seed; seeds are unsigned 64-bit integers, as in DeepInfer 0.1."""
 
@@ -32,13 +48,13 @@ class SamplingParams:
     """
 
     n: int = 1
-    """Completions to return for the prompt."""
+    """Completions to return for the prompt, at most `MAX_N`."""
     temperature: float = 1.0
     """Softmax temperature; 0 (or anything below `GREEDY_TEMPERATURE`) means greedy."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches `top_p`; in (0, 1]."""
     top_k: int = 0
-    """Keep only the `top_k` most likely tokens; 0 or -1 turns the filter off."""
+    """Keep only the `top_k` most likely tokens; 0 or -1 turns the filter off; at most `MAX_TOKEN_ID`."""
     min_p: float = 0.0
     """Drop tokens whose probability is below `min_p` times the most likely token's; in [0, 1]."""
     seed: int | None = None
@@ -48,7 +64,8 @@ class SamplingParams:
     """Stop strings: the completion ends (finish reason "stop", `stop_reason` the string) as soon as its
     text contains one; the text is cut before it. Needs the checkpoint's tokenizer."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end the completion (finish reason "stop", `stop_reason` the id)."""
+    """Token ids that end the completion (finish reason "stop", `stop_reason` the id); each below the
+    model's vocabulary size."""
     ignore_eos: bool = False
     """Keep generating after the end-of-sequence token."""
     max_tokens: int | None = 16
@@ -61,6 +78,30 @@ class SamplingParams:
     prompt_logprobs: int | bool | None = None
     """Like `logprobs`, for each prompt token after the first (`RequestOutput.prompt_logprobs`). Such a
     request takes no prefix-cache hit, since every prompt position must be computed."""
+
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (at least once), in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence of the token in the generated text, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens seen in the prompt or the output; 1 is off."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling (clamped to [-100, 100])."""
+    bad_words: list[str] | None = None
+    """Words never generated: a word's last token is banned whenever the output ends with the rest of it
+    (with and without a leading space). Needs the checkpoint's tokenizer."""
+    allowed_token_ids: list[int] | None = None
+    """When given (non-empty), only these token ids may be generated."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (k >= 1); -1 keeps as many as `max_model_len` allows."""
+
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    """`bad_words` as token-id sequences; set when the request reaches the engine, which has the
+    tokenizer (`deepinfer_core.engine.sampling.check_sampling_params`)."""
 
     # DeepInfer 0.1 spellings, folded into the fields above by __post_init__.
     seq_seed: int | None = None
@@ -76,6 +117,9 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_stops()
         self._validate_logprobs()
+        self._validate_penalties()
+        self._validate_token_sets()
+        self._validate_output_options()
 
     @property
     def is_greedy(self) -> bool:
@@ -96,7 +140,7 @@ class SamplingParams:
             )
         self.seed = self.seq_seed = self.seed if self.seed is not None else self.seq_seed
         if self.top_logprobs is not None:
-            _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_LOGPROBS)
+            self.top_logprobs = _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_LOGPROBS)
             if self.top_logprobs > 0:
                 if _is_int(self.logprobs) and self.logprobs != self.top_logprobs:
                     raise ValueError(
@@ -109,33 +153,29 @@ class SamplingParams:
         self.top_logprobs = self.logprobs if self.logprobs is not None else 0
 
     def _validate_sampling(self) -> None:
-        if (
-            not isinstance(self.temperature, Real)
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
             )
-        if not isinstance(self.top_p, Real) or not 0 < self.top_p <= 1:
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
-        _check_int("top_k", self.top_k, low=-1, hint=" (0 or -1 turns it off)")
-        if not isinstance(self.min_p, Real) or not 0 <= self.min_p <= 1:
+        self.top_k = _check_int("top_k", self.top_k, low=-1, high=MAX_TOKEN_ID, hint=" (0 or -1 turns it off)")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=MAX_SEED)
-        _check_int("n", self.n, low=1)
+            self.seed = self.seq_seed = _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        self.n = _check_int("n", self.n, low=1, high=MAX_N)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.min_p = float(self.min_p)
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:
-            _check_int(
+            self.max_tokens = _check_int(
                 "max_tokens", self.max_tokens, low=1, hint=" (None generates until the context is full)"
             )
-        _check_int("min_tokens", self.min_tokens, low=0)
-        _check_int("first_n_token_no_eos", self.first_n_token_no_eos, low=0)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, low=0)
+        self.first_n_token_no_eos = _check_int("first_n_token_no_eos", self.first_n_token_no_eos, low=0)
         self.min_tokens = max(self.min_tokens, self.first_n_token_no_eos)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -147,25 +187,82 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.stop is not None:
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-                raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
             self.stop = list(self.stop) or None
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids:
-            _check_int("every stop_token_ids entry", token_id, low=0)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
 
     def _validate_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, low=0, high=MAX_LOGPROBS, hint=" (None for no logprobs)")
+                setattr(self, name, _check_int(name, value, low=0, high=MAX_LOGPROBS, hint=" (None for no logprobs)"))
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 turns it off), got {value!r}")
+            setattr(self, name, float(value))
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (1 turns it off), got {self.repetition_penalty!r}"
+            )
+        self.repetition_penalty = float(self.repetition_penalty)
+
+    def _validate_token_sets(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for token_id, value in self.logit_bias.items():
+                token_id = _check_int("every logit_bias key", _int_key(token_id), low=0, high=MAX_TOKEN_ID)
+                if not _is_real(value) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {value!r}")
+                bias[token_id] = min(max(float(value), -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty: give at least one id, or None to allow every token")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words) or None
+
+    def _validate_output_options(self) -> None:
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            self.truncate_prompt_tokens = _check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, low=1,
+                hint=" (-1 keeps what max_model_len allows, None keeps the whole prompt)")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _int_key(value: object) -> object:
+    """JSON objects carry logit_bias keys as strings ("42"); read those as ids."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_token_ids(name: str, value: object) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    return [_check_int(f"every {name} entry", t, low=0, high=MAX_TOKEN_ID) for t in value]
 
 
 def _bool_to_count(value: int | bool | None) -> int | None:
@@ -175,8 +272,10 @@ def _bool_to_count(value: int | bool | None) -> int | None:
     return value
 
 
-def _check_int(name: str, value: object, *, low: int, high: int | None = None, hint: str = "") -> None:
+def _check_int(name: str, value: object, *, low: int, high: int | None = None, hint: str = "") -> int:
+    """`value` as a plain `int` (numpy integers included), or `ValueError` naming the bounds."""
     in_range = _is_int(value) and value >= low and (high is None or value <= high)
     if not in_range:
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an integer {bounds}{hint}, got {value!r}")
+    return int(value)

@@ -2,9 +2,10 @@
 
 import math
 
+import numpy
 import pytest
 
-from deepinfer_core.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from deepinfer_core.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_TOKEN_ID, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -53,18 +54,75 @@ def test_invalid_values_raise_with_the_field_name(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_wrong_types_raise_type_error():
-    with pytest.raises(TypeError, match="stop_token_ids"):
-        SamplingParams(stop_token_ids=5)
-    with pytest.raises(TypeError, match="ignore_eos"):
-        SamplingParams(ignore_eos="yes")
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"stop_token_ids": ["3"]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+        ({"stop": 5}, "stop must be"),
+        ({"stop": [b"x"]}, "stop must be"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
+        ({"logit_bias": [(3, 1.0)]}, "logit_bias must be a dict"),
+        ({"bad_words": "word"}, "bad_words must be a list"),
+    ],
+)
+def test_wrong_types_raise_value_error_as_the_readme_promises(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
 
 
 def test_stop_strings_are_normalised_and_checked():
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
     assert SamplingParams(stop=[]).stop is None
-    with pytest.raises(TypeError, match="stop"):
+    with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=["ok", ""])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": MAX_N + 1}, f"n must be an integer in \\[1, {MAX_N}\\]"),
+        ({"n": 100000}, f"\\[1, {MAX_N}\\]"),
+        ({"top_k": 2**63}, f"top_k must be an integer in \\[-1, {MAX_TOKEN_ID}\\]"),
+        ({"stop_token_ids": [2**63]}, f"stop_token_ids entry must be an integer in \\[0, {MAX_TOKEN_ID}\\]"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in \\[-2, 2\\]"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias key"),
+        ({"logit_bias": {3: math.nan}}, "logit_bias\\[3\\]"),
+        ({"allowed_token_ids": []}, "allowed_token_ids is empty"),
+        ({"allowed_token_ids": [1, -4]}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ],
+)
+def test_bounds_are_checked_before_any_work_and_say_the_bound(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_integers_are_plain_ints():
+    params = SamplingParams(seed=numpy.int64(3), top_k=numpy.int32(5), n=numpy.int64(2), max_tokens=numpy.uint8(9),
+                            stop_token_ids=[numpy.int64(7)], logprobs=numpy.int16(1), presence_penalty=numpy.float32(0.5))
+    assert params.seed == params.seq_seed == 3 and type(params.seed) is int
+    assert [type(v) for v in (params.top_k, params.n, params.max_tokens, params.logprobs)] == [int] * 4
+    assert type(params.stop_token_ids[0]) is int and type(params.presence_penalty) is float
+
+
+def test_vllm_fields_default_off_and_normalise():
+    params = SamplingParams()
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert params.logit_bias is None and params.bad_words is None and params.allowed_token_ids is None
+    assert not params.include_stop_str_in_output and params.skip_special_tokens
+    assert params.truncate_prompt_tokens is None
+    biased = SamplingParams(logit_bias={"5": 250, 7: -1}, truncate_prompt_tokens=-1)
+    assert biased.logit_bias == {5: 100.0, 7: -1.0}  # JSON string keys read, clamped as vLLM does
+    assert biased.truncate_prompt_tokens == -1
 
 
 def test_edges_of_the_ranges_are_accepted():

@@ -1,4 +1,5 @@
-"""Sampling contract: per-request temperature, top-k, top-p, min-p, seeded draws and logprobs."""
+"""Sampling contract: per-request temperature, top-k, top-p, min-p, penalties, logit bias, allowed ids,
+seeded draws and logprobs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,38 @@ class SamplingSpec:
     """Logit width."""
     max_logprobs: int = 20
     """Largest `logprobs` a request may ask for."""
+
+
+@dataclass
+class TokenPenalties:
+    """vLLM's presence, frequency and repetition penalties of one step, with the token ids they read.
+
+    Ids are padded with `vocab_size` (a column past the vocabulary, dropped after counting).
+    """
+
+    presence: torch.Tensor
+    """`[B]` fp32; subtracted from the logit of each token generated at least once (0: off)."""
+    frequency: torch.Tensor
+    """`[B]` fp32; subtracted once per time the token was generated (0: off)."""
+    repetition: torch.Tensor
+    """`[B]` fp32; a token seen in the prompt or the output has a positive logit divided by it and a
+    negative one multiplied by it (1: off)."""
+    output_token_ids: torch.Tensor
+    """`[B, L]` int64 ids generated so far, padded with `vocab_size`."""
+    prompt_token_ids: torch.Tensor | None = None
+    """`[B, P]` int64 prompt ids, padded with `vocab_size`; None when no row has a repetition penalty."""
+
+
+@dataclass
+class SparseTokenValues:
+    """Per-row token entries as flat (row, token id, value) triples."""
+
+    rows: torch.Tensor
+    """`[N]` int64 batch rows."""
+    token_ids: torch.Tensor
+    """`[N]` int64 token ids."""
+    values: torch.Tensor | None = None
+    """`[N]` fp32 values (a logit bias), or None for a plain set of ids."""
 
 
 @dataclass
@@ -45,6 +78,13 @@ class SamplingTensors:
     """Host copies of (some row draws: temperature > 0; some drawing row filters by top-k < vocab or
     top-p < 1; some drawing row filters by min-p > 0), so a sampler can choose its passes without
     reading the device; None: derive them from the tensors."""
+    allowed_token_ids: SparseTokenValues | None = None
+    """Rows restricted to a set of ids (`SamplingParams.allowed_token_ids`): every other id is masked
+    in those rows; rows absent here are unrestricted. None: no row is restricted."""
+    logit_bias: SparseTokenValues | None = None
+    """Values added to logits (`SamplingParams.logit_bias`); None: no row has a bias."""
+    penalties: TokenPenalties | None = None
+    """Presence, frequency and repetition penalties; None: no row has one."""
 
 
 @dataclass
@@ -72,9 +112,11 @@ class SamplingBackend(Protocol):
     def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         """Sample one token per row.
 
-        Order: banned ids masked; greedy rows take the argmax; other rows divide by temperature, then
-        apply top-k, top-p and min-p, then draw with a generator seeded from `(seeds[i], steps[i])`.
-        Logprobs and ranks are those of the raw (unfiltered, temperature 1) log-softmax.
+        Order, as vLLM's: ids outside a row's allowed set and banned ids masked; logit bias added;
+        repetition, then frequency and presence penalties; greedy rows take the argmax; other rows
+        divide by temperature, then apply top-k, top-p and min-p, then draw with a generator seeded
+        from `(seeds[i], steps[i])`. Logprobs and ranks are those of the raw (unadjusted, unfiltered,
+        temperature 1) log-softmax. Every step is row by row, so a row's token never depends on its batch.
 
         :param logits: `[B, vocab_size]` fp32.
         :param params: the step's `SamplingTensors`.

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.backends.sampling import SamplerOutput, SamplingTensors
+from deepinfer_core.backends.sampling import SamplerOutput, SamplingTensors, SparseTokenValues, TokenPenalties
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_core.tokenizer import Tokenizer
 
 _TYPECODES = {torch.int64: "q", torch.float32: "f"}
 
@@ -32,13 +36,83 @@ def seed_to_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def banned_token_ids(params: SamplingParams, num_generated: int, eos_token_ids: Sequence[int]) -> list[int]:
-    """Token ids a row may not draw next: EOS and stop ids until `min_tokens` tokens exist."""
-    if num_generated >= params.min_tokens:
-        return []
-    banned = list(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned.extend(t for t in eos_token_ids if t not in banned)
+def check_sampling_params(
+    params: SamplingParams, vocab_size: int, tokenizer: Tokenizer | None = None,
+    eos_token_ids: Sequence[int] = (), *, token_history: bool = False,
+) -> None:
+    """Check what `SamplingParams` cannot check alone, before a request is queued; resolve `bad_words`.
+
+    :param params: the request's parameters; `params.bad_words_token_ids` is set from `bad_words`.
+    :param vocab_size: the model's vocabulary size; every id the request names must be below it.
+    :param tokenizer: the checkpoint's tokenizer (`bad_words` need it).
+    :param eos_token_ids: the model's end-of-sequence ids.
+    :param token_history: whether the runner passes each row's generated (and prompt) ids to
+        `prepare_sampling_tensors`; penalties and bad words of several tokens need them.
+    :raises ValueError: an id outside the vocabulary, `bad_words` without a tokenizer, or an allowed set
+        that `min_tokens` bans whole.
+    :raises NotImplementedError: penalties or multi-token bad words while `token_history` is False.
+    """
+    named = {"stop_token_ids": params.stop_token_ids, "allowed_token_ids": params.allowed_token_ids or [],
+             "logit_bias": list(params.logit_bias or {})}
+    for name, ids in named.items():
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} has ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("bad_words need the checkpoint's tokenizer (none found); use logit_bias or allowed_token_ids")
+        params.bad_words_token_ids = bad_words_token_ids(params.bad_words, tokenizer)
+    if params.allowed_token_ids and params.min_tokens > 0:
+        banned = set(banned_token_ids(params, 0, eos_token_ids))
+        if banned.issuperset(params.allowed_token_ids):
+            raise ValueError("every allowed_token_ids entry is an EOS or stop id, banned until min_tokens; "
+                             "allow other ids or lower min_tokens")
+    if not token_history:
+        needs = [name for name in _history_fields(params) if name]
+        if needs:
+            raise NotImplementedError(f"{', '.join(needs)}: the engine does not pass generated ids to the sampler yet")
+
+
+def _history_fields(params: SamplingParams) -> list[str]:
+    return [
+        "presence_penalty" if params.presence_penalty else "",
+        "frequency_penalty" if params.frequency_penalty else "",
+        "repetition_penalty" if params.repetition_penalty != 1 else "",
+        "bad_words of several tokens" if any(len(ids) > 1 for ids in params.bad_words_token_ids or []) else "",
+    ]
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (the spaced form only when it is a different
+    sequence of the same length, so the space is part of the word's first token), as vLLM does."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip())
+        spaced = tokenizer.encode(" " + word.lstrip())
+        for ids in (plain, spaced):
+            is_spaced_variant = ids is spaced
+            if not ids or ids in sequences:
+                continue
+            if is_spaced_variant and (len(ids) != len(plain) or ids[0] == plain[0]):
+                continue
+            sequences.append(ids)
+    return sequences
+
+
+def banned_token_ids(params: SamplingParams, num_generated: int, eos_token_ids: Sequence[int],
+                     output_token_ids: Sequence[int] = ()) -> list[int]:
+    """Token ids a row may not draw next: EOS and stop ids until `min_tokens` tokens exist, and the last
+    token of each bad word whose other tokens end `output_token_ids`."""
+    banned: list[int] = []
+    if num_generated < params.min_tokens:
+        banned.extend(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.extend(t for t in eos_token_ids if t not in banned)
+    for ids in params.bad_words_token_ids or ():
+        prefix = ids[:-1]
+        is_match = not prefix or (len(output_token_ids) >= len(prefix) and list(output_token_ids[-len(prefix):]) == prefix)
+        if is_match and ids[-1] not in banned:
+            banned.append(ids[-1])
     return banned
 
 
@@ -49,6 +123,9 @@ def prepare_sampling_tensors(
     eos_token_ids: Sequence[int],
     device: torch.device,
     vocab_size: int | None = None,
+    *,
+    output_token_ids: Sequence[Sequence[int]] | None = None,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> SamplingTensors:
     """Build one step's `SamplingTensors`; row `i` is `params[i]`.
 
@@ -58,7 +135,12 @@ def prepare_sampling_tensors(
     :param eos_token_ids: the model's end-of-sequence ids (shared by every row).
     :param device: where the sampler runs.
     :param vocab_size: the logit width; given, the tensors carry `host_flags` (which filters any row uses).
+        Penalties need it.
+    :param output_token_ids: each row's generated ids so far (penalties and bad words of several
+        tokens read them; None when no row has either).
+    :param prompt_token_ids: each row's prompt ids (`repetition_penalty` reads them; None when no row has one).
     :returns: the step's `SamplingTensors`; greedy rows get temperature 0.
+    :raises ValueError: a row needs `output_token_ids`, `prompt_token_ids` or `vocab_size` not given.
     """
     if not len(params) == len(seeds) == len(num_generated):
         raise ValueError(
@@ -66,8 +148,11 @@ def prepare_sampling_tensors(
             f"{len(params)}, {len(seeds)} and {len(num_generated)}"
         )
     banned = None
-    if any(n < p.min_tokens for p, n in zip(params, num_generated)):  # otherwise no row bans anything
-        banned = [banned_token_ids(p, n, eos_token_ids) for p, n in zip(params, num_generated, strict=True)]
+    if any(n < p.min_tokens or p.bad_words_token_ids for p, n in zip(params, num_generated)):
+        histories = output_token_ids if output_token_ids is not None else [()] * len(params)
+        if output_token_ids is None and any(len(ids) > 1 for p in params for ids in p.bad_words_token_ids or ()):
+            raise ValueError("bad_words of several tokens need output_token_ids")
+        banned = [banned_token_ids(p, n, eos_token_ids, h) for p, n, h in zip(params, num_generated, histories, strict=True)]
     # Two host-to-device copies in all, built on the host first (each copy waits for the device stream).
     floats = [0.0 if p.is_greedy else p.temperature for p in params]
     floats += [p.top_p for p in params]
@@ -89,7 +174,56 @@ def prepare_sampling_tensors(
         banned_token_ids=banned if banned is not None and any(banned) else None,
         needs_logprobs=any(p.logprobs is not None for p in params),
         host_flags=None if vocab_size is None else _host_flags(params, vocab_size),
+        allowed_token_ids=_allowed_token_ids(params, device),
+        logit_bias=_logit_bias(params, device),
+        penalties=_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device),
     )
+
+
+def _allowed_token_ids(params: Sequence[SamplingParams], device: torch.device) -> SparseTokenValues | None:
+    if not any(p.allowed_token_ids for p in params):
+        return None
+    rows = [row for row, p in enumerate(params) for _ in p.allowed_token_ids or ()]
+    ids = [t for p in params for t in p.allowed_token_ids or ()]
+    index = host_tensor(rows + ids).to(device, non_blocking=True).view(2, -1)
+    return SparseTokenValues(rows=index[0], token_ids=index[1])
+
+
+def _logit_bias(params: Sequence[SamplingParams], device: torch.device) -> SparseTokenValues | None:
+    if not any(p.logit_bias for p in params):
+        return None
+    entries = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    index = host_tensor([e[0] for e in entries] + [e[1] for e in entries]).to(device, non_blocking=True).view(2, -1)
+    values = host_tensor([e[2] for e in entries], torch.float32).to(device, non_blocking=True)
+    return SparseTokenValues(rows=index[0], token_ids=index[1], values=values)
+
+
+def _penalties(
+    params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]] | None,
+    prompt_token_ids: Sequence[Sequence[int]] | None, vocab_size: int | None, device: torch.device,
+) -> TokenPenalties | None:
+    is_penalised = [bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1) for p in params]
+    if not any(is_penalised):
+        return None
+    needs_prompt = any(p.repetition_penalty != 1 for p in params)
+    if output_token_ids is None or vocab_size is None or (needs_prompt and prompt_token_ids is None):
+        raise ValueError("penalties need vocab_size and output_token_ids (and prompt_token_ids for repetition_penalty)")
+    floats = [p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
+    floats += [p.repetition_penalty for p in params]
+    presence, frequency, repetition = host_tensor(floats, torch.float32).to(device, non_blocking=True).view(3, -1).unbind(0)
+    return TokenPenalties(
+        presence=presence, frequency=frequency, repetition=repetition,
+        output_token_ids=_padded(output_token_ids, is_penalised, vocab_size, device),
+        prompt_token_ids=_padded(prompt_token_ids, [p.repetition_penalty != 1 for p in params], vocab_size, device)
+        if needs_prompt else None,
+    )
+
+
+def _padded(rows: Sequence[Sequence[int]], is_used: list[bool], pad: int, device: torch.device) -> torch.Tensor:
+    """`[B, L]` int64 of the used rows' ids, padded with `pad` (unused rows are all padding)."""
+    width = max((len(ids) for ids, used in zip(rows, is_used, strict=True) if used), default=0)
+    flat = [t for ids, used in zip(rows, is_used) for t in (list(ids) + [pad] * (width - len(ids)) if used else [pad] * width)]
+    return host_tensor(flat).to(device, non_blocking=True).view(len(is_used), width)
 
 
 def _host_flags(params: Sequence[SamplingParams], vocab_size: int) -> tuple[bool, bool, bool]:

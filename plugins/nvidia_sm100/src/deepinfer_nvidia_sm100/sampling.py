@@ -3,8 +3,9 @@
 The reference (`deepinfer_core.reference.sampling`) draws by Gumbel-max with counter-based SplitMix64
 noise; `gumbel_argmax_kernel` computes the same noise bit for bit and the argmax of
 `filtered / temperature + gumbel` in float64 in one pass over each row, instead of materialising
-`[B, vocab]` float64 noise. Banned-id masking and the top-k / top-p / min-p filters run as the
-reference's own PyTorch functions on the device (only when some row asks for them).
+`[B, vocab]` float64 noise. Allowed and banned ids, logit bias, penalties and the top-k / top-p /
+min-p filters run as the shared PyTorch steps of `deepinfer_core.sampling_ops` on the device (only
+when some row asks for them).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
-from deepinfer_core.reference.sampling import (
-    _apply_top_k_top_p,
-    _mask_banned,
+from deepinfer_core.sampling_ops import (
+    adjust_logits,
+    apply_min_p,
+    apply_top_k_top_p,
     check_sampler_inputs,
     sampler_output,
 )
@@ -94,7 +96,7 @@ class CudaSampler:
         """Sample one token per row; see `SamplingBackend.sample`."""
         check_sampler_inputs(self.spec, logits, params)
         logits = logits.float()
-        masked = _mask_banned(logits, params.banned_token_ids)
+        masked = adjust_logits(logits, params)
         token_ids = masked.argmax(dim=-1)
         is_sampled = params.temperature > 0
         vocab_size = logits.shape[-1]
@@ -117,11 +119,9 @@ class CudaSampler:
             if flags[1]:
                 top_k = torch.where(is_sampled, params.top_k, 0)
                 top_p = torch.where(is_sampled, params.top_p, 1.0)
-                scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+                scaled = apply_top_k_top_p(scaled, top_k, top_p)
             if flags[2]:
-                min_p = torch.where(is_sampled, params.min_p, 0.0)
-                threshold = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
-                scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+                scaled = apply_min_p(scaled, torch.where(is_sampled, params.min_p, 0.0))
             drawn = gumbel_argmax(scaled, params.seeds, params.steps)
             token_ids = torch.where(is_sampled, drawn, token_ids)
         return sampler_output(logits, token_ids, params)

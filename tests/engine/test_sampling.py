@@ -7,8 +7,10 @@ import torch
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec
 from deepinfer_core.engine.sampling import (
+    bad_words_token_ids,
     banned_token_ids,
     build_logprobs_entry,
+    check_sampling_params,
     check_stop,
     prepare_sampling_tensors,
 )
@@ -149,3 +151,101 @@ def test_logprobs_entry_reads_host_lists_like_tensors():
         assert build_logprobs_entry(lists, row, num_logprobs) == build_logprobs_entry(output, row, num_logprobs)
     with pytest.raises(ValueError, match="fewer than"):
         build_logprobs_entry(lists, 0, 5)
+
+
+# -- vLLM's logit adjustments: what the runner hands the sampler, and checks against the model -------------
+
+VOCAB = 10
+
+
+class WordTokenizer:
+    """Each character is a token (id = its letter's place, a space is 9): "ab" -> [0, 1], " ab" -> [9, 1]."""
+
+    def encode(self, text: str) -> list[int]:
+        ids = [9 if c == " " else ord(c) - ord("a") for c in text]
+        return [ids[1]] + ids[2:] if ids[:1] == [9] else ids  # a leading space merges into the first token
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(" " if t == 9 else chr(ord("a") + t) for t in ids)
+
+
+def test_penalty_tensors_hold_padded_ids_of_penalised_rows_only():
+    params = [SamplingParams(presence_penalty=0.5), SamplingParams(), SamplingParams(repetition_penalty=1.2)]
+    tensors = prepare_sampling_tensors(params, [0, 1, 2], [2, 1, 3], EOS, CPU, VOCAB,
+                                       output_token_ids=[[4, 4], [3], [1, 2, 3]], prompt_token_ids=[[5], [6], [7, 8]])
+    p = tensors.penalties
+    assert p.presence.tolist() == [0.5, 0.0, 0.0] and p.repetition.tolist() == pytest.approx([1.0, 1.0, 1.2])
+    assert p.output_token_ids.tolist() == [[4, 4, VOCAB], [VOCAB] * 3, [1, 2, 3]]
+    assert p.prompt_token_ids.tolist() == [[VOCAB, VOCAB], [VOCAB, VOCAB], [7, 8]]
+    assert prepare_sampling_tensors(params[1:2], [0], [0], EOS, CPU, VOCAB).penalties is None
+    with pytest.raises(ValueError, match="output_token_ids"):
+        prepare_sampling_tensors(params, [0, 1, 2], [0, 0, 0], EOS, CPU, VOCAB)
+
+
+def test_penalties_reach_the_sampler_from_the_runners_ids():
+    logits = torch.tensor([[3.0, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    sampler = ReferenceSampler(SamplingSpec(vocab_size=VOCAB), CPU)
+    params = [SamplingParams(temperature=0, frequency_penalty=0.075)]
+    once = prepare_sampling_tensors(params, [0], [1], EOS, CPU, VOCAB, output_token_ids=[[0]])
+    assert sampler.sample(logits, once).token_ids.item() == 0  # 3.0 - 0.075 > 2.9
+    twice = prepare_sampling_tensors(params, [0], [2], EOS, CPU, VOCAB, output_token_ids=[[0, 0]])
+    assert sampler.sample(logits, twice).token_ids.item() == 1  # 3.0 - 0.15 < 2.9
+
+
+def test_logit_bias_and_allowed_ids_become_sparse_rows():
+    params = [SamplingParams(logit_bias={3: 1.5, 8: -2.0}), SamplingParams(allowed_token_ids=[2, 5]),
+              SamplingParams(logit_bias={1: 0.5})]
+    tensors = prepare_sampling_tensors(params, [0, 1, 2], [0, 0, 0], EOS, CPU, VOCAB)
+    bias = tensors.logit_bias
+    assert list(zip(bias.rows.tolist(), bias.token_ids.tolist(), bias.values.tolist())) == [
+        (0, 3, 1.5), (0, 8, -2.0), (2, 1, 0.5)]
+    allowed = tensors.allowed_token_ids
+    assert (allowed.rows.tolist(), allowed.token_ids.tolist(), allowed.values) == ([1, 1], [2, 5], None)
+    plain = prepare_sampling_tensors([SamplingParams()], [0], [0], EOS, CPU, VOCAB)
+    assert plain.logit_bias is None and plain.allowed_token_ids is None and plain.penalties is None
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space():
+    assert bad_words_token_ids(["ab", " c"], WordTokenizer()) == [[0, 1], [2]]  # " ab" merges to [0, 1]
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_of_the_word():
+    params = SamplingParams(bad_words=["abc", "h"])
+    check_sampling_params(params, VOCAB, WordTokenizer(), EOS, token_history=True)
+    assert params.bad_words_token_ids == [[0, 1, 2], [7]]
+    assert banned_token_ids(params, 5, EOS, [4, 0, 1]) == [2, 7]  # output ends "ab": "c" is banned
+    assert banned_token_ids(params, 5, EOS, [0, 1, 4]) == [7]
+    tensors = prepare_sampling_tensors([params], [0], [3], EOS, CPU, VOCAB, output_token_ids=[[4, 0, 1]])
+    assert tensors.banned_token_ids == [[2, 7]]
+    with pytest.raises(ValueError, match="several tokens need output_token_ids"):
+        prepare_sampling_tensors([params], [0], [3], EOS, CPU, VOCAB)
+    single = SamplingParams(bad_words=["h"])
+    check_sampling_params(single, VOCAB, WordTokenizer(), EOS)  # one token: no history needed
+    assert prepare_sampling_tensors([single], [0], [0], EOS, CPU, VOCAB).banned_token_ids == [[7]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stop_token_ids": [3, VOCAB]}, r"stop_token_ids has ids \[10\] outside the vocabulary \[0, 10\)"),
+        ({"allowed_token_ids": [2**31 - 1]}, "allowed_token_ids has ids"),
+        ({"logit_bias": {12: 1.0}}, "logit_bias has ids"),
+        ({"allowed_token_ids": [1], "min_tokens": 2}, "banned until min_tokens"),
+    ],
+)
+def test_ids_the_model_cannot_have_are_rejected_before_any_work(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        check_sampling_params(SamplingParams(**kwargs), VOCAB, None, EOS)
+
+
+def test_bad_words_need_a_tokenizer():
+    with pytest.raises(ValueError, match="need the checkpoint's tokenizer"):
+        check_sampling_params(SamplingParams(bad_words=["x"]), VOCAB, None, EOS)
+
+
+@pytest.mark.parametrize("kwargs", [{"presence_penalty": 0.1}, {"frequency_penalty": -1}, {"repetition_penalty": 1.1},
+                                    {"bad_words": ["ab"]}])
+def test_fields_that_need_generated_ids_say_so_until_the_runner_passes_them(kwargs):
+    with pytest.raises(NotImplementedError, match=next(iter(kwargs)).split("_")[0]):
+        check_sampling_params(SamplingParams(**kwargs), VOCAB, WordTokenizer(), EOS)
+    check_sampling_params(SamplingParams(**kwargs), VOCAB, WordTokenizer(), EOS, token_history=True)

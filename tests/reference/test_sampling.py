@@ -1,10 +1,20 @@
-"""ReferenceSampler: greedy, filters, batch-invariant seeded draws, distribution, logprobs, bans."""
+"""ReferenceSampler: greedy, filters, batch-invariant seeded draws, distribution, logprobs, bans, and
+the logit adjustments (allowed ids, logit bias, penalties)."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from deepinfer_core.backends.sampling import SamplingBackend, SamplingSpec, SamplingTensors
+from deepinfer_core.backends.sampling import (
+    SamplingBackend,
+    SamplingSpec,
+    SamplingTensors,
+    SparseTokenValues,
+    TokenPenalties,
+)
 from deepinfer_core.reference.sampling import ReferenceSampler, seeded_uniforms
+from deepinfer_core.sampling_ops import apply_penalties
 
 VOCAB = 8
 MASK_64 = (1 << 64) - 1
@@ -216,3 +226,80 @@ def test_logprobs_can_be_skipped_without_changing_tokens(sampler):
     lean = sampler.sample(logits, params)
     assert torch.equal(full.token_ids, lean.token_ids)
     assert torch.isnan(lean.logprobs).all() and not torch.isnan(full.logprobs).any()
+
+
+# -- logit adjustments (vLLM's allowed ids, logit bias and penalties), shared by every sampler -----------
+
+
+PAD = VOCAB  # ids past the vocabulary pad the penalty id rows
+
+
+def penalties(presence, frequency, repetition, outputs, prompts=None):
+    def padded(rows):
+        width = max(map(len, rows))
+        return torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+
+    return TokenPenalties(
+        presence=torch.tensor(presence), frequency=torch.tensor(frequency), repetition=torch.tensor(repetition),
+        output_token_ids=padded(outputs), prompt_token_ids=None if prompts is None else padded(prompts))
+
+
+def test_penalties_follow_vllms_formula_by_hand():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    # outputs: token 0 twice, token 2 once; the prompt holds token 3
+    adjusted = apply_penalties(logits, penalties([0.5], [0.25], [2.0], [[0, 0, 2]], [[3]]))
+    # repetition: 2.0/2, -1.0*2, 0.5/2 on seen ids; then frequency 0.25 x count; then presence 0.5 if generated
+    expected = [2.0 / 2 - 0.25 * 2 - 0.5, 1.0, -1.0 * 2 - 0.25 - 0.5, 0.5 / 2, 0.0, 0.0, 0.0, 0.0]
+    assert adjusted[0].tolist() == pytest.approx(expected)
+
+
+def test_penalties_change_the_greedy_choice_but_not_the_raw_logprobs(sampler):
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0.0, 0.0, 0.0, 0.0]] * 2)
+    plain = make_params(2, temperature=0.0, num_logprobs=1)
+    penalised = dataclasses.replace(plain, penalties=penalties([0.5, 0.0], [0.25, 0.0], [2.0, 1.0],
+                                                               [[0, 0, 2], [0, 0, 2]], [[3], [3]]))
+    out = sampler.sample(logits, penalised)
+    assert out.token_ids.tolist() == [1, 0]  # row 1 has no penalty (0, 0, 1): still the argmax
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs.tolist() == pytest.approx([raw[0, 1].item(), raw[1, 0].item()])
+
+
+def test_logit_bias_and_allowed_ids_by_hand(sampler):
+    logits = torch.arange(VOCAB, dtype=torch.float32).repeat(3, 1)  # argmax is the last id
+    bias = SparseTokenValues(rows=torch.tensor([0, 0]), token_ids=torch.tensor([2, 7]),
+                             values=torch.tensor([100.0, -1.5]))
+    allowed = SparseTokenValues(rows=torch.tensor([1, 1]), token_ids=torch.tensor([1, 4]))
+    params = dataclasses.replace(make_params(3, temperature=0.0), logit_bias=bias, allowed_token_ids=allowed)
+    assert sampler.sample(logits, params).token_ids.tolist() == [2, 4, VOCAB - 1]
+    drawn = dataclasses.replace(params, temperature=torch.ones(3), seeds=torch.arange(3))
+    for step in range(20):  # a drawing row restricted to {1, 4} never leaves the set
+        token = sampler.sample(logits, dataclasses.replace(drawn, steps=torch.full((3,), step))).token_ids[1]
+        assert token.item() in (1, 4)
+
+
+def test_adjusted_draws_do_not_depend_on_batch_order(sampler):
+    logits = random_logits(4, seed=7)
+    params = make_params(4, temperature=0.9, seeds=[5, 6, 7, 8], steps=[1, 2, 3, 4])
+    params = dataclasses.replace(
+        params, penalties=penalties([0.3, 0.0, -0.4, 1.0], [0.2, 0.5, 0.0, 0.0], [1.3, 1.0, 0.8, 1.0],
+                                    [[1, 1, 2], [0], [5, 5, 5, 5], []], [[3], [4], [6, 6], [0]]),
+        logit_bias=SparseTokenValues(rows=torch.tensor([0, 3]), token_ids=torch.tensor([4, 2]),
+                                     values=torch.tensor([2.0, -3.0])),
+        allowed_token_ids=SparseTokenValues(rows=torch.tensor([2, 2, 2]), token_ids=torch.tensor([0, 5, 6])))
+    tokens = sampler.sample(logits, params).token_ids
+    order = [3, 1, 0, 2]
+    where = {row: i for i, row in enumerate(order)}
+
+    def permute_sparse(sparse):
+        return dataclasses.replace(sparse, rows=torch.tensor([where[r] for r in sparse.rows.tolist()]))
+
+    p = params.penalties
+    reordered = dataclasses.replace(
+        params, **{name: getattr(params, name)[order] for name in ("temperature", "top_k", "top_p", "min_p",
+                                                                    "seeds", "steps")},
+        penalties=TokenPenalties(p.presence[order], p.frequency[order], p.repetition[order],
+                                 p.output_token_ids[order], p.prompt_token_ids[order]),
+        logit_bias=permute_sparse(params.logit_bias), allowed_token_ids=permute_sparse(params.allowed_token_ids))
+    again = sampler.sample(logits[order], reordered).token_ids
+    assert again.tolist() == tokens[order].tolist()
+    assert tokens[2].item() in (0, 5, 6)

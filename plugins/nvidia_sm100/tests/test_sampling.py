@@ -49,3 +49,39 @@ def test_host_flags_choose_the_same_passes(kernel_device: torch.device) -> None:
     actual = sampler.sample(logits.to(kernel_device), from_host)
     assert actual.token_ids.tolist() == expected.token_ids.tolist()
     torch.testing.assert_close(actual.logprobs, expected.logprobs)
+
+
+def test_logit_adjustments_draw_the_reference_tokens(kernel_device: torch.device) -> None:
+    """Penalties, logit bias, allowed ids and bad words, greedy and drawn, through the Triton draw."""
+    from deepinfer_nvidia_sm100.sampling import CudaSampler
+
+    from deepinfer_core.engine.sampling import prepare_sampling_tensors
+    from deepinfer_core.sampling_params import SamplingParams
+
+    vocab = 4096
+    spec = SamplingSpec(vocab_size=vocab)
+    rows = [
+        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.7),
+        SamplingParams(temperature=0.9, presence_penalty=-0.5, repetition_penalty=0.8, top_k=50, seed=1),
+        SamplingParams(temperature=1.1, logit_bias={7: 30.0, 9: -100.0}, top_p=0.8, seed=2),
+        SamplingParams(temperature=0.7, allowed_token_ids=[3, 11, 4000], min_p=0.1, seed=3),
+        SamplingParams(temperature=0, logit_bias={5: 100.0}),
+        SamplingParams(temperature=1.0, frequency_penalty=2.0, seed=4),
+    ]
+    rows[2].bad_words_token_ids = [[7], [1, 2, 8]]
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(len(rows), vocab, generator=generator) * 3
+    outputs = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (9, 3, 4, 0, 2, 30)]
+    outputs[2][-2:] = [1, 2]  # bad word [1, 2, 8] bans 8 next
+    outputs[0] += [int(logits[0].argmax())] * 3  # the greedy row's favourite, penalised away
+    prompts = [torch.randint(0, vocab, (5,), generator=generator).tolist() for _ in rows]
+
+    def tensors(device: torch.device):
+        return prepare_sampling_tensors(rows, [p.seed or 0 for p in rows], [len(o) for o in outputs], [1], device,
+                                        vocab, output_token_ids=outputs, prompt_token_ids=prompts)
+
+    expected = ReferenceSampler(spec, torch.device("cpu")).sample(logits, tensors(torch.device("cpu")))
+    actual = CudaSampler(spec).sample(logits.to(kernel_device), tensors(kernel_device))
+    assert actual.token_ids.cpu().tolist() == expected.token_ids.tolist()
+    assert expected.token_ids[0] != logits[0].argmax() and expected.token_ids[4] == 5
+    assert expected.token_ids[3] in (3, 11, 4000) and expected.token_ids[2] not in (7, 8)

@@ -2,8 +2,8 @@
 
 Subcommands register themselves through an `add_<name>_parser(subparsers)` function that adds a parser
 and sets its `handler` default (a function taking the parsed arguments and returning an exit code).
-`deepinfer serve` comes from `deepinfer_core.entrypoints.serve.add_serve_parser` when that module is
-installed.
+`deepinfer serve` comes from `deepinfer_core.entrypoints.serve_cli.add_serve_parser` when the serving
+dependencies are installed.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer_core.config import ModelConfig
 
 
 def add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,16 +35,37 @@ def add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_plugins(args: argparse.Namespace) -> int:
     """Print the plugin report for the selected device."""
+    import torch
+
     from deepinfer_core import plugins
+    from deepinfer_core.config import ModelConfig
 
-    config = None
-    if args.model:
-        from deepinfer_core.config import ModelConfig
-
-        config = ModelConfig.from_dir(args.model)
+    config = ModelConfig.from_dir(args.model) if args.model else ModelConfig()
     device = plugins.select_device()
-    print(format_report(plugins.plugin_report(device, config)))
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    print(format_report(plugins.plugin_report(device, representative_specs(config, dtype))))
     return 0
+
+
+def representative_specs(config: ModelConfig, dtype: torch.dtype) -> dict[str, list[Any]]:
+    """The specs the engine would ask for with `config`, by factory hook.
+
+    Attention and MoE specs come from the model's layer plan, one per distinct layer kind.
+    """
+    from deepinfer_core.backends import EplbSpec, SamplingSpec, VerifySpec
+    from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
+
+    plans = build_layer_plan(config, dtype)
+    return {
+        "make_attention": list(dict.fromkeys(plan.attention for plan in plans)),
+        "make_moe": list(dict.fromkeys(plan.moe for plan in plans)),
+        "make_layer_ops": [layer_ops_spec(config, dtype)],
+        "make_eplb": [EplbSpec(num_layers=len(plans), num_experts=config.n_routed_experts,
+                               num_slots=config.n_routed_experts)],
+        "make_sampler": [SamplingSpec(vocab_size=config.vocab_size)],
+        "make_verifier": [VerifySpec(vocab_size=config.vocab_size,
+                                     max_draft_tokens=max(1, config.num_nextn_predict_layers))],
+    }
 
 
 def format_report(report) -> str:
@@ -77,9 +104,12 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 def add_serve_parser_or_hint(subparsers: argparse._SubParsersAction) -> None:
     """`deepinfer serve`, from the serving module when it imports, else a parser that says what to install."""
     try:
-        from deepinfer_core.entrypoints.serve import add_serve_parser
+        from deepinfer_core.entrypoints.serve_cli import add_serve_parser
     except ModuleNotFoundError as err:
-        parser = subparsers.add_parser("serve", help="serve a model over HTTP (needs the recipe extra)")
+        parser = subparsers.add_parser("serve", help="serve a model over HTTP (needs the recipe extra)",
+                                       add_help=False)
+        # Whatever options follow, the answer is what to install, not "unrecognized arguments".
+        parser.add_argument("ignored", nargs=argparse.REMAINDER)
         parser.set_defaults(handler=functools.partial(_serve_unavailable, missing=err.name))
         return
     add_serve_parser(subparsers)

@@ -7,8 +7,9 @@ Factory hooks (`make_*`) run once, while the engine is built, never per step. Th
 `firstresult`: the first implementation that returns something other than `None` wins and the rest
 are not called. The pure-PyTorch reference implementations are registered first and marked `trylast`,
 so any installed plugin is asked before them. A plugin that cannot serve a spec declines by
-returning `None`; it may say why by calling `decline("reason")`, which `deepinfer plugins` and the
-"nothing could serve" error show.
+calling `decline("reason")` and returning `None`; `deepinfer plugins` and the "nothing could serve"
+error show each reason with its plugin. Say why: `deepinfer plugins` credits the first plugin asked
+that did not call `decline`, so a bare `None` is taken for the answer of a plugin asked after it.
 """
 
 from __future__ import annotations

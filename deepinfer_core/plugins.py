@@ -2,26 +2,33 @@
 
 A plugin is a module registered under the `deepinfer` entry-point group (the entry point's name is the
 plugin's canonical name, its value the `hooks` module). The built-in `reference` plugin is registered
-first and its implementations are `trylast`, so any installed plugin is asked before it.
+first and its implementations are `trylast`, so any installed plugin is asked before it. pluggy does
+the calling (first-result hooks stop at the first non-None answer) and the tracing; this module adds
+the decline reasons, the allow/block lists and the accelerator check.
 
 Environment overrides, read here and nowhere else:
 
 - `DEEPINFER_ACCELERATOR` (`nvidia`, `ascend`, `cpu`): the platform to run on; unset, it is detected.
 - `DEEPINFER_PLUGINS_ALLOW`: comma-separated plugin names; only these (and `reference`) are loaded.
 - `DEEPINFER_PLUGINS_BLOCK`: comma-separated plugin names never loaded (`reference` included).
-- `DEEPINFER_TRACE_PLUGINS=1`: print every hook call and the plugin that answered it to stderr.
+- `DEEPINFER_TRACE_PLUGINS=1`: pluggy's trace of every hook call, with who answered and who declined,
+  on stderr.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import importlib.metadata
+import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable
+import traceback
+import types
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 import torch
@@ -42,14 +49,13 @@ from deepinfer_core.backends import (
     VerifySpec,
 )
 
-if TYPE_CHECKING:
-    from deepinfer_core.config import ModelConfig
-
 REFERENCE_PLUGIN = "reference"
 ENV_VARS = ("DEEPINFER_ACCELERATOR", "DEEPINFER_PLUGINS_ALLOW", "DEEPINFER_PLUGINS_BLOCK", "DEEPINFER_TRACE_PLUGINS")
 """The environment variables this module reads."""
 ACCELERATOR_DEVICE_TYPES = {"nvidia": "cuda", "ascend": "npu", "cpu": "cpu"}
 """`DEEPINFER_ACCELERATOR` value -> torch device type."""
+DEVICE_EXTENSIONS = {"npu": "torch_npu"}
+"""Device type -> the vendor's torch extension that registers it with torch."""
 FACTORY_PROTOCOLS: dict[str, type] = {
     "make_attention": AttentionBackend,
     "make_moe": MoEBackend,
@@ -59,8 +65,8 @@ FACTORY_PROTOCOLS: dict[str, type] = {
     "make_verifier": VerifyBackend,
 }
 """Every factory hook and the Protocol its result must satisfy."""
-# Hooks whose implementations this module calls one at a time, to learn who answered and who declined.
-_ONE_BY_ONE_HOOKS = ("platforms", "detect_device", *FACTORY_PROTOCOLS)
+# Hooks whose answer is credited to the plugin that returned it (a wrapper could replace it unseen).
+_UNWRAPPED_HOOKS = ("platforms", "detect_device", *FACTORY_PROTOCOLS)
 
 
 class PluginError(RuntimeError):
@@ -76,9 +82,13 @@ class HookOutcome:
     """Who answered one call of a first-result hook, and why the plugins asked before it declined."""
 
     hook: str
-    result: Any
     winner: str | None
     declines: dict[str, str] = field(default_factory=dict)
+    result: Any = None
+    spec: Any = None
+    """The spec asked for (the report's factory calls); None for `detect_device`."""
+    error: str | None = None
+    """Set in the report when the winner, or every plugin, failed; shown instead of raised."""
 
 
 @dataclass(frozen=True)
@@ -100,12 +110,14 @@ def build_plugin_manager(
     entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
     allow: Iterable[str] | None = None,
     block: Iterable[str] = (),
+    trace: bool = False,
 ) -> pluggy.PluginManager:
     """Build a validated plugin manager: the reference plugin first, then entry-point plugins.
 
     :param entry_points: plugins to load; None means the installed `deepinfer` entry points.
     :param allow: if given, only these entry-point plugins are loaded (the reference always is).
     :param block: plugins never loaded, the reference included.
+    :param trace: write pluggy's trace of every hook call, with who answered, to stderr.
     :raises PluginError: a plugin fails to import, implements an unknown hook or has a bad signature.
     """
     from deepinfer_core.reference import hooks as reference_hooks
@@ -132,6 +144,9 @@ def build_plugin_manager(
                               f"{_block_hint(ep.name)}") from err
         _register(pm, module, ep.name)
     check_plugins(pm)
+    if trace:
+        pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
+        pm.enable_tracing()
     return pm
 
 
@@ -139,7 +154,8 @@ def build_plugin_manager(
 def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, built on first use from the installed plugins and the env."""
     return build_plugin_manager(allow=_env_names("DEEPINFER_PLUGINS_ALLOW"),
-                                block=_env_names("DEEPINFER_PLUGINS_BLOCK") or ())
+                                block=_env_names("DEEPINFER_PLUGINS_BLOCK") or (),
+                                trace=os.environ.get("DEEPINFER_TRACE_PLUGINS", "") not in ("", "0"))
 
 
 def reset_plugin_manager() -> None:
@@ -148,7 +164,7 @@ def reset_plugin_manager() -> None:
 
 
 def check_plugins(pm: pluggy.PluginManager) -> None:
-    """Reject implementations of unknown hooks (a misspelt name) and wrappers around one-by-one hooks.
+    """Reject implementations of unknown hooks (a misspelt name) and wrappers around first-result hooks.
 
     :raises PluginError: naming the plugin and the offending hook.
     """
@@ -162,9 +178,9 @@ def check_plugins(pm: pluggy.PluginManager) -> None:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise PluginError(f"plugin {impl.plugin_name!r} implements unknown hook {name!r}{hint}; "
                                   f"known hooks: {', '.join(known)}. {_block_hint(impl.plugin_name)}")
-            if name in _ONE_BY_ONE_HOOKS and (impl.wrapper or impl.hookwrapper):
-                raise PluginError(f"plugin {impl.plugin_name!r} wraps {name!r}, which takes no wrappers: "
-                                  "return a result or None instead")
+            if name in _UNWRAPPED_HOOKS and (impl.wrapper or impl.hookwrapper):
+                raise PluginError(f"plugin {impl.plugin_name!r} wraps {name!r}, which takes no wrappers (the "
+                                  "plugin that returns the answer is the one reported): return a result or None")
 
 
 def _register(pm: pluggy.PluginManager, module: object, name: str) -> None:
@@ -194,41 +210,58 @@ def _env_names(variable: str) -> list[str] | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Calling
+# Calling: pluggy calls the implementations (first result wins); `Declines` keeps who declined and why
 # ---------------------------------------------------------------------------------------------------
 
 
-def _is_tracing() -> bool:
-    return os.environ.get("DEEPINFER_TRACE_PLUGINS", "") not in ("", "0")
+class Declines:
+    """The `decline` callback of one first-result call: keeps each reason with the plugin that gave it.
 
-
-def _trace(message: str) -> None:
-    if _is_tracing():
-        print(f"[deepinfer plugins] {message}", file=sys.stderr)
-
-
-def _first_result(hook_name: str, **kwargs: Any) -> HookOutcome:
-    """Ask implementations in pluggy's order (tryfirst first, trylast last) until one returns non-None.
-
-    Each implementation gets its own `decline` callback, so every reason is kept with its plugin.
+    pluggy asks the implementations in turn and stops at the first non-None answer; a reason belongs to
+    the plugin whose implementation is on the call stack. The winner is the first plugin asked that did
+    not decline, so an implementation that returns None should say why.
     """
+
+    def __init__(self, impls: list[pluggy.HookImpl]) -> None:
+        self.asked = [impl for impl in reversed(impls) if not (impl.wrapper or impl.hookwrapper)]
+        self.reasons: dict[str, list[str]] = {}
+
+    def __call__(self, reason: str) -> None:
+        name = self.running(traceback.walk_stack(sys._getframe(1))) or "an unknown plugin"
+        self.reasons.setdefault(name, []).append(str(reason))
+
+    def running(self, frames: Iterable[tuple[types.FrameType, int]]) -> str | None:
+        """The plugin whose implementation runs in the first of `frames` that runs one."""
+        for frame, _ in frames:
+            owner = frame.f_locals.get("self")  # instances of one class share their methods' code
+            for impl in self.asked:
+                function = impl.function
+                code = getattr(inspect.unwrap(function), "__code__", None)
+                if code is frame.f_code and getattr(function, "__self__", owner) is owner:
+                    return impl.plugin_name
+        return None
+
+    def outcome(self, hook_name: str, result: Any) -> HookOutcome:
+        """Who answered, and the reasons of every plugin asked before it (of all, when nobody did)."""
+        outcome = HookOutcome(hook=hook_name, winner=None, result=result)
+        for name in (impl.plugin_name for impl in self.asked):
+            if result is not None and name not in self.reasons:
+                outcome.winner = name
+                break
+            outcome.declines[name] = "; ".join(self.reasons.get(name, [])) or "returned None without a reason"
+        return outcome
+
+
+def _call(hook_name: str, **kwargs: Any) -> HookOutcome:
+    """Call a first-result hook through pluggy; an exception gets a note naming the plugin it came from."""
     caller = getattr(get_plugin_manager().hook, hook_name)
-    outcome = HookOutcome(hook=hook_name, result=None, winner=None)
-    for impl in reversed(caller.get_hookimpls()):
-        reasons: list[str] = []
-        available = {**kwargs, "decline": reasons.append}
-        try:
-            result = impl.function(*(available[arg] for arg in impl.argnames))
-        except Exception as err:
-            err.add_note(f"raised by plugin {impl.plugin_name!r} in {hook_name}")
-            raise
-        if result is not None:
-            outcome.result, outcome.winner = result, impl.plugin_name
-            break
-        outcome.declines[impl.plugin_name] = "; ".join(reasons) or "returned None without a reason"
-    args = ", ".join(repr(value) for value in kwargs.values())
-    _trace(f"{hook_name}({args}) -> {outcome.winner or 'nobody'}; declined: {outcome.declines or 'none'}")
-    return outcome
+    declines = Declines(caller.get_hookimpls())
+    try:
+        return declines.outcome(hook_name, caller(**kwargs, decline=declines))
+    except Exception as err:
+        if (plugin := declines.running(traceback.walk_tb(err.__traceback__))) is not None:
+            err.add_note(f"raised by plugin {plugin!r} in {hook_name}")
+        raise
 
 
 def _describe_declines(declines: dict[str, str]) -> str:
@@ -238,7 +271,7 @@ def _describe_declines(declines: dict[str, str]) -> str:
 
 
 def _make(hook_name: str, spec: Any, device: torch.device) -> Any:
-    outcome = _first_result(hook_name, spec=spec, device=device)
+    outcome = _call(hook_name, spec=spec, device=device)
     if outcome.winner is None:
         raise BackendUnavailableError(f"no plugin can {hook_name.removeprefix('make_')} {spec} on {device}. "
                                       f"Declined: {_describe_declines(outcome.declines)}")
@@ -255,22 +288,21 @@ def _make(hook_name: str, spec: Any, device: torch.device) -> Any:
 
 
 def platforms() -> dict[str, list[str]]:
-    """Platforms each plugin serves, by plugin name (the `platforms` hook)."""
+    """Platforms each plugin serves, by plugin name (the `platforms` hook), in the order plugins are asked."""
     caller = get_plugin_manager().hook.platforms
-    served = {impl.plugin_name: list(impl.function() or []) for impl in reversed(caller.get_hookimpls())}
-    _trace(f"platforms() -> {served}")
-    return served
+    return {impl.plugin_name: list(impl.function() or []) for impl in reversed(caller.get_hookimpls())}
 
 
 def select_device() -> torch.device:
     """The device to run on: from `DEEPINFER_ACCELERATOR` when set, else the `detect_device` hook.
 
     :raises PluginError: the variable names an unknown platform, or one no installed plugin serves (the
-        message names the pip extra to install), or no plugin detects a device.
+        message names the pip extra to install), or a platform this machine cannot run (no CUDA device,
+        no torch_npu), or no plugin detects a device.
     """
     accelerator = os.environ.get("DEEPINFER_ACCELERATOR", "").strip().lower()
     if not accelerator:
-        outcome = _first_result("detect_device")
+        outcome = _call("detect_device")
         if outcome.winner is None:
             raise PluginError(f"no plugin detected a device. Declined: {_describe_declines(outcome.declines)}")
         return outcome.result
@@ -285,11 +317,25 @@ def select_device() -> torch.device:
         raise PluginError(f"DEEPINFER_ACCELERATOR={accelerator} but no installed plugin serves {accelerator!r}; "
                           f"{fix}")
     device_type = ACCELERATOR_DEVICE_TYPES[accelerator]
+    problem = accelerator_problem(device_type)
+    if problem is not None:
+        raise PluginError(f"DEEPINFER_ACCELERATOR={accelerator} but this machine cannot run {device_type!r} "
+                          f"devices: {problem}. Unset DEEPINFER_ACCELERATOR to use the detected device, or set "
+                          "DEEPINFER_ACCELERATOR=cpu")
+    return torch.device(device_type)
+
+
+def accelerator_problem(device_type: str) -> str | None:
+    """Why torch cannot use a `device_type` device on this machine, or None when it can."""
+    if device_type == "cpu":
+        return None
     try:
-        return torch.device(device_type)
-    except RuntimeError as err:
-        raise PluginError(f"DEEPINFER_ACCELERATOR={accelerator} but torch does not know the device type "
-                          f"{device_type!r} (is the vendor's torch extension installed?): {err}") from err
+        if device_type in DEVICE_EXTENSIONS:
+            importlib.import_module(DEVICE_EXTENSIONS[device_type])
+        is_available = torch.get_device_module(device_type).is_available()
+    except (ImportError, RuntimeError, AttributeError) as err:
+        return f"torch {torch.__version__} cannot use {device_type!r} devices ({err})"
+    return None if is_available else f"torch {torch.__version__} finds no {device_type!r} device"
 
 
 def make_attention(spec: AttentionSpec, device: torch.device) -> AttentionBackend:
@@ -331,7 +377,6 @@ def tokenizer_loaders() -> list[TokenizerLoader]:
 
     get_plugin_manager().hook.register_tokenizers(register=register)
     loaders.sort(key=lambda loader: -loader.priority)
-    _trace(f"register_tokenizers -> {[loader.name for loader in loaders]}")
     return loaders
 
 
@@ -343,7 +388,6 @@ def chat_encodings() -> dict[str, Callable[..., Any]]:
         encodings.setdefault(model_type, factory)
 
     get_plugin_manager().hook.register_chat_encodings(register=register)
-    _trace(f"register_chat_encodings -> {sorted(encodings)}")
     return encodings
 
 
@@ -377,55 +421,20 @@ class PluginInfo:
 
 
 @dataclass
-class HookChoice:
-    """Which plugin answered one hook (a factory hook for one representative spec, or `detect_device`)."""
-
-    hook: str
-    spec: Any
-    """The spec asked for; None for `detect_device`."""
-    winner: str | None
-    declines: dict[str, str]
-    error: str | None = None
-    """Set when the winner, or every plugin, failed; the report shows it instead of raising."""
-
-
-@dataclass
 class PluginReport:
     """What `deepinfer plugins` prints."""
 
     device: torch.device
     plugins: list[PluginInfo]
-    choices: list[HookChoice]
+    choices: list[HookOutcome]
 
 
-def representative_specs(config: ModelConfig | None = None,
-                         dtype: torch.dtype = torch.float32) -> dict[str, list[Any]]:
-    """The specs the engine would ask for with `config` (V4-Flash defaults when None), by factory hook.
-
-    Attention and MoE specs come from the model's layer plan, one per distinct layer kind.
-    """
-    from deepinfer_core.config import ModelConfig
-    from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
-
-    config = config or ModelConfig()
-    plans = build_layer_plan(config, dtype)
-    return {
-        "make_attention": list(dict.fromkeys(plan.attention for plan in plans)),
-        "make_moe": list(dict.fromkeys(plan.moe for plan in plans)),
-        "make_layer_ops": [layer_ops_spec(config, dtype)],
-        "make_eplb": [EplbSpec(num_layers=len(plans), num_experts=config.n_routed_experts,
-                               num_slots=config.n_routed_experts)],
-        "make_sampler": [SamplingSpec(vocab_size=config.vocab_size)],
-        "make_verifier": [VerifySpec(vocab_size=config.vocab_size,
-                                     max_draft_tokens=max(1, config.num_nextn_predict_layers))],
-    }
-
-
-def plugin_report(device: torch.device, config: ModelConfig | None = None) -> PluginReport:
+def plugin_report(device: torch.device, specs: Mapping[str, Iterable[Any]]) -> PluginReport:
     """Every loaded plugin, who detects the device, and which one builds each backend for `device`.
 
-    Builds each backend once per representative spec (see `representative_specs`); a plugin that fails
-    while building is reported, not raised.
+    :param specs: by factory hook name, the specs to ask for (the caller knows the model; `deepinfer
+        plugins` takes them from the checkpoint's layer plan). Each backend is built once per spec; a
+        plugin that fails while building is reported, not raised.
     """
     pm = get_plugin_manager()
     versions = _plugin_versions()
@@ -436,23 +445,24 @@ def plugin_report(device: torch.device, config: ModelConfig | None = None) -> Pl
         for name, plugin in pm.list_name_plugin()
         if plugin is not None  # a blocked name is listed with no plugin
     ]
-    choices = [_choose("detect_device", asked_for=None)]
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    for hook_name, specs in representative_specs(config, dtype).items():
-        choices += [_choose(hook_name, asked_for=spec, spec=spec, device=device) for spec in specs]
+    choices = [_choose("detect_device")]
+    for hook_name, hook_specs in specs.items():
+        if hook_name not in FACTORY_PROTOCOLS:
+            raise ValueError(f"{hook_name!r} is not a factory hook; choose from {sorted(FACTORY_PROTOCOLS)}")
+        choices += [_choose(hook_name, spec=spec, device=device) for spec in hook_specs]
     return PluginReport(device=device, plugins=infos, choices=choices)
 
 
-def _choose(hook_name: str, asked_for: Any, **kwargs: Any) -> HookChoice:
+def _choose(hook_name: str, **kwargs: Any) -> HookOutcome:
+    spec = kwargs.get("spec")
     try:
-        outcome = _first_result(hook_name, **kwargs)
+        outcome = _call(hook_name, **kwargs)
     except Exception as err:  # noqa: BLE001 -- the report shows a broken plugin instead of stopping at it
         notes = " ".join(getattr(err, "__notes__", []))
-        return HookChoice(hook=hook_name, spec=asked_for, winner=None, declines={},
-                          error=f"{type(err).__name__}: {err} {notes}".strip())
-    error = None if outcome.winner else "nobody can build it"
-    return HookChoice(hook=hook_name, spec=asked_for, winner=outcome.winner, declines=outcome.declines,
-                      error=error)
+        return HookOutcome(hook=hook_name, winner=None, spec=spec, error=f"{type(err).__name__}: {err} {notes}".strip())
+    outcome.spec, outcome.result = spec, None  # the report keeps no backend alive
+    outcome.error = None if outcome.winner else "nobody can build it"
+    return outcome
 
 
 def _plugin_versions() -> dict[str, str]:

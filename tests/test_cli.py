@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from deepinfer_core import cli
 from deepinfer_core.hookspecs import hookimpl
@@ -55,6 +56,34 @@ def test_plugins_reports_a_missing_accelerator_plugin(isolated_plugin_manager, m
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     assert cli.main(["plugins"]) == 1
     assert 'pip install "deepinfer[nvidia]"' in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_plugins_with_nvidia_forced_without_cuda_fails_before_printing_a_device(
+        isolated_plugin_manager, monkeypatch, capsys):
+    nvidia_hooks = pytest.importorskip("deepinfer_nvidia_sm100.hooks")
+    isolated_plugin_manager.register(nvidia_hooks, name="nvidia_sm100")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    assert cli.main(["plugins"]) == 1
+    captured = capsys.readouterr()
+    assert "device:" not in captured.out
+    assert "DEEPINFER_ACCELERATOR=nvidia but this machine cannot run 'cuda' devices" in captured.err
+
+
+def test_representative_specs_follow_the_model_config():
+    from deepinfer_core.backends import EplbSpec, SamplingSpec
+    from deepinfer_core.config import ModelConfig
+
+    config = ModelConfig(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                           "heavily_compressed_attention"],
+                         mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8, vocab_size=100)
+    specs = cli.representative_specs(config, torch.bfloat16)
+    assert [(s.compress_rate, s.index_topk) for s in specs["make_attention"]] == [(0, 0), (4, 512), (128, 0)]
+    assert all(s.dtype == torch.bfloat16 for s in specs["make_attention"] + specs["make_moe"])
+    assert [s.is_hash for s in specs["make_moe"]] == [True, False]
+    assert specs["make_eplb"] == [EplbSpec(num_layers=3, num_experts=8, num_slots=8)]
+    assert specs["make_sampler"] == [SamplingSpec(vocab_size=100)]
+    assert [(s.hidden_size, s.hc_mult, s.dtype) for s in specs["make_layer_ops"]] == [(4096, 4, torch.bfloat16)]
 
 
 def test_serve_subcommand_is_registered():

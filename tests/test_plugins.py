@@ -167,6 +167,26 @@ def test_everyone_declining_names_each_plugin_and_reason(isolated_plugin_manager
         plugins.make_eplb(EPLB, CPU)
 
 
+def test_decline_reasons_belong_to_the_plugin_whose_code_declines(isolated_plugin_manager):
+    def explain(decline, why):  # a helper of the plugin, not its hook function, calls decline
+        decline(why)
+
+    class Picky:
+        def __init__(self, why):
+            self.why = why
+
+        @hookimpl
+        def make_moe(self, decline):
+            explain(decline, self.why)
+
+    isolated_plugin_manager.set_blocked("reference")
+    isolated_plugin_manager.register(Picky("too few experts"), name="first")
+    isolated_plugin_manager.register(Picky("wrong dtype"), name="second")
+    with pytest.raises(plugins.BackendUnavailableError) as info:
+        plugins.make_moe(MOE, CPU)
+    assert "Declined: second: wrong dtype; first: too few experts" in str(info.value)
+
+
 def test_result_not_satisfying_the_protocol_is_rejected(isolated_plugin_manager):
     class Broken:
         @hookimpl
@@ -228,15 +248,43 @@ def test_accelerator_cpu_and_unknown_values(isolated_plugin_manager, monkeypatch
         plugins.select_device()
 
 
+class NvidiaPlatform:
+    @hookimpl
+    def platforms(self):
+        return ["nvidia"]
+
+
 def test_accelerator_served_by_a_plugin_maps_to_its_device_type(isolated_plugin_manager, monkeypatch):
-    class Nvidia:
+    isolated_plugin_manager.register(NvidiaPlatform(), name="nvidia_sm100")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert plugins.select_device() == torch.device("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_nvidia_accelerator_without_cuda_fails_at_once(isolated_plugin_manager, monkeypatch):
+    nvidia_hooks = pytest.importorskip("deepinfer_nvidia_sm100.hooks")
+    isolated_plugin_manager.register(nvidia_hooks, name="nvidia_sm100")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    with pytest.raises(plugins.PluginError) as info:
+        plugins.select_device()
+    message = str(info.value)
+    assert "DEEPINFER_ACCELERATOR=nvidia but this machine cannot run 'cuda' devices" in message
+    assert f"torch {torch.__version__} finds no 'cuda' device" in message
+    assert "Unset DEEPINFER_ACCELERATOR" in message and "DEEPINFER_ACCELERATOR=cpu" in message
+
+
+def test_ascend_accelerator_without_torch_npu_fails_at_once(isolated_plugin_manager, monkeypatch):
+    class Ascend:
         @hookimpl
         def platforms(self):
-            return ["nvidia"]
+            return ["ascend"]
 
-    isolated_plugin_manager.register(Nvidia(), name="nvidia_sm100")
-    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
-    assert plugins.select_device() == torch.device("cuda")
+    isolated_plugin_manager.register(Ascend(), name="ascend950")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
+    monkeypatch.setitem(plugins.DEVICE_EXTENSIONS, "npu", "no_such_torch_extension_for_test")
+    with pytest.raises(plugins.PluginError, match="cannot run 'npu' devices: .*no_such_torch_extension_for_test"):
+        plugins.select_device()
 
 
 # ------------------------------------------------------------------------------------------------ registries
@@ -372,41 +420,64 @@ def test_manager_is_built_once_per_process_and_reads_the_env(monkeypatch):
 def test_plugin_report_names_winners_and_declines(isolated_plugin_manager):
     isolated_plugin_manager.register(ChipPlugin(), name="chip")
     isolated_plugin_manager.register(DecliningPlugin(), name="decliner")
-    report = plugins.plugin_report(CPU)
+    wide = AttentionSpec(num_heads=2, head_dim=8, sliding_window=16, compress_rate=0)
+    specs = {"make_attention": [ATTENTION, wide], "make_moe": [MOE], "make_layer_ops": [LAYER_OPS],
+             "make_eplb": [EPLB], "make_sampler": [SAMPLING], "make_verifier": [VERIFY]}
+    report = plugins.plugin_report(CPU, specs)
     assert {info.name for info in report.plugins} == {"reference", "chip", "decliner"}
     by_hook = {}
     for choice in report.choices:
         by_hook.setdefault(choice.hook, []).append(choice)
     assert set(by_hook) == {"detect_device", *plugins.FACTORY_PROTOCOLS}
     assert by_hook["detect_device"][0].declines == {"decliner": "no chip on this machine"}
-    # V4-Flash's sliding window is 128, so the chip declines every default attention spec
-    for choice in by_hook["make_attention"]:
-        assert choice.winner == "reference"
-        assert choice.declines["chip"] == "only sliding_window=4 is supported"
-    assert [choice.winner for choice in by_hook["make_sampler"]] == ["reference"]
+    assert by_hook["detect_device"][0].winner == "reference"
+    served, declined = by_hook["make_attention"]
+    assert (served.spec, served.winner, served.declines) == (ATTENTION, "chip", {"decliner": "no attention kernels here"})
+    assert (declined.spec, declined.winner) == (wide, "reference")
+    assert declined.declines == {"chip": "only sliding_window=4 is supported",
+                                 "decliner": "no attention kernels here"}
+    assert by_hook["make_moe"][0].declines == {"decliner": "no sqrtsoftplus routing kernel"}
+    # the decliner's make_sampler returns None without a reason: it cannot be told from a winner, so the
+    # first plugin asked that did not decline is credited (hookspecs: a plugin declining says why)
+    assert [c.winner for c in by_hook["make_sampler"]] == ["decliner"]
+    assert all(choice.result is None and choice.error is None for choice in report.choices)
 
 
-def test_representative_specs_follow_the_model_config():
-    from deepinfer_core.config import ModelConfig
+def test_plugin_report_shows_a_failing_plugin_instead_of_raising(isolated_plugin_manager):
+    class Crashing:
+        @hookimpl
+        def make_sampler(self, spec):
+            raise RuntimeError("driver too old")
 
-    config = ModelConfig(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
-                                                           "heavily_compressed_attention"],
-                         mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8, vocab_size=100)
-    specs = plugins.representative_specs(config, torch.bfloat16)
-    assert [(s.compress_rate, s.index_topk) for s in specs["make_attention"]] == [(0, 0), (4, 512), (128, 0)]
-    assert all(s.dtype == torch.bfloat16 for s in specs["make_attention"] + specs["make_moe"])
-    assert [s.is_hash for s in specs["make_moe"]] == [True, False]
-    assert specs["make_eplb"] == [EplbSpec(num_layers=3, num_experts=8, num_slots=8)]
-    assert specs["make_sampler"] == [SamplingSpec(vocab_size=100)]
-    assert [(s.hidden_size, s.hc_mult, s.dtype) for s in specs["make_layer_ops"]] == [(4096, 4, torch.bfloat16)]
+    isolated_plugin_manager.register(Crashing(), name="crashing")
+    report = plugins.plugin_report(CPU, {"make_sampler": [SAMPLING]})
+    choice = report.choices[-1]
+    assert choice.winner is None
+    assert choice.error == "RuntimeError: driver too old raised by plugin 'crashing' in make_sampler"
+    with pytest.raises(ValueError, match="'platforms' is not a factory hook"):
+        plugins.plugin_report(CPU, {"platforms": [None]})
 
 
-def test_trace_prints_each_call_and_winner(isolated_plugin_manager, monkeypatch, capsys):
+def test_no_trace_without_the_switch(isolated_plugin_manager, capsys):
     isolated_plugin_manager.register(ChipPlugin(), name="chip")
     plugins.make_attention(ATTENTION, CPU)
     assert capsys.readouterr().err == ""
+
+
+def test_trace_prints_each_call_and_its_answer(monkeypatch, capsys):
+    # the switch is read when the process-wide manager is built; allow no entry-point plugin here
     monkeypatch.setenv("DEEPINFER_TRACE_PLUGINS", "1")
-    plugins.make_attention(ATTENTION, CPU)
+    monkeypatch.setenv("DEEPINFER_PLUGINS_ALLOW", "")
+    plugins.reset_plugin_manager()
+    wide = AttentionSpec(num_heads=2, head_dim=8, sliding_window=16, compress_rate=0)
+    try:
+        plugins.get_plugin_manager().register(ChipPlugin(), name="chip")
+        plugins.make_attention(ATTENTION, CPU)
+        plugins.make_attention(wide, CPU)
+    finally:
+        plugins.reset_plugin_manager()
     err = capsys.readouterr().err
-    assert "make_attention(" in err
-    assert "-> chip" in err
+    assert err.count("make_attention [hook]") == 2
+    assert f"spec: {ATTENTION}" in err and f"spec: {wide}" in err
+    assert "finish make_attention --> <" in err
+    assert "ChipAttention object" in err and "ReferenceAttention object" in err

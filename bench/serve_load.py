@@ -19,7 +19,8 @@ import httpx
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.entrypoints.serve import build_app, running_server
+from deepinfer_core.entrypoints.serve import build_app
+from deepinfer_core.entrypoints.serve_cli import running_server
 
 
 def percentile(values: list[float], q: float) -> float:

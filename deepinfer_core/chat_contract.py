@@ -41,8 +41,9 @@ class ApiError(Exception):
 def error_type(status_code: int, api: Api) -> str:
     """The error `type` string each API uses for `status_code`."""
     if api == "messages":
-        return {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error"}.get(status_code, "api_error")
+        return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}.get(status_code, "api_error")
     return "invalid_request_error" if status_code < 500 else "internal_error"
 
 

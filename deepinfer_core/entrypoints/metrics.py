@@ -7,6 +7,7 @@ cache hit rate) are read from the engine's latest `stats()` when `/metrics` is s
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,8 @@ class ServerMetrics:
     """Everything `/metrics` reports besides the engine gauges."""
 
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
-    """(api, outcome) -> count; outcome is `ok`, `error` or `aborted`."""
+    """(api, outcome) -> count. `ok`; `error` (rejected, 4xx/5xx); `aborted`: the client left before
+    the answer was complete, during its upload or during generation."""
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -58,6 +60,17 @@ class ServerMetrics:
     def count_request(self, api: str, outcome: str) -> None:
         """Count one finished request of `api` with `outcome`."""
         self.requests[(api, outcome)] = self.requests.get((api, outcome), 0) + 1
+
+    def record_request(self, api: str, outcome: str, num_prompt_tokens: int, last_output: Any,
+                       arrival: float) -> None:
+        """Count one request that reached the engine, with its tokens (from its last `RequestOutput`)."""
+        self.count_request(api, outcome)
+        self.prompt_tokens += num_prompt_tokens
+        if last_output is not None:
+            self.cached_prompt_tokens += int(last_output.num_cached_tokens or 0)
+            self.generation_tokens += len(last_output.outputs[0].token_ids)
+        if outcome == "ok":
+            self.e2e_latency.observe(time.monotonic() - arrival)
 
     def render(self, engine_stats: dict[str, Any]) -> str:
         """The whole exposition text."""

@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("deepinfer_recipe", reason="the HTTP server needs the recipe plugin (deepinfer[recipe])")
 
-from deepinfer_core.entrypoints.serve import build_app, running_server
+from deepinfer_core.entrypoints.serve import build_app
+from deepinfer_core.entrypoints.serve_cli import running_server
 from tests.entrypoints.live import SERVED_NAME, LiveServer, tiny_engine
 
 

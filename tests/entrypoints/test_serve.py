@@ -208,7 +208,7 @@ def test_malformed_and_oversized_bodies(live_server: LiveServer) -> None:
     url = f"{live_server.base_url}/v1/chat/completions"
     bad = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
-    limit = live_server.state.max_body_bytes
+    limit = live_server.state.limits.max_body_bytes
     huge = httpx.post(url, content=b"x" * (limit + 1), headers={"content-type": "application/json"})
     assert huge.status_code == 413
     huge_messages = httpx.post(f"{live_server.base_url}/v1/messages", content=b"x" * (limit + 1))

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import argparse
 
-from deepinfer_core.entrypoints.serve import DEFAULT_MAX_BODY_BYTES, add_serve_parser, run_serve
+from deepinfer_core.entrypoints.limits import DEFAULT_MAX_BODY_BYTES
+from deepinfer_core.entrypoints.serve_cli import add_serve_parser, run_serve
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

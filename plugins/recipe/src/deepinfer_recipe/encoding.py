@@ -20,6 +20,8 @@ DEFAULT_MODEL_NAMES = {
 }
 # Formats whose promise (the output matches a schema or pattern) only constrained decoding can keep.
 UNENFORCED_FORMATS = ("json_schema", "regex")
+# Prompts longer than this many characters per token of context are counted (cheaply) before encoding.
+PRECOUNT_CHARS_PER_TOKEN = 8
 
 
 @dataclass
@@ -83,6 +85,7 @@ class RecipeChatEncoding:
             state = self._read_state(api, request)
             conversation_request = request.convert(self.options)
             self._reject_unsupported(conversation_request.conversation, api)
+            self._reject_too_long(conversation_request.conversation, context_limit, api)
             prompt_token_ids = self.encode(conversation_request.conversation)
             max_tokens = conversation_request.resolve_max_tokens(len(prompt_token_ids), context_limit)
         except dr.ConversionError as exc:
@@ -115,6 +118,21 @@ class RecipeChatEncoding:
             state.responses_echo = request.echo()
             state.namespace_tool_map = request.namespace_tool_map(self.options)
         return state
+
+    def _reject_too_long(self, conversation: dr.Conversation, context_limit: int, api: Api) -> None:
+        """Refuse a prompt that cannot fit the context before the exact encoding tokenizes all of it.
+
+        A prompt of many characters a token's worth of context is counted first, a piece at a time,
+        stopping as soon as it passes the limit (the count is a lower bound of the exact one: the
+        plain tokenizer reads special-token spellings in message text as one token, recipe as text).
+        """
+        prompt = self.encoding.render_conversation(conversation).prompt
+        if len(prompt) <= PRECOUNT_CHARS_PER_TOKEN * context_limit:
+            return
+        if self.tokenizer.encode_within(prompt, context_limit - 1) is None:
+            raise ApiError.from_message(
+                400, f"This model's maximum context length is {context_limit} tokens; the prompt has more "
+                f"than {context_limit - 1} (one position is left for the answer). Shorten the conversation.", api)
 
     @staticmethod
     def _reject_unsupported(conversation: dr.Conversation, api: Api) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,14 @@ EOS_TOKEN = "<｜end▁of▁sentence｜>"
 # Tokens every DeepSeek-V4 chat prompt uses; each must be one added token of the vocabulary.
 V4_CHAT_TOKENS = (BOS_TOKEN, EOS_TOKEN, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜")
 V41_CHAT_TOKENS = (*V4_CHAT_TOKENS, "<｜System｜>")
+
+
+# Places where the DeepSeek pre-tokenizer always splits, whatever surrounds them: after a newline that
+# an ASCII letter or digit follows; before a space between two ASCII letters; between a CJK character
+# and CJK punctuation. Text cut there tokenizes, piece by piece, exactly as it does whole.
+PRETOKEN_CUT = re.compile(r"\n(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])|(?<=[一-龥぀-ゟ゠-ヿ])(?=[，。！？、；：])")
+CHUNK_CHARS = 8192
+"""Characters tokenized at a time by `encode_within` (a piece ends at the next cut after this many)."""
 
 
 class TokenizerError(RuntimeError):
@@ -58,10 +67,36 @@ class DeepseekTokenizer:
         self.bos_token_id: int = self.hf.token_to_id(BOS_TOKEN)
         self.eos_token_id: int = self.hf.token_to_id(EOS_TOKEN)
         self.vocab_size: int = self.hf.get_vocab_size()
+        # Byte-level BPE spells one byte a character; added tokens are plain text.
+        self.max_token_bytes: int = max(
+            max(map(len, self.hf.get_vocab(with_added_tokens=False)), default=1),
+            max((len(t.content.encode("utf-8")) for t in self.hf.get_added_tokens_decoder().values()), default=1))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS added; special-token spellings map to their ids)."""
         return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_within(self, text: str, max_ids: int) -> list[int] | None:
+        """`encode(text)`, or None as soon as it is known to pass `max_ids` ids.
+
+        The text is tokenized a piece at a time, cut only where the pre-tokenizer splits anyway (so
+        the ids are exactly `encode`'s), and never beyond the piece that passes the limit. A text
+        longer in bytes than `max_ids` of the longest tokens could spell is refused untokenized.
+        """
+        if len(text) > max_ids * self.max_token_bytes:  # even one byte a character is too long
+            return None
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            cut = PRETOKEN_CUT.search(text, start + CHUNK_CHARS) if len(text) - start > CHUNK_CHARS else None
+            end = cut.end() if cut is not None else len(text)
+            if (end - start) > (max_ids - len(ids) + 1) * self.max_token_bytes:
+                return None  # this uncut piece alone holds more bytes than the ids left could spell
+            ids += self.encode(text[start:end])
+            if len(ids) > max_ids:
+                return None
+            start = end
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`."""

@@ -1,0 +1,62 @@
+"""API keys: with `deepinfer serve --api-key KEY` (or `DEEPINFER_API_KEY`), every `/v1/...` request
+must present KEY, as each API's clients send it:
+
+- OpenAI APIs: `Authorization: Bearer KEY` (what the `openai` SDK sends);
+- Anthropic Messages (`/v1/messages...`): `x-api-key: KEY` (what the `anthropic` SDK sends), or a
+  Bearer token (its `auth_token` option).
+
+Keys are compared in constant time (`hmac.compare_digest`); a missing or wrong key is answered 401 in
+the API's error shape. `/health` and `/metrics` stay open, as probes and scrapers expect.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from deepinfer_core.entrypoints.errors import api_of_path, error_response
+
+API_KEY_ENV = "DEEPINFER_API_KEY"
+PROTECTED_PREFIX = "/v1/"
+
+
+def presented_key(headers: Headers, is_anthropic: bool) -> str | None:
+    """The key a request presents: its Bearer token, or for Anthropic's API also `x-api-key`."""
+    if is_anthropic and "x-api-key" in headers:
+        return headers["x-api-key"]
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def is_valid_key(presented: str | None, api_key: str) -> bool:
+    """Whether `presented` equals `api_key`, compared in constant time."""
+    return presented is not None and hmac.compare_digest(presented.encode(), api_key.encode())
+
+
+class ApiKeyMiddleware:
+    """Answer 401 to `/v1/...` requests that do not present `api_key`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("the API key is empty; leave --api-key unset to serve without one")
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        api = api_of_path(path)
+        if is_valid_key(presented_key(Headers(scope=scope), api == "messages"), self.api_key):
+            await self.app(scope, receive, send)
+            return
+        how = "an x-api-key header" if api == "messages" else "an Authorization: Bearer header"
+        response = error_response(401, f"Invalid or missing API key: send the server's key in {how}.", api,
+                                  headers={"www-authenticate": "Bearer"} if api != "messages" else None)
+        await response(scope, receive, send)
+
+
+__all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "is_valid_key", "presented_key"]

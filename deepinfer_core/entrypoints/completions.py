@@ -1,0 +1,259 @@
+"""`POST /v1/completions`: OpenAI's Completions API as vLLM serves it — a raw prompt (text or token
+ids), no chat template, the engine's own detokenized text and stop strings.
+
+Supported: `model`, `prompt` (a string, a list of token ids, or a one-element list of either),
+`max_tokens` (default 16), `temperature`, `top_p`, `seed`, `stop`, `stream` with
+`stream_options.include_usage`, `logprobs` (top-k count), `echo`. `n`, `best_of` other than 1, batched
+prompts, `suffix` and `logit_bias` are refused with a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response, StreamingResponse
+
+from deepinfer_core.chat_contract import ApiError
+from deepinfer_core.engine.async_engine import EngineDeadError
+from deepinfer_core.entrypoints.errors import error_response
+from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, until_done_or_disconnect
+from deepinfer_core.entrypoints.limits import ClientGone, check_prompt_bytes, read_body
+
+if TYPE_CHECKING:
+    from deepinfer_core.entrypoints.serve import ServerState
+    from deepinfer_core.sampling_params import SamplingParams
+
+METRICS_API = "completions"
+UNSUPPORTED = {"suffix": None, "logit_bias": None, "n": 1, "best_of": 1}
+
+
+@dataclass
+class CompletionRequest:
+    """A validated Completions request."""
+
+    model: str
+    prompt_token_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError.from_message(400, message, "chat")
+
+
+def _prompt_of(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _bad("Batched prompts are not supported: send one prompt per request.")
+    raise _bad("'prompt' must be a non-empty string or a non-empty list of token ids.")
+
+
+def encode_prompt(state: ServerState, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    """Token ids of `prompt` (text gets the model's BOS in front, as `LLM.generate` does) and its text."""
+    if not isinstance(prompt, str):
+        vocab_size = state.vocab_size
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
+            raise _bad(f"Prompt token ids must be in [0, {vocab_size}).")
+        return list(prompt), None
+    if state.tokenizer is None:
+        raise _bad("This checkpoint has no tokenizer: send the prompt as token ids.")
+    check_prompt_bytes(prompt, state.context_limit, state.max_token_bytes, "chat")
+    encode_within = getattr(state.tokenizer, "encode_within", None)
+    # Tokenization stops as soon as the prompt cannot fit (the last position is for one new token).
+    ids = encode_within(prompt, state.context_limit - 1) if encode_within else state.tokenizer.encode(prompt)
+    if ids is None:
+        raise _bad(f"This model's maximum context length is {state.context_limit} tokens; the prompt has more. "
+                   "Shorten the prompt.")
+    bos = state.bos_token_id
+    return ([bos, *ids] if bos is not None and (not ids or ids[0] != bos) else ids), prompt
+
+
+def parse_request(state: ServerState, raw: bytes) -> CompletionRequest:
+    """Validate a Completions body and encode its prompt.
+
+    :raises ApiError: 400 in OpenAI's error shape.
+    """
+    from deepinfer_core.sampling_params import SamplingParams
+
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise _bad(f"The body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise _bad("The body must be a JSON object.")
+    model = body.get("model")
+    if model not in state.encoding.model_names:
+        raise _bad(f"The model `{model}` does not exist; this server serves {state.encoding.model_names[0]!r}.")
+    for name, allowed in UNSUPPORTED.items():
+        if body.get(name, allowed) not in (allowed, {}):
+            raise _bad(f"'{name}' is not supported by this server (only {allowed!r}).")
+    prompt_ids, prompt_text = encode_prompt(state, _prompt_of(body))
+    room = state.context_limit - len(prompt_ids)
+    max_tokens = body.get("max_tokens", 16)
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        raise _bad("'max_tokens' must be a positive integer.")
+    if room < 1 or (max_tokens or 0) > room:
+        raise _bad(f"This model's maximum context length is {state.context_limit} tokens. However, you requested "
+                   f"{len(prompt_ids) + (max_tokens or 0)} tokens ({len(prompt_ids)} in the prompt, "
+                   f"{max_tokens or 0} for the completion).")
+    options = body.get("stream_options") or {}
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens or room, temperature=body.get("temperature", 1.0) or 0.0,
+            top_p=body.get("top_p", 1.0), seed=body.get("seed"), stop=body.get("stop") or None,
+            logprobs=body.get("logprobs"))
+    except (ValueError, TypeError, NotImplementedError) as err:
+        raise _bad(str(err)) from err
+    return CompletionRequest(model, prompt_ids, prompt_text, params, bool(body.get("stream")),
+                             bool(isinstance(options, dict) and options.get("include_usage")), bool(body.get("echo")))
+
+
+class CompletionRun:
+    """One Completions request through the engine: text deltas, then usage."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest) -> None:
+        self.state, self.request = state, request
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.sent = 0  # characters of the completion text already sent
+        self.num_logprobs_sent = 0
+        self.last_output: Any = None
+        self.arrival = time.monotonic()
+        # While generating, hold back what could still turn out to be the start of a stop string.
+        self.hold_back = max(map(len, request.params.stop or [""]), default=1) - 1
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Completion chunks (text deltas), the last with the finish reason."""
+        request, outcome = self.request, "aborted"
+        outputs = self.state.engine.generate(request.prompt_token_ids, request.params, self.id)
+        try:
+            if request.echo:
+                yield self._choice(self._prompt_text(), None, None)
+            async for output in outputs:
+                self.last_output = output
+                completion = output.outputs[0]
+                text = completion.text if output.finished else completion.text[:max(0, len(completion.text) - self.hold_back)]
+                if len(text) > self.sent or output.finished:
+                    delta, self.sent = text[self.sent:], max(self.sent, len(text))
+                    yield self._choice(delta, self._new_logprobs(completion), completion.finish_reason)
+            outcome = "ok"
+        finally:
+            self.state.engine.abort(self.id)
+            await outputs.aclose()
+            self.state.metrics.record_request(METRICS_API, outcome, len(request.prompt_token_ids), self.last_output,
+                                              self.arrival)
+
+    def _prompt_text(self) -> str:
+        if self.request.prompt_text is not None:
+            return self.request.prompt_text
+        tokenizer = self.state.tokenizer
+        return tokenizer.decode(self.request.prompt_token_ids, skip_special_tokens=True) if tokenizer else ""
+
+    def usage(self) -> dict[str, int]:
+        num_prompt = len(self.request.prompt_token_ids)
+        num_completion = len(self.last_output.outputs[0].token_ids) if self.last_output is not None else 0
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion}
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.request.model,
+                "choices": choices, **extra}
+
+    def _choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _new_logprobs(self, completion: Any) -> dict[str, Any] | None:
+        if self.request.params.logprobs is None or completion.logprobs is None:
+            return None
+        start, self.num_logprobs_sent = self.num_logprobs_sent, len(completion.logprobs)
+        tokens, token_logprobs, top = [], [], []
+        for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
+            chosen = entry.get(token_id)
+            tokens.append(chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else "")
+            token_logprobs.append(chosen.logprob if chosen is not None else None)
+            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": []}
+
+
+async def handle_completions(state: ServerState, request: Request) -> Response:
+    """Serve one `POST /v1/completions`."""
+    try:
+        raw = await read_body(request, state.limits, "chat")
+        parsed = await run_in_threadpool(parse_request, state, raw)
+    except ApiError as err:
+        state.metrics.count_request(METRICS_API, "error")
+        return Response(err.body, status_code=err.status_code, media_type="application/json")
+    except ClientGone:
+        state.metrics.count_request(METRICS_API, "aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    run = CompletionRun(state, parsed)
+    if parsed.stream:
+        return await _streamed(run)
+    collected: list[dict[str, Any]] = []
+
+    async def collect() -> None:
+        async for chunk in run.chunks():
+            collected.append(chunk)
+
+    work = asyncio.ensure_future(collect())
+    if not await until_done_or_disconnect(work, request):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        work.result()
+    except (ValueError, EngineDeadError) as err:
+        return error_response(400 if isinstance(err, ValueError) else 503, str(err), "chat")
+    return Response(json.dumps(run.envelope([_merge(collected)], usage=run.usage())), media_type="application/json")
+
+
+def _merge(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The choices of every chunk as one choice."""
+    merged = {"index": 0, "text": "".join(c["text"] for c in chunks), "logprobs": None,
+              "finish_reason": chunks[-1]["finish_reason"] if chunks else None}
+    parts = [c["logprobs"] for c in chunks if c["logprobs"]]
+    if parts:
+        merged["logprobs"] = {key: [v for part in parts for v in part[key]] for key in parts[0]}
+    return merged
+
+
+async def _streamed(run: CompletionRun) -> Response:
+    chunks = run.chunks()
+    try:
+        first = await anext(chunks, None)  # a request the engine rejects still gets its status
+    except (ValueError, EngineDeadError) as err:
+        return error_response(400 if isinstance(err, ValueError) else 503, str(err), "chat")
+
+    async def frames() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield f"data: {json.dumps(run.envelope([first]))}\n\n"
+            async for chunk in chunks:
+                yield f"data: {json.dumps(run.envelope([chunk]))}\n\n"
+            if run.request.include_usage:
+                yield f"data: {json.dumps(run.envelope([], usage=run.usage()))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()
+
+    body = frames()
+    return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(body.aclose))
+
+
+__all__ = ["CompletionRequest", "CompletionRun", "encode_prompt", "handle_completions", "parse_request"]

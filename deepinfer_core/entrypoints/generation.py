@@ -1,0 +1,169 @@
+"""One chat-API request's life in the server: parse and encode, generate, answer (SSE or one body).
+
+A client that disconnects ends its request: a streaming one when its send fails, a non-streaming one
+as soon as the disconnect message arrives (answered 499, never a traceback). Both count as
+`aborted` on `/metrics`, as does a client that leaves in the middle of its upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response, StreamingResponse
+
+from deepinfer_core.chat_contract import Api, ApiError, OutputStream, PreparedRequest
+from deepinfer_core.engine.async_engine import EngineDeadError
+from deepinfer_core.entrypoints.errors import error_response
+from deepinfer_core.entrypoints.limits import ClientGone, read_body
+
+if TYPE_CHECKING:
+    from deepinfer_core.entrypoints.serve import ServerState
+    from deepinfer_core.sampling_params import SamplingParams
+
+RESPONSE_ID_PREFIXES: dict[Api, str] = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a client that left before the answer (nobody reads it)."""
+
+
+async def handle_generation(state: ServerState, api: Api, request: Request) -> Response:
+    """Serve one POST of `api`: parse and encode, generate, answer (SSE or one JSON body)."""
+
+    arrival = time.monotonic()
+    try:
+        body = await read_body(request, state.limits, api)
+        prepared = await run_in_threadpool(state.encoding.prepare, api, body, state.context_limit)
+        params = _sampling_params(prepared, api)
+    except ApiError as err:
+        state.metrics.count_request(api, "error")
+        return Response(err.body, status_code=err.status_code, media_type="application/json")
+    except ClientGone:
+        state.metrics.count_request(api, "aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    response_id = RESPONSE_ID_PREFIXES[api] + uuid.uuid4().hex
+    stream = state.encoding.open_stream(prepared, response_id, state.stop_token_ids)
+    run = _Generation(state, api, prepared, params, stream, response_id, arrival)
+    if not prepared.stream:
+        return await run.whole(request)
+    frames = run.frames()
+    try:
+        # Wait for the first frame before answering, so a request the engine rejects gets its status.
+        first = await anext(frames, "")
+    except (ValueError, EngineDeadError) as err:
+        return error_response(400 if isinstance(err, ValueError) else 503, str(err), api)
+    body = _prepend(first, frames)
+    # On a disconnect Starlette cancels the send and drops the body unclosed; closing it aborts the request.
+    return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(body.aclose))
+
+
+async def _prepend(first: str, rest: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    try:
+        if first:
+            yield first
+        async for frame in rest:
+            yield frame
+    finally:
+        await rest.aclose()
+
+
+def _sampling_params(prepared: PreparedRequest, api: Api) -> SamplingParams:
+    from deepinfer_core.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
+                              top_p=prepared.top_p, seed=prepared.seed, logprobs=prepared.logprobs)
+    except (ValueError, NotImplementedError) as err:
+        raise ApiError.from_message(400, str(err), api) from err
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has disconnected (call after the body has been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_done_or_disconnect(work: asyncio.Future, request: Request) -> bool:
+    """Wait for `work` or the client's disconnect; on a disconnect cancel `work` and wait until it has
+    unwound (its cleanup ran). Returns whether the client is still there."""
+    disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not work.done():
+            work.cancel()
+            # `cancelled()` only turns true once the task has run its cancellation.
+            await asyncio.wait({work})
+    return not work.cancelled()
+
+
+class _Generation:
+    """One request's run through the engine, as SSE frames or as one accumulated body."""
+
+    def __init__(self, state: ServerState, api: Api, prepared: PreparedRequest, params: SamplingParams,
+                 stream: OutputStream, request_id: str, arrival: float) -> None:
+        self.state, self.api, self.prepared, self.params = state, api, prepared, params
+        self.stream, self.request_id, self.arrival = stream, request_id, arrival
+        self.first_token_at: float | None = None
+        self.last_output: Any = None
+
+    async def frames(self) -> AsyncIterator[str]:
+        """Engine outputs -> this API's SSE frames; stops (and aborts the engine) once the response ends."""
+        outputs = self.state.engine.generate(self.prepared.prompt_token_ids, self.params, self.request_id)
+        outcome = "aborted"
+        try:
+            async for output in outputs:
+                self._observe(output)
+                for frame in self.stream.push(output):
+                    yield frame
+                if self.stream.finished:
+                    break
+            for frame in self.stream.finish():
+                yield frame
+            outcome = "ok"
+        finally:
+            # A stop sequence, a disconnect or an error ends the request early: free its engine slot.
+            self.state.engine.abort(self.request_id)
+            await outputs.aclose()
+            if outcome != "ok":
+                self.stream.close()
+            self._record(outcome)
+
+    async def whole(self, request: Request) -> Response:
+        """The non-streaming body; a client that disconnects first aborts the request (499)."""
+        collect = asyncio.ensure_future(self._drain())
+        if not await until_done_or_disconnect(collect, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:
+            collect.result()
+        except ValueError as err:
+            return error_response(400, str(err), self.api)
+        except EngineDeadError as err:
+            return error_response(503, str(err), self.api)
+        return Response(self.stream.response_json(), media_type="application/json")
+
+    async def _drain(self) -> None:
+        async for _ in self.frames():
+            pass
+
+    def _observe(self, output: Any) -> None:
+        if self.first_token_at is None and output.outputs and output.outputs[0].token_ids:
+            self.first_token_at = time.monotonic()
+            self.state.metrics.time_to_first_token.observe(self.first_token_at - self.arrival)
+        self.last_output = output
+
+    def _record(self, outcome: str) -> None:
+        self.state.metrics.record_request(self.api, outcome, len(self.prepared.prompt_token_ids),
+                                          self.last_output, self.arrival)
+
+
+__all__ = ["CLIENT_CLOSED_REQUEST", "RESPONSE_ID_PREFIXES", "handle_generation", "until_done_or_disconnect",
+           "wait_for_disconnect"]

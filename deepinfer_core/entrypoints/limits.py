@@ -1,0 +1,116 @@
+"""What one client may cost the server: body size and read time, connections, prompt length.
+
+- A body larger than `max_body_bytes` is answered 413 without reading the rest.
+- A body that does not arrive whole within `body_read_timeout_s` of the request's start is answered
+  408 and its connection closed, so a client that stops sending mid-body holds nothing for long.
+- uvicorn caps the connections and tasks it serves at once (`limit_concurrency`, answered 503 beyond)
+  and closes idle keep-alive connections after `timeout_keep_alive_s`.
+- A prompt whose text is longer in bytes than the context could hold is rejected before it is
+  tokenized (`max_prompt_bytes`): no token of the vocabulary is longer than its longest entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from deepinfer_core.chat_contract import Api, ApiError
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+DEFAULT_LIMIT_CONCURRENCY = 1024
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The HTTP server's limits (see the module docstring); `deepinfer serve` options set them."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Larger request bodies are answered 413."""
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    """Seconds a request body may take to arrive whole; then 408."""
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
+    """Most connections and tasks served at once (uvicorn answers 503 beyond); None: no cap."""
+    timeout_keep_alive_s: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S
+    """Seconds an idle keep-alive connection stays open."""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0 or self.body_read_timeout_s <= 0 or self.timeout_keep_alive_s <= 0:
+            raise ValueError(f"HTTP limits must be positive, got {self}")
+        if self.limit_concurrency is not None and self.limit_concurrency <= 0:
+            raise ValueError(f"limit_concurrency must be positive or None, got {self.limit_concurrency}")
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """Keyword arguments for `uvicorn.Config`."""
+        return {"limit_concurrency": self.limit_concurrency, "timeout_keep_alive": self.timeout_keep_alive_s}
+
+
+async def read_body(request: Request, limits: HttpLimits, api: Api) -> bytes:
+    """The whole request body, within `limits`.
+
+    :raises ApiError: 413 for a body over `max_body_bytes`, 408 for one slower than `body_read_timeout_s`.
+    :raises ClientGone: the client disconnected mid-body.
+    """
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError.from_message(413, f"Request body is larger than {limit} bytes.", api)
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_read_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError.from_message(413, f"Request body is larger than {limit} bytes.", api)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError.from_message(
+            408, f"The request body did not arrive within {limits.body_read_timeout_s:g} s.", api) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def max_token_bytes_of(tokenizer: Any) -> int | None:
+    """UTF-8 bytes of the longest vocabulary entry (an upper bound for byte-level BPE, whose entries
+    spell one byte a character); None when the tokenizer does not expose its vocabulary."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or not hasattr(hf, "get_vocab"):
+        return None
+    return max((len(token.encode("utf-8")) for token in hf.get_vocab(with_added_tokens=True)), default=None)
+
+
+def max_prompt_bytes(context_limit: int, max_token_bytes: int) -> int:
+    """Longest prompt text, in UTF-8 bytes, that could still fit `context_limit` tokens."""
+    return context_limit * max_token_bytes
+
+
+def check_prompt_bytes(text: str, context_limit: int, max_token_bytes: int | None, api: Api) -> None:
+    """Reject `text` when even the longest tokens could not fit it in the context (no tokenization).
+
+    :raises ApiError: 400, in `api`'s shape.
+    """
+    if max_token_bytes is None:
+        return
+    bound = max_prompt_bytes(context_limit, max_token_bytes)
+    # Each character is at most 4 bytes: most texts are decided without encoding them.
+    if len(text) * 4 <= bound or len(text) <= bound and len(text.encode("utf-8", "surrogatepass")) <= bound:
+        return
+    raise ApiError.from_message(
+        400, f"This model's maximum context length is {context_limit} tokens; the prompt is longer than "
+        f"{bound} bytes, more than that many tokens could hold. Shorten the prompt.", api)
+
+
+__all__ = [
+    "DEFAULT_BODY_READ_TIMEOUT_S", "DEFAULT_LIMIT_CONCURRENCY", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_TIMEOUT_KEEP_ALIVE_S",
+    "ClientGone", "HttpLimits", "check_prompt_bytes", "max_prompt_bytes", "max_token_bytes_of", "read_body",
+]

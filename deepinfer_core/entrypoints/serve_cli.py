@@ -1,0 +1,132 @@
+"""The `deepinfer serve` command: its options (vLLM's names for the engine's), and uvicorn.
+
+    deepinfer serve /path/to/checkpoint --port 8000 --max-model-len 65536 --api-key "$KEY"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from deepinfer_core.entrypoints.auth import API_KEY_ENV
+from deepinfer_core.entrypoints.limits import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    HttpLimits,
+)
+from deepinfer_core.entrypoints.serve import build_app
+
+# `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
+ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                  "enforce_eager", "enable_prefix_caching")
+
+
+def _dtype_choices() -> list[str]:
+    from deepinfer_core.config import EngineConfig
+
+    return list(typing.get_args(EngineConfig.model_fields["dtype"].annotation))
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to `deepinfer`'s argument parser."""
+    parser = subparsers.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI and Anthropic APIs)",
+                                   description="Serve a checkpoint over HTTP: OpenAI Chat Completions, Responses "
+                                               "and Completions, Anthropic Messages.")
+    parser.add_argument("model_dir", nargs="?", default=None,
+                        help="checkpoint directory; omitted, the embedded tiny model is served")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name responses report (default: the family's official name)")
+    parser.add_argument("--model-alias", action="append", default=[], help="another accepted model name")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"key every /v1 request must present (Bearer, or x-api-key for Anthropic's API); "
+                             f"default: ${API_KEY_ENV}, else none")
+    engine = parser.add_argument_group("engine (vLLM's option names; unset ones keep the engine's defaults)")
+    engine.add_argument("--dtype", choices=_dtype_choices(), default=None, help="weights and activations dtype")
+    engine.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of device memory to use (0, 1]")
+    engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
+    engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                        help="reuse cached prompt prefixes")
+    http = parser.add_argument_group("HTTP limits")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
+    http.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
+                      help=f"seconds a request body may take to arrive, then 408 (default {DEFAULT_BODY_READ_TIMEOUT_S:g})")
+    http.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                      help=f"most connections served at once, 503 beyond (default {DEFAULT_LIMIT_CONCURRENCY})")
+    http.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                      help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
+    parser.set_defaults(handler=run_serve)
+    return parser
+
+
+def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:
+    """The `EngineConfig` the parsed options ask for (options left unset keep its defaults)."""
+    from deepinfer_core.config import EngineConfig
+
+    chosen = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    return EngineConfig(model=model_dir, **chosen)
+
+
+def http_limits_of(args: argparse.Namespace) -> HttpLimits:
+    """The HTTP limits the parsed options ask for."""
+    return HttpLimits(max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout,
+                      limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive)
+
+
+@contextmanager
+def running_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                   limits: HttpLimits | None = None) -> Iterator[str]:
+    """Serve `app` with uvicorn on a background thread (port 0 picks a free one); yields the base URL."""
+    import uvicorn
+
+    options = (limits or app.state.server.limits).uvicorn_options()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **options))
+    thread = threading.Thread(target=server.run, name="deepinfer-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound_port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine for `args.model_dir` and serve it until interrupted."""
+    import uvicorn
+
+    from deepinfer_core.engine.engine import Engine
+
+    model_dir = args.model_dir
+    if model_dir is None:
+        from deepinfer_core.models.tiny import embedded_tiny_model_dir
+
+        model_dir = str(embedded_tiny_model_dir())
+    limits = http_limits_of(args)
+    app = build_app(Engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
+                    model_aliases=args.model_alias, limits=limits, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
+    return 0
+
+
+__all__ = ["add_serve_parser", "engine_config_of", "http_limits_of", "run_serve", "running_server"]

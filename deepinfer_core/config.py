@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,16 +26,36 @@ DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 DEFAULT_NUM_HASH_LAYERS = 3
 DEFAULT_PARTIAL_ROTARY_FACTOR = 64 / 512
 _SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
+# field: (what DeepSeek-V4 releases use, the lowest and highest value loaded without a warning)
+_FAMILY_VALUES: dict[str, tuple[str, float, float]] = {
+    "sliding_window": ("128", 64, 1024),
+    f"compress_rates[{CSA!r}]": ("4", 2, 16),
+    f"compress_rates[{HCA!r}]": ("128", 32, 512),
+    "index_topk": ("512", 64, 4096),
+    "routed_scaling_factor": ("1.5", 1.0, 4.0),
+    "swiglu_limit": ("10", 1.0, 100.0),
+    "rope_theta": ("10000", 1e3, 1e6),
+    "compress_rope_theta": ("160000", 1e4, 1e7),
+    "rms_norm_eps": ("1e-6 (V4.1: 1e-20)", 0.0, 1e-4),
+    "hc_eps": ("1e-6", 0.0, 1e-3),
+    "hc_sinkhorn_iters": ("20", 5, 100),
+}
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """A configuration file cannot be read or does not describe a supported model."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file (weights, index, tokenizer) cannot be read, or does not match the model config
+    (missing, unexpected, misshaped, mistyped or non-finite tensors). The message names the file or tensor."""
+
+
 class QuantizationConfig(BaseModel):
     """The checkpoint's `quantization_config`; only what loading needs is typed, the rest is kept."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
     quant_method: str | None = Field(None, description='"fp8" for DeepSeek block-FP8 checkpoints.')
     fmt: str | None = Field(None, description="Storage format name some exporters write (e.g. 'e4m3').")
@@ -57,7 +79,7 @@ class ModelConfig(BaseModel):
     `{"main": {...}, "compress": {...}}` (YaRN only on the compress branch, `attention_factor` 1.0).
     """
 
-    model_config = ConfigDict(extra="allow", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="allow", frozen=True, protected_namespaces=(), allow_inf_nan=False)
 
     model_type: Literal["deepseek_v4"] = "deepseek_v4"
     vocab_size: PositiveInt = 129280
@@ -118,17 +140,27 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json`. Raises `ConfigError` if it is missing or not JSON."""
+        """Read `<path>/config.json`; log a warning for each value far from the family's
+        (`unusual_values`). Raises `ConfigError` naming the file if it is missing, unreadable, not
+        JSON, or does not describe a supported model."""
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"{config_path} not found: point the model path at a checkpoint directory")
         try:
-            data = json.loads(config_path.read_text())
-        except json.JSONDecodeError as err:
+            data = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"{config_path} is not valid JSON: {err}") from err
         if not isinstance(data, dict):
             raise ConfigError(f"{config_path} must hold a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data)
+        try:
+            config = cls.from_dict(data)
+        except ValidationError as err:
+            raise ConfigError(
+                f"{config_path} does not describe a supported DeepSeek-V4 model: {err}"
+            ) from err
+        for message in config.unusual_values():
+            logger.warning("%s: %s", config_path, message)
+        return config
 
     @model_validator(mode="before")
     @classmethod
@@ -196,6 +228,38 @@ class ModelConfig(BaseModel):
                     f"original_max_position_embeddings, got {params}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _check_token_ids_and_rope(self) -> ModelConfig:
+        vocab = self.vocab_size
+        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, list) else [] if value is None else [value]
+            if any(not 0 <= token < vocab for token in ids):
+                raise ValueError(
+                    f"{name} {value} is outside the vocabulary [0, {vocab}); check vocab_size and {name}"
+                )
+        for label, params in self.rope_parameters.items():
+            bad = {k: v for k, v in params.items() if isinstance(v, float) and not math.isfinite(v)}
+            if bad:
+                raise ValueError(f"rope_parameters[{label!r}] has non-finite values {bad}")
+        return self
+
+    def unusual_values(self) -> list[str]:
+        """One line for each field set far from what the DeepSeek-V4 family uses (outside the range in
+        `_FAMILY_VALUES`): it loads, but is likely a mistake. A release has none; tiny test models some."""
+        values = {name: getattr(self, name) for name in _FAMILY_VALUES if name.isidentifier()}
+        for kind in (CSA, HCA):
+            if kind in self.layer_types:
+                values[f"compress_rates[{kind!r}]"] = self.compress_rates[kind]
+        if CSA not in self.layer_types:
+            del values["index_topk"]
+        return [
+            f"{name} is {value}, far from the DeepSeek-V4 family's {_FAMILY_VALUES[name][0]} "
+            f"(warned outside [{_FAMILY_VALUES[name][1]:g}, {_FAMILY_VALUES[name][2]:g}])"
+            for name, value in values.items()
+            if not _FAMILY_VALUES[name][1] <= value <= _FAMILY_VALUES[name][2]
+        ]
 
     # ------------------------------------------------------------------ convenience
 

@@ -200,3 +200,75 @@ def test_engine_config_errors_are_actionable(model_dir, tmp_path_factory):
     engine = EngineConfig(model=str(model_dir), max_model_len=10_000)
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
         engine.resolve(engine.load_model_config())
+
+
+# ------------------------------------------------------------------------------------------------ bad config.json
+
+
+def test_unreadable_config_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": "wide"}))
+    with pytest.raises(ConfigError, match=r"(?s)config\.json does not describe a supported DeepSeek-V4 model.*hidden"):
+        ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"routed_scaling_factor": NaN}', "routed_scaling_factor"),
+        ('{"rope_theta": Infinity}', "rope_theta"),
+        ('{"swiglu_limit": -Infinity}', "swiglu_limit"),
+        ('{"quantization_config": {"weight_block_size": [128, 128], "x": 1}, "hc_eps": NaN}', "hc_eps"),
+        (
+            '{"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": NaN}}',
+            "rope_parameters['compress'] has non-finite values",
+        ),
+    ],
+)
+def test_non_finite_config_values_are_config_errors(tmp_path, text, field):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vocab_size": 100, "eos_token_id": 100}, "eos_token_id 100 is outside the vocabulary [0, 100)"),
+        ({"vocab_size": 100, "eos_token_id": [1, 250]}, "eos_token_id [1, 250] is outside the vocabulary"),
+        ({"bos_token_id": -1}, "bos_token_id -1 is outside the vocabulary"),
+        ({"vocab_size": 10, "pad_token_id": 10}, "pad_token_id 10 is outside the vocabulary [0, 10)"),
+    ],
+)
+def test_special_token_ids_must_be_in_the_vocabulary(overrides, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        ModelConfig.from_dict(overrides)
+
+
+def test_values_far_from_the_family_are_warned_about(tmp_path, caplog):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))  # the family's defaults
+    with caplog.at_level("WARNING", logger="deepinfer_core.config"):
+        ModelConfig.from_dir(tmp_path)
+    assert caplog.messages == []
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 3, "sliding_window": 1, "compress_rate_hca": 4, "routed_scaling_factor": 40})
+    )
+    with caplog.at_level("WARNING", logger="deepinfer_core.config"):
+        ModelConfig.from_dir(tmp_path)
+    assert len(caplog.messages) == 3
+    sliding, scaling, rate = sorted(caplog.messages, key=lambda m: ("sliding" not in m, "scaling" not in m))
+    assert str(tmp_path / "config.json") in sliding
+    assert "sliding_window is 1, far from the DeepSeek-V4 family's 128 (warned outside [64, 1024])" in sliding
+    assert "routed_scaling_factor is 40.0, far from the DeepSeek-V4 family's 1.5" in scaling
+    assert "compress_rates['heavily_compressed_attention'] is 4, far from the DeepSeek-V4 family's 128" in rate
+
+
+def test_index_topk_is_only_warned_about_with_csa_layers():
+    config = ModelConfig.from_dict({"num_hidden_layers": 1, "layer_types": [HCA], "index_topk": 1})
+    assert config.unusual_values() == []
+    config = ModelConfig.from_dict({"num_hidden_layers": 1, "layer_types": [CSA], "index_topk": 1})
+    assert config.unusual_values() == [
+        "index_topk is 1, far from the DeepSeek-V4 family's 512 (warned outside [64, 4096])"
+    ]

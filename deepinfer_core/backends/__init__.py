@@ -8,6 +8,7 @@ every other implementation is tested against (`deepinfer_core.testing`).
 
 from deepinfer_core.backends.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from deepinfer_core.backends.eplb import EplbBackend, EplbSpec
+from deepinfer_core.backends.graphs import GraphCapturable, supports_cuda_graphs
 from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOps, LayerOpsSpec
 from deepinfer_core.backends.moe import MoEBackend, MoESpec, MoEWeights
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingBackend, SamplingSpec, SamplingTensors
@@ -20,6 +21,7 @@ __all__ = [
     "CompressorWeights",
     "EplbBackend",
     "EplbSpec",
+    "GraphCapturable",
     "HyperWeights",
     "LayerOps",
     "LayerOpsSpec",
@@ -33,4 +35,5 @@ __all__ = [
     "VerifyBackend",
     "VerifyOutput",
     "VerifySpec",
+    "supports_cuda_graphs",
 ]

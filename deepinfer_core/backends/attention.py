@@ -21,6 +21,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer_core.backends.graphs import GraphCapturable
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -98,7 +100,7 @@ class AttentionMetadata:
 
 
 @runtime_checkable
-class AttentionBackend(Protocol):
+class AttentionBackend(GraphCapturable, Protocol):
     """Computes one layer's attention output from queries, new keys and the layer's caches.
 
     Built once per distinct `AttentionSpec` by `make_attention`; called once per layer per step.

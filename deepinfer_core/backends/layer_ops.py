@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from deepinfer_core.backends.attention import AttentionMetadata
+from deepinfer_core.backends.graphs import GraphCapturable
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class CompressorWeights:
 
 
 @runtime_checkable
-class LayerOps(Protocol):
+class LayerOps(GraphCapturable, Protocol):
     spec: LayerOpsSpec
 
     def hc_pre(self, streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor,

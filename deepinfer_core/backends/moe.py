@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer_core.backends.graphs import GraphCapturable
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -53,7 +55,7 @@ class MoEWeights:
 
 
 @runtime_checkable
-class MoEBackend(Protocol):
+class MoEBackend(GraphCapturable, Protocol):
     """Routes flat tokens to experts and returns the weighted sum of their outputs."""
 
     spec: MoESpec

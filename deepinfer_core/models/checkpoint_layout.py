@@ -1,126 +1,78 @@
-"""The names and shapes of DeepSeek-V4 tensors, and the one table between the two checkpoint layouts.
+"""The DeepSeek-V4 tensor schema, read from the modules, and the one table between the checkpoint layouts.
 
-Internal tensor names are transformers' `save_pretrained` names for `DeepseekV4ForCausalLM`;
-`expected_tensors(config)` is the single source of truth for them and their shapes. On disk:
+The modules are the schema: `tensor_schema(model)` reads every tensor's internal name, shape and dtype
+from a model's `state_dict()`, and `meta_model(config, dtype)` builds that model on the meta device (no
+memory). Internal names are transformers' `save_pretrained` names for `DeepseekV4ForCausalLM`. Which
+parameters stay float32 is declared once, in the modules (`layers.FP32`); everything here reads it.
+
+This module only adds what the modules cannot say: how each tensor is stored on disk. Layouts:
 
 - "hf": what transformers writes; names are the internal names.
 - "official": DeepSeek's release layout (`embed.weight`, `layers.N.attn.wq_a.weight`,
   `layers.N.ffn.experts.E.w1.weight`, ...), mapped by `_TOP_LEVEL` and `_PER_LAYER` below. Per-expert
   `w1` (gate) and `w3` (up) merge into `experts.gate_up_proj[E, 2I, H]` = cat(w1, w3) per expert, and
   `w2` stacks into `experts.down_proj[E, H, I]`. Multi-token-prediction tensors (`mtp.*`) are not used.
+- "transformers": what transformers >= 5 `save_pretrained` writes (official names under `model.`).
+
+Storage dtypes (safetensors header names), checked for every tensor by `SourcePlan.stored_dtypes`:
+floating tensors in the checkpoint's float dtype (config.json's `torch_dtype` / `dtype`) or F32; integer
+tables in any integer dtype; weights that follow the compute dtype and have two or more dims may be FP8
+e4m3 with block scales; routed experts may be packed FP4 (I8/U8) with group scales.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
-from deepinfer_core.config import CSA, SLIDING, ModelConfig
+from deepinfer_core.config import CheckpointError, ModelConfig
+from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_core.models.layer_plan import build_layer_plan
 
 IGNORED_PREFIXES = ("mtp.", "model.mtp.")
-# Kept in float32 whatever the requested dtype, as transformers' `_keep_in_fp32_modules_strict` does.
-_FP32_PATTERN = re.compile(
-    r"(attn_hc|ffn_hc|hc_head)\.|\.sinks$|position_bias$|e_score_correction_bias$"
-    r"|(q_a_norm|kv_norm|input_layernorm|post_attention_layernorm)\.weight$|^model\.norm\.weight$"
-)
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+"""Plain floating storage, by safetensors header name."""
+INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+FP8_DTYPE = "F8_E4M3"
+FP4_PACKED_DTYPES = ("I8", "U8")
+SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")
+"""Storage of FP8 block scales and FP4 group scales."""
 
 
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model config (missing, unexpected or misshaped tensors)."""
+# ---------------------------------------------------------------------- the schema, from the modules
 
 
-# ---------------------------------------------------------------------- expected names and shapes
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor a model declares: its shape and the dtype it is loaded in."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def meta_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `config` at compute dtype `dtype`, built on the meta device (holds no memory)."""
+    with torch.device("meta"):
+        return DeepseekV4ForCausalLM(config, build_layer_plan(config, dtype), dtype)
+
+
+def tensor_schema(model: nn.Module) -> dict[str, TensorSpec]:
+    """Every tensor `model` declares (parameters and persistent buffers), in `state_dict()` order."""
+    return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, internal name -> shape (transformers' `state_dict()` order)."""
-    tensors: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size)
-    }
-    for layer_idx in range(config.num_hidden_layers):
-        prefix = f"model.layers.{layer_idx}."
-        tensors |= {prefix + k: v for k, v in _attention_tensors(config, layer_idx).items()}
-        tensors |= {prefix + k: v for k, v in _mlp_tensors(config, layer_idx).items()}
-        hidden = config.hidden_size
-        tensors[prefix + "input_layernorm.weight"] = (hidden,)
-        tensors[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        num_mix = (2 + config.hc_mult) * config.hc_mult
-        for hc in ("attn_hc", "ffn_hc"):
-            tensors[f"{prefix}{hc}.fn"] = (num_mix, config.hc_mult * hidden)
-            tensors[f"{prefix}{hc}.base"] = (num_mix,)
-            tensors[f"{prefix}{hc}.scale"] = (3,)
-    tensors["model.norm.weight"] = (config.hidden_size,)
-    tensors["model.hc_head.hc_fn"] = (config.hc_mult, config.hc_mult * config.hidden_size)
-    tensors["model.hc_head.hc_base"] = (config.hc_mult,)
-    tensors["model.hc_head.hc_scale"] = (1,)
-    tensors["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    return tensors
-
-
-def _attention_tensors(config: ModelConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    heads, head_dim, hidden, q_rank = (
-        config.num_attention_heads, config.head_dim, config.hidden_size, config.q_lora_rank,
-    )  # fmt: skip
-    groups, o_rank = config.o_groups, config.o_lora_rank
-    tensors = {
-        "self_attn.sinks": (heads,),
-        "self_attn.q_a_proj.weight": (q_rank, hidden),
-        "self_attn.q_a_norm.weight": (q_rank,),
-        "self_attn.q_b_proj.weight": (heads * head_dim, q_rank),
-        "self_attn.kv_proj.weight": (head_dim, hidden),
-        "self_attn.kv_norm.weight": (head_dim,),
-        "self_attn.o_a_proj.weight": (groups * o_rank, heads * head_dim // groups),
-        "self_attn.o_b_proj.weight": (hidden, groups * o_rank),
-    }
-    layer_type = config.layer_types[layer_idx]
-    if layer_type == SLIDING:
-        return tensors
-    rate = config.compress_rate(layer_idx)
-    width = 2 * head_dim if layer_type == CSA else head_dim  # CSA windows overlap: two halves per entry
-    tensors |= _compressor_tensors("self_attn.compressor.", rate, width, head_dim, hidden)
-    if layer_type == CSA:
-        index_dim, index_heads = config.index_head_dim, config.index_n_heads
-        indexer = "self_attn.compressor.indexer."
-        tensors |= _compressor_tensors(indexer, rate, 2 * index_dim, index_dim, hidden)
-        tensors[indexer + "q_b_proj.weight"] = (index_heads * index_dim, q_rank)
-        tensors[indexer + "scorer.weights_proj.weight"] = (index_heads, hidden)
-    return tensors
-
-
-def _compressor_tensors(prefix: str, rate: int, width: int, head_dim: int, hidden: int) -> dict:
-    return {
-        prefix + "position_bias": (rate, width),
-        prefix + "kv_proj.weight": (width, hidden),
-        prefix + "gate_proj.weight": (width, hidden),
-        prefix + "kv_norm.weight": (head_dim,),
-    }
-
-
-def _mlp_tensors(config: ModelConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    experts, hidden, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-    tensors = {"mlp.gate.weight": (experts, hidden)}
-    if config.mlp_layer_types[layer_idx] == "hash_moe":
-        tensors["mlp.gate.tid2eid"] = (config.vocab_size, config.num_experts_per_tok)
-    else:
-        tensors["mlp.gate.e_score_correction_bias"] = (experts,)
-    return tensors | {
-        "mlp.experts.gate_up_proj": (experts, 2 * inter, hidden),
-        "mlp.experts.down_proj": (experts, hidden, inter),
-        "mlp.shared_experts.gate_proj.weight": (inter, hidden),
-        "mlp.shared_experts.up_proj.weight": (inter, hidden),
-        "mlp.shared_experts.down_proj.weight": (hidden, inter),
-    }
-
-
-def is_fp32_tensor(name: str) -> bool:
-    """Whether the internal tensor `name` stays float32 in every compute dtype (norms, mHC, sinks...)."""
-    return _FP32_PATTERN.search(name) is not None
+    """Every tensor the model of `config` needs, internal name -> shape (from the modules)."""
+    return {name: spec.shape for name, spec in tensor_schema(meta_model(config)).items()}
 
 
 def is_integer_tensor(name: str) -> bool:
-    """Whether the internal tensor `name` holds integers (the hash-routing table `tid2eid`, int64)."""
+    """Whether the internal tensor `name` holds integers (the hash-routing table `tid2eid`, int64).
+
+    For writers that have only a name; the loader reads `SourcePlan.is_integer`, from the modules."""
     return name.endswith(".tid2eid")
 
 
@@ -197,12 +149,16 @@ class SourcePlan:
 
     `join` is "copy" (one source), "stack" (one source per expert, stacked on dim 0) or "stack_pairs"
     (sources are all experts' first halves then all second halves; per expert cat(first, second)).
+    `is_integer`: an integer table. `quantised`: the quantised storage a source may have ("fp8": e4m3
+    with block scales; "fp4": packed e2m1 with group scales, routed experts only).
     """
 
     target: str
     sources: tuple[str, ...]
     source_shape: tuple[int, ...]
     join: str = "copy"
+    is_integer: bool = False
+    quantised: tuple[str, ...] = ()
 
     def combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The internal tensor from its source tensors (in `sources` order)."""
@@ -221,9 +177,16 @@ class SourcePlan:
         parts = [expert.split(rows) for expert in tensor]  # [expert][part]
         return [parts[expert][part] for part in range(len(parts[0])) for expert in range(len(parts))]
 
+    def stored_dtypes(self, float_dtype: str | None) -> tuple[str, ...]:
+        """Safetensors dtypes a source may have when stored plainly (not quantised): any integer dtype
+        for an integer table, else the checkpoint's `float_dtype` or F32 (any float dtype if None)."""
+        if self.is_integer:
+            return INTEGER_DTYPES
+        return tuple(FLOAT_DTYPES) if float_dtype is None else tuple(dict.fromkeys((float_dtype, "F32")))
+
 
 def source_plans(config: ModelConfig, layout: str) -> dict[str, SourcePlan]:
-    """For every expected internal tensor, the on-disk tensors it is stored as in `layout`.
+    """For every tensor of the model of `config`, the on-disk tensors it is stored as in `layout`.
 
     Layouts: "hf" (internal names), "official" (DeepSeek's release), "transformers" (what
     transformers >= 5 `save_pretrained` writes: the official names under `model.`, with a few spellings
@@ -231,18 +194,23 @@ def source_plans(config: ModelConfig, layout: str) -> dict[str, SourcePlan]:
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    # at a half-precision compute dtype, the tensors that follow it are the ones a checkpoint may quantise
+    schema = tensor_schema(meta_model(config, torch.bfloat16))
     plans = {}
-    for name, shape in expected_tensors(config).items():
-        if layout == "hf":
-            plans[name] = SourcePlan(name, (name,), shape)
-            continue
-        plan = _official_plan(name, shape)
+    for name, spec in schema.items():
+        plan = SourcePlan(name, (name,), spec.shape) if layout == "hf" else _official_plan(name, spec.shape)
         if layout == "transformers":
-            plan = SourcePlan(
-                name, tuple(map(_saved_by_transformers, plan.sources)), plan.source_shape, plan.join
-            )
-        plans[name] = plan
+            plan = replace(plan, sources=tuple(map(_saved_by_transformers, plan.sources)))
+        is_integer = not spec.dtype.is_floating_point
+        plans[name] = replace(plan, is_integer=is_integer, quantised=_quantised(name, spec))
     return plans
+
+
+def _quantised(name: str, spec: TensorSpec) -> tuple[str, ...]:
+    if spec.dtype != torch.bfloat16 or len(spec.shape) < 2:
+        return ()
+    key = _LAYER_NAME.fullmatch(name)
+    return ("fp8", "fp4") if key is not None and key.group(2) in _EXPERTS else ("fp8",)
 
 
 def _official_plan(name: str, shape: tuple[int, ...]) -> SourcePlan:

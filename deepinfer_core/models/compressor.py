@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.backends.layer_ops import CompressorWeights
-from deepinfer_core.models.layers import RMSNorm
+from deepinfer_core.models.layers import FP32, RMSNorm
 from deepinfer_core.models.rope import Rotary
 
 
@@ -28,7 +28,7 @@ class Compressor(nn.Module):
         self.width, self.rate, self.overlap = width, rate, overlap
         self.kv_proj = nn.Linear(hidden_size, proj, bias=False, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, proj, bias=False, dtype=dtype)
-        self.position_bias = nn.Parameter(torch.zeros(rate, proj, dtype=torch.float32))
+        self.position_bias = nn.Parameter(torch.zeros(rate, proj, dtype=FP32))
         self.kv_norm = RMSNorm(width)
 
     def weights(self, rotary: Rotary) -> CompressorWeights:

@@ -17,6 +17,7 @@ from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
 from deepinfer_core.models.compressor import Compressor, Indexer
 from deepinfer_core.models.layer_plan import LayerPlan
 from deepinfer_core.models.layers import (
+    FP32,
     ConcatenatedLinears,
     GroupedLinear,
     HyperConnection,
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(dim)
         self.o_a_proj = GroupedLinear(heads * dim // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups, dtype)
         self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False, dtype=dtype)
-        self.sinks = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+        self.sinks = nn.Parameter(torch.zeros(heads, dtype=FP32))
         if plan.has_compressor:
             self.compressor = Compressor(config.hidden_size, dim, plan.compress_rate, plan.has_indexer, dtype)
             if plan.has_indexer:
@@ -129,7 +130,7 @@ class Router(nn.Module):
         if is_hash:
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, config.num_experts_per_tok, dtype=torch.long))
         else:
-            self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=FP32))
 
 
 class Experts(nn.Module):

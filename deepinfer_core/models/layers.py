@@ -8,13 +8,20 @@ from torch import nn
 
 from deepinfer_core.backends.layer_ops import HyperWeights
 
+FP32 = torch.float32
+"""The dtype of the parameters V4 keeps in float32 whatever the compute dtype, as transformers'
+`_keep_in_fp32_modules_strict` does: norm weights, mHC parameters, attention sinks, compressor position
+biases and the router's score-correction bias. Each module declares those with `dtype=FP32` (and the rest
+in the compute dtype); the loader and the runner read every tensor's dtype from the modules
+(`checkpoint_layout.tensor_schema`), never from a list of their own."""
+
 
 class RMSNorm(nn.Module):
     """An RMSNorm's fp32 weight; the norm itself runs in the `LayerOps` backend."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.ones(size, dtype=FP32))
 
 
 class HyperConnection(nn.Module):
@@ -24,9 +31,9 @@ class HyperConnection(nn.Module):
     def __init__(self, hc_mult: int, hidden_size: int) -> None:
         super().__init__()
         n = hc_mult
-        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden_size, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden_size, dtype=FP32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=FP32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=FP32))
 
     def weights(self) -> HyperWeights:
         return HyperWeights(self.fn, self.base, self.scale)
@@ -37,9 +44,9 @@ class HyperHead(nn.Module):
 
     def __init__(self, hc_mult: int, hidden_size: int) -> None:
         super().__init__()
-        self.hc_fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size, dtype=torch.float32))
-        self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32))
-        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.hc_fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size, dtype=FP32))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=FP32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=FP32))
 
     def weights(self) -> HyperWeights:
         return HyperWeights(self.hc_fn, self.hc_base, self.hc_scale)

@@ -1,117 +1,76 @@
-"""Checkpoint loading: safetensors (single file or sharded), both layouts, FP8/FP4 dequantisation.
+"""Checkpoint loading: safetensors (single file or sharded), every layout, FP8/FP4 dequantisation.
 
-Which tensors exist, their shapes and their on-disk names come from `checkpoint_layout`; this module
-reads the files, checks every tensor before loading any, dequantises and joins. Quantised tensors are
-recognised by dtype: float8_e4m3fn with a block scale (`<name>.scale` or `<name>.weight_scale_inv`), and,
-when `quantization_config.expert_dtype == "fp4"`, int8/uint8 packed e2m1 with per-32 scales (`quant.py`).
+What tensors exist, their shapes and dtypes come from the modules (`checkpoint_layout.tensor_schema`);
+their on-disk names and storage from `checkpoint_layout.source_plans`. This module reads the files,
+checks every tensor's name, shape and header dtype before loading any, dequantises, joins, casts each
+tensor to the dtype its module declares, and checks that every floating tensor is finite. Quantised
+tensors are recognised by dtype: float8_e4m3fn with a block scale (`<name>.scale` or
+`<name>.weight_scale_inv`), and, for routed experts when `quantization_config.expert_dtype == "fp4"`,
+int8/uint8 packed e2m1 with per-32 scales (`quant.py`). Every failure is a `CheckpointError` naming
+the file or the tensors.
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models import quant
+from deepinfer_core.models.checkpoint_files import SafetensorsReader, checkpoint_files
 from deepinfer_core.models.checkpoint_layout import (
+    FLOAT_DTYPES,
+    FP4_PACKED_DTYPES,
+    FP8_DTYPE,
     IGNORED_PREFIXES,
+    SCALE_DTYPES,
     CheckpointError,
     SourcePlan,
+    TensorSpec,
     detect_layout,
     expected_tensors,
-    is_fp32_tensor,
-    is_integer_tensor,
+    meta_model,
     source_plans,
+    tensor_schema,
 )
 
-__all__ = ["CheckpointError", "checkpoint_files", "expected_tensors", "load_weights"]
+__all__ = [
+    "CheckpointError", "checkpoint_files", "expected_tensors", "load_model", "load_weights",
+    "match_param_dtypes",
+]  # fmt: skip
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _AUTO_PROGRESS_BYTES = 512 * 2**20
+_CONFIG_FLOAT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
-def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
-    """Map every tensor name in the checkpoint to its safetensors file."""
-    model_dir = Path(model_dir)
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_path} has no 'weight_map' object")
-        files = {name: model_dir / file for name, file in weight_map.items()}
-        absent = sorted({str(path) for path in files.values() if not path.is_file()})
-        if absent:
-            raise CheckpointError(f"{index_path} names shard files that do not exist: {absent}")
-        return files
-    paths = (
-        [model_dir / SINGLE_FILE]
-        if (model_dir / SINGLE_FILE).is_file()
-        else sorted(model_dir.glob("*.safetensors"))
-    )
-    if not paths:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    files = {}
-    for path in paths:
-        with safe_open(path, framework="pt") as handle:
-            files |= dict.fromkeys(handle.keys(), path)
-    return files
+def load_model(
+    model: nn.Module,
+    config: ModelConfig,
+    model_dir: str | Path | None,
+    device: str | torch.device,
+    *,
+    weights: dict[str, torch.Tensor] | None = None,
+    progress: bool | None = None,
+) -> nn.Module:
+    """Give `model` (built on the meta device) its weights on `device`, and return it.
 
-
-_FP8 = "F8_E4M3"
-_PACKED = ("I8", "U8")
-
-
-class _Reader:
-    """Open safetensors handles plus per-tensor metadata, read lazily."""
-
-    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
-        handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in set(files.values())}
-        self._handles = {name: handles[path] for name, path in files.items()}
-        self.names = set(files)
-
-    def dtype(self, name: str) -> str:
-        return self._handles[name].get_slice(name).get_dtype()
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[name].get_slice(name).get_shape())
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._handles[name].get_tensor(name)
-
-    def scale_name(self, name: str) -> str | None:
-        base = name.removesuffix(".weight")
-        candidates = (base + ".scale", name + "_scale_inv", name + ".scale")
-        return next((c for c in candidates if c in self.names), None)
-
-
-@dataclass
-class _Problems:
-    missing: list[str]
-    unexpected: list[str]
-    misshaped: list[str]
-
-    def raise_if_any(self, layout: str) -> None:
-        sections = []
-        if self.missing:
-            sections.append(f"missing tensors: {_listing(self.missing)}")
-        if self.unexpected:
-            sections.append(f"unexpected tensors (for the {layout!r} layout): {_listing(self.unexpected)}")
-        if self.misshaped:
-            sections.append(f"misshaped tensors: {_listing(self.misshaped)}")
-        if sections:
-            raise CheckpointError("checkpoint does not match config.json; " + "; ".join(sections))
-
-
-def _listing(items: list[str], limit: int = 20) -> str:
-    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
+    The weights come from the checkpoint in `model_dir`, or from `weights` (internal names) when given;
+    either way each tensor is checked against `model`'s own tensors (names, shapes, finite values) and
+    cast to the dtype its module declares. Raises `CheckpointError` naming every offending tensor.
+    """
+    schema = tensor_schema(model)
+    if weights is None:
+        if model_dir is None:
+            raise ValueError("load_model needs a checkpoint directory or weights")
+        weights = _read_checkpoint(Path(model_dir), config, schema, device, progress)
+    else:
+        weights = match_param_dtypes(weights, schema, device)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model
 
 
 def load_weights(
@@ -124,70 +83,208 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint into internal names, dequantised, on `device`.
 
-    Floating tensors come back in `dtype`, except those `is_fp32_tensor` names (kept float32) and
-    `tid2eid` (int64). Every tensor is checked against `expected_tensors(config)` before any is read;
-    any missing, unexpected or misshaped tensor raises `CheckpointError` naming all of them.
-    `progress` shows a bar (None: only for checkpoints over 512 MiB).
+    Each tensor comes back in the dtype the model's module declares at compute dtype `dtype` (norms,
+    mHC parameters and sinks stay float32; `tid2eid` is int64). Every tensor is checked before any is
+    read (missing, unexpected, misshaped or mistyped ones raise one `CheckpointError` naming all of
+    them), and every floating tensor is checked to be finite after loading. `progress` shows a bar
+    (None: only for checkpoints over 512 MiB).
     """
+    return _read_checkpoint(
+        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress
+    )
+
+
+def match_param_dtypes(
+    weights: dict[str, torch.Tensor], schema: dict[str, TensorSpec], device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """Given weights (internal names) checked against `schema` (names, shapes), each cast to its
+    declared dtype on `device`, and checked to be finite."""
+    missing = sorted(set(schema) - set(weights))
+    unexpected = sorted(set(weights) - set(schema))
+    misshaped = [
+        f"{name} has shape {list(tensor.shape)}, expected {list(schema[name].shape)}"
+        for name, tensor in weights.items()
+        if name in schema and tuple(tensor.shape) != schema[name].shape
+    ]
+    _raise_problems(
+        "the given weights do not match the model", missing, ("unexpected tensors", unexpected), misshaped, []
+    )
+    loaded = {name: weights[name].to(device=device, dtype=spec.dtype) for name, spec in schema.items()}
+    finite = _FiniteCheck()
+    for name, tensor in loaded.items():
+        finite.add(name, tensor)
+    finite.raise_if_any("the given weights")
+    return loaded
+
+
+# ---------------------------------------------------------------------- reading a checkpoint
+
+
+def _read_checkpoint(
+    model_dir: Path, config: ModelConfig, schema: dict[str, TensorSpec], device, progress: bool | None
+) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     layout = detect_layout(list(files))
     plans = source_plans(config, layout)
+    if set(plans) != set(schema):  # the model asked for is not the model of `config`
+        raise ValueError(
+            f"the model's tensors differ from {config.model_type}'s: {sorted(set(plans) ^ set(schema))}"
+        )
     if config.tie_word_embeddings and plans["lm_head.weight"].sources[0] not in files:
         plans["lm_head.weight"] = plans["model.embed_tokens.weight"]
     if progress is None:
         progress = sum(path.stat().st_size for path in set(files.values())) > _AUTO_PROGRESS_BYTES
     with ExitStack() as stack:
-        reader = _Reader(files, stack)
-        _check(plans, reader, config).raise_if_any(layout)
-        bar = tqdm(plans.items(), desc="Loading weights", unit="tensor", disable=not progress)
-        weights = {
-            name: _build(plan, reader, config, _target_dtype(name, dtype), device) for name, plan in bar
-        }
+        reader = SafetensorsReader(files, stack)
+        _Check(plans, reader, config).raise_if_any(model_dir, layout)
+        finite = _FiniteCheck()
+        weights = {}
+        for name, plan in tqdm(plans.items(), desc="Loading weights", unit="tensor", disable=not progress):
+            weights[name] = _build(plan, reader, config, schema[name].dtype, device)
+            finite.add(name, weights[name])
+        finite.raise_if_any(str(model_dir))
     _check_tid2eid(weights, config)
     return weights
 
 
-def _target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    if is_integer_tensor(name):
-        return torch.int64
-    return torch.float32 if is_fp32_tensor(name) else dtype
+class _Check:
+    """Checks every source tensor's presence, header dtype and shape (and its scale's) before any is read."""
+
+    def __init__(self, plans: dict[str, SourcePlan], reader: SafetensorsReader, config: ModelConfig) -> None:
+        self.reader, self.config = reader, config
+        self.missing: list[str] = []
+        self.misshaped: list[str] = []
+        self.mistyped: list[str] = []
+        self.consumed: set[str] = set()
+        self.float_dtype, self.float_origin = self._float_dtype(plans)
+        for plan in plans.values():
+            for source in plan.sources:
+                self._check_source(plan, source)
+
+    def _float_dtype(self, plans: dict[str, SourcePlan]) -> tuple[str | None, str]:
+        """The checkpoint's float storage dtype and where it was read: config.json's declared dtype, else
+        the embedding's (never quantised)."""
+        declared = _CONFIG_FLOAT_DTYPES.get(self.config.checkpoint_dtype or "")
+        if declared is not None:
+            return declared, f"config.json's dtype {self.config.checkpoint_dtype!r}"
+        embedding = plans["model.embed_tokens.weight"].sources[0]
+        stored = self.reader.dtype(embedding) if embedding in self.reader.names else None
+        return (stored, f"the dtype of {embedding}") if stored in FLOAT_DTYPES else (None, "")
+
+    def _check_source(self, plan: SourcePlan, source: str) -> None:
+        if source not in self.reader.names:
+            self.missing.append(source)
+            return
+        self.consumed.add(source)
+        for name, shape in self._expected_shapes(plan, source).items():
+            self.consumed.add(name)
+            if self.reader.shape(name) != tuple(shape):
+                self.misshaped.append(
+                    f"{name} has shape {list(self.reader.shape(name))}, expected {list(shape)}"
+                )
+
+    def _expected_shapes(self, plan: SourcePlan, source: str) -> dict[str, tuple[int, ...]]:
+        """Check `source`'s header dtype (and its scale's); the shape each of its stored tensors must have."""
+        stored = self.reader.dtype(source)
+        is_fp8 = stored == FP8_DTYPE and "fp8" in plan.quantised
+        is_fp4 = stored in FP4_PACKED_DTYPES and "fp4" in plan.quantised
+        if not (is_fp8 or is_fp4):
+            allowed = plan.stored_dtypes(self.float_dtype)
+            if stored not in allowed:
+                origin = f" ({self.float_origin})" if self.float_origin and not plan.is_integer else ""
+                self.mistyped.append(
+                    f"{source} is stored as {stored}, expected {' or '.join(allowed)}{origin}"
+                )
+            return {source: plan.source_shape}
+        scale = self.reader.scale_name(source)
+        if scale is None:
+            self.missing.append(f"{source.removesuffix('.weight')}.scale (quantisation scale)")
+            return {}
+        if self.reader.dtype(scale) not in SCALE_DTYPES:
+            self.mistyped.append(
+                f"{scale} is stored as {self.reader.dtype(scale)}, expected {' or '.join(SCALE_DTYPES)}"
+            )
+        if is_fp8:
+            return {
+                source: plan.source_shape,
+                scale: quant.fp8_scale_shape(plan.source_shape, _block_size(self.config)),
+            }
+        if self.config.expert_dtype != "fp4":
+            self.misshaped.append(
+                f"{source} is packed FP4 ({stored}) but quantization_config.expert_dtype is not 'fp4'"
+            )
+            return {scale: self.reader.shape(scale)}
+        return {
+            source: quant.fp4_packed_shape(plan.source_shape),
+            scale: quant.fp4_scale_shape(plan.source_shape),
+        }
+
+    def raise_if_any(self, model_dir: Path, layout: str) -> None:
+        unexpected = sorted(
+            n for n in self.reader.names - self.consumed if not n.startswith(IGNORED_PREFIXES)
+        )
+        _raise_problems(
+            f"checkpoint {model_dir} does not match config.json", self.missing,
+            (f"unexpected tensors (for the {layout!r} layout)", unexpected), self.misshaped, self.mistyped,
+        )  # fmt: skip
 
 
-def _check(plans: dict[str, SourcePlan], reader: _Reader, config: ModelConfig) -> _Problems:
-    problems = _Problems([], [], [])
-    consumed = set()
-    block = _block_size(config)
-    for plan in plans.values():
-        for source in plan.sources:
-            if source not in reader.names:
-                problems.missing.append(source)
-                continue
-            consumed.add(source)
-            stored = reader.dtype(source)
-            expected = {source: plan.source_shape}
-            if stored == _FP8 or (stored in _PACKED and not is_integer_tensor(plan.target)):
-                scale = reader.scale_name(source)
-                if scale is None:
-                    problems.missing.append(f"{source.removesuffix('.weight')}.scale (quantisation scale)")
-                    continue
-                consumed.add(scale)
-                if stored == _FP8:
-                    expected[scale] = quant.fp8_scale_shape(plan.source_shape, block)
-                elif config.expert_dtype != "fp4":
-                    problems.misshaped.append(
-                        f"{source} is packed FP4 ({stored}) but quantization_config.expert_dtype is not 'fp4'"
-                    )
-                    continue
-                else:
-                    expected[source] = quant.fp4_packed_shape(plan.source_shape)
-                    expected[scale] = quant.fp4_scale_shape(plan.source_shape)
-            for name, shape in expected.items():
-                if reader.shape(name) != tuple(shape):
-                    problems.misshaped.append(
-                        f"{name} has shape {list(reader.shape(name))}, expected {list(shape)}"
-                    )
-    problems.unexpected = sorted(n for n in reader.names - consumed if not n.startswith(IGNORED_PREFIXES))
-    return problems
+def _raise_problems(
+    what: str,
+    missing: list[str],
+    unexpected: tuple[str, list[str]],
+    misshaped: list[str],
+    mistyped: list[str],
+) -> None:
+    sections = [
+        f"{label}: {_listing(items)}"
+        for label, items in (
+            ("missing tensors", missing),
+            unexpected,
+            ("misshaped tensors", misshaped),
+            ("tensors of the wrong dtype", mistyped),
+        )
+        if items
+    ]
+    if sections:
+        raise CheckpointError(f"{what}; " + "; ".join(sections))
+
+
+def _listing(items: list[str], limit: int = 20) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+class _FiniteCheck:
+    """Finds tensors holding NaN or Inf with one device reduction per tensor and one host read in all.
+
+    A float32 sum is non-finite when any element is (NaN and Inf propagate), and may also overflow for
+    finite values; only the tensors whose sum is non-finite get the exact (element-wise) check."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.sums: list[torch.Tensor] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point():
+            self.tensors[name] = tensor
+            self.sums.append(tensor.sum(dtype=torch.float32))
+
+    def raise_if_any(self, source: str) -> None:
+        if not self.sums:
+            return
+        is_finite = torch.stack(self.sums).isfinite().tolist()
+        suspects = [name for name, ok in zip(self.tensors, is_finite, strict=True) if not ok]
+        bad = [
+            f"{name} ({self.tensors[name].dtype})"
+            for name in suspects
+            if not self.tensors[name].isfinite().all()
+        ]
+        if bad:
+            raise CheckpointError(
+                f"{source}: tensors holding NaN or Inf (stored so, or too large for the dtype they load in): "
+                f"{_listing(bad)}; the checkpoint is corrupt or was converted wrongly"
+            )
 
 
 def _block_size(config: ModelConfig) -> tuple[int, int]:
@@ -195,27 +292,30 @@ def _block_size(config: ModelConfig) -> tuple[int, int]:
     return tuple(qc.weight_block_size) if qc is not None else (128, 128)
 
 
-def _read_source(name: str, reader: _Reader, config: ModelConfig, device) -> torch.Tensor:
+def _read_source(
+    plan: SourcePlan, name: str, reader: SafetensorsReader, config: ModelConfig, device
+) -> torch.Tensor:
     raw = reader.read(name).to(device)
     stored = reader.dtype(name)
-    if stored == _FP8:
+    if stored == FP8_DTYPE and "fp8" in plan.quantised:
         scale = reader.read(reader.scale_name(name)).to(device)
         return quant.dequantize_fp8(raw, scale, _block_size(config))
-    if stored in _PACKED and reader.scale_name(name) is not None:
+    if stored in FP4_PACKED_DTYPES and "fp4" in plan.quantised:
         return quant.dequantize_fp4(raw, reader.read(reader.scale_name(name)).to(device))
     return raw
 
 
 def _build(
-    plan: SourcePlan, reader: _Reader, config: ModelConfig, dtype: torch.dtype, device
+    plan: SourcePlan, reader: SafetensorsReader, config: ModelConfig, dtype: torch.dtype, device
 ) -> torch.Tensor:
-    return plan.combine([_read_source(source, reader, config, device).to(dtype) for source in plan.sources])
+    parts = [_read_source(plan, source, reader, config, device).to(dtype) for source in plan.sources]
+    return plan.combine(parts)
 
 
 def _check_tid2eid(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
     for name, table in weights.items():
         if (
-            is_integer_tensor(name)
+            not table.is_floating_point()
             and table.numel()
             and not (0 <= int(table.min()) and int(table.max()) < config.n_routed_experts)
         ):

@@ -40,6 +40,8 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 class ReferenceMoE:
     """Pure-PyTorch `MoEBackend`."""
 
+    supports_cuda_graphs = False  # the grouped path sizes expert batches from bincount(...).tolist()
+
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
 

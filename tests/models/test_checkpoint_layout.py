@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import transformers
@@ -7,8 +9,10 @@ from deepinfer_core.models.checkpoint_layout import (
     CheckpointError,
     detect_layout,
     expected_tensors,
-    is_fp32_tensor,
+    is_integer_tensor,
+    meta_model,
     source_plans,
+    tensor_schema,
 )
 from deepinfer_core.testing.checkpoints import PRESETS, tiny_config
 
@@ -103,16 +107,44 @@ def test_detect_layout():
         detect_layout(["something.else"])
 
 
-def test_fp32_tensors_match_transformers_keep_list():
-    assert is_fp32_tensor("model.layers.3.attn_hc.fn")
-    assert is_fp32_tensor("model.hc_head.hc_scale")
-    assert is_fp32_tensor("model.layers.0.self_attn.sinks")
-    assert is_fp32_tensor("model.layers.1.self_attn.compressor.indexer.position_bias")
-    assert is_fp32_tensor("model.layers.1.self_attn.compressor.kv_norm.weight")
-    assert is_fp32_tensor("model.norm.weight")
-    assert not is_fp32_tensor("model.layers.0.self_attn.q_b_proj.weight")
-    assert not is_fp32_tensor("model.layers.0.mlp.experts.gate_up_proj")
-    assert not is_fp32_tensor("lm_head.weight")
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_fp32_tensors_are_the_ones_transformers_keeps_in_fp32(config):
+    # transformers' own rule: a tensor under a module (or named) in `_keep_in_fp32_modules_strict`
+    keep = transformers.DeepseekV4ForCausalLM._keep_in_fp32_modules_strict
+    keep_pattern = re.compile("|".join(rf"((^|\.){module}($|\.))" for module in keep))
+    schema = tensor_schema(meta_model(ModelConfig.from_dict(config), torch.bfloat16))
+    fp32 = {name for name, spec in schema.items() if spec.dtype == torch.float32}
+    floating = {name for name, spec in schema.items() if spec.dtype.is_floating_point}
+    assert fp32 == {name for name in floating if keep_pattern.search(name)}
+    assert {spec.dtype for name, spec in schema.items() if name in floating - fp32} == {torch.bfloat16}
+    assert {name for name in schema if name not in floating} == {n for n in schema if is_integer_tensor(n)}
+    assert {schema[n].dtype for n in schema if n not in floating} == {torch.int64}
+
+
+def test_schema_follows_the_modules():
+    config = ModelConfig.from_dict(tiny_config())
+    model = meta_model(config, torch.float16)
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+    schema = tensor_schema(model)
+    assert schema["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float16
+    assert schema["model.layers.0.self_attn.sinks"].dtype == torch.float32
+    assert schema["model.layers.1.self_attn.compressor.position_bias"].shape == (4, 128)
+    assert expected_tensors(config) == {name: spec.shape for name, spec in schema.items()}
+
+
+def test_layout_says_which_tensors_may_be_quantised():
+    plans = source_plans(ModelConfig.from_dict(tiny_config()), "official")
+    assert plans["model.layers.0.self_attn.q_a_proj.weight"].quantised == ("fp8",)
+    assert plans["model.layers.0.mlp.experts.gate_up_proj"].quantised == ("fp8", "fp4")
+    assert plans["model.layers.0.mlp.experts.down_proj"].quantised == ("fp8", "fp4")
+    for name in ("model.layers.0.attn_hc.fn", "model.norm.weight", "model.layers.0.self_attn.sinks",
+                 "model.layers.1.self_attn.compressor.position_bias", "model.layers.0.mlp.gate.tid2eid"):
+        assert plans[name].quantised == (), name
+    table = plans["model.layers.0.mlp.gate.tid2eid"]
+    assert table.is_integer and "I64" in table.stored_dtypes("BF16") and "BF16" not in table.stored_dtypes("BF16")
+    norm = plans["model.norm.weight"]
+    assert norm.stored_dtypes("BF16") == ("BF16", "F32") and norm.stored_dtypes("F32") == ("F32",)
+    assert set(norm.stored_dtypes(None)) == {"F32", "BF16", "F16"}
 
 
 def test_sliding_only_model_has_no_compressor_tensors():

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models import quant
-from deepinfer_core.models.weights import CheckpointError, load_weights
+from deepinfer_core.models.checkpoint_layout import meta_model, tensor_schema
+from deepinfer_core.models.weights import CheckpointError, load_model, load_weights
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
 
 transformers.logging.set_verbosity_error()
@@ -236,3 +238,192 @@ def test_progress_bar_can_be_forced(tmp_path, weights, capsys):
     assert "Loading weights" in capsys.readouterr().err
     load(tmp_path, progress=False)
     assert "Loading weights" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- non-finite values (issue 14 item 8)
+
+
+def _rows_of(weights, name, value, row=3):
+    """`weights` with row `row` of `name` (an element, for a vector) set to `value`."""
+    broken = {n: t.clone() for n, t in weights.items()}
+    broken[name][row] = value
+    return broken
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["lm_head.weight", "model.layers.1.self_attn.q_b_proj.weight", "model.norm.weight", "model.embed_tokens.weight"],
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_is_named(tmp_path, weights, name, value):
+    write_checkpoint(tmp_path, CONFIG, _rows_of(weights, name, value), layout="official")
+    with pytest.raises(CheckpointError, match=rf"NaN or Inf.*{re.escape(name)} \(torch.float32\)") as error:
+        load(tmp_path)
+    assert str(tmp_path) in str(error.value)
+    assert str(error.value).count("torch.float32") == 1  # only the broken tensor
+
+
+def test_non_finite_fp8_value_and_scale_are_named(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, layout="official", quant="fp8")
+
+    def edit(tensors):
+        tensors["layers.0.attn.wq_a.weight"][0, 0] = float("nan")  # e4m3fn's NaN code
+        tensors["layers.2.attn.wo_b.scale"][0, 0] = float("inf")
+
+    _edit(tmp_path, edit)
+    with pytest.raises(CheckpointError, match="q_a_proj.weight.*o_b_proj.weight"):
+        load(tmp_path)
+
+
+def test_overflow_into_the_load_dtype_is_named(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, _rows_of(weights, "lm_head.weight", 1e5), dtype=torch.bfloat16)
+    assert load(tmp_path, dtype=torch.bfloat16)["lm_head.weight"].isfinite().all()
+    with pytest.raises(CheckpointError, match=r"lm_head.weight \(torch.float16\)"):
+        load(tmp_path, dtype=torch.float16)  # 1e5 is past float16's largest value
+
+
+def test_huge_finite_weights_are_not_reported(tmp_path, weights):
+    # their float32 sum overflows; the element-wise check then clears them
+    huge = _rows_of(weights, "model.layers.0.self_attn.kv_proj.weight", 3e38)
+    write_checkpoint(tmp_path, CONFIG, huge)
+    assert load(tmp_path)["model.layers.0.self_attn.kv_proj.weight"].max() == 3e38
+
+
+# ---------------------------------------------------------------------- header dtypes (issue 14 item 9)
+
+
+def test_tensor_stored_in_another_float_dtype_is_named(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, layout="official", dtype=torch.bfloat16)
+    _edit(tmp_path, lambda t: t.update({"layers.1.attn.wq_b.weight": t["layers.1.attn.wq_b.weight"].half()}))
+    with pytest.raises(
+        CheckpointError,
+        match=r"wrong dtype: layers\.1\.attn\.wq_b\.weight is stored as F16, expected BF16 or F32 "
+        r"\(config\.json's dtype 'bfloat16'\)$",
+    ):
+        load(tmp_path)
+
+
+def test_without_a_declared_dtype_the_embedding_sets_the_float_dtype(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["torch_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _edit(tmp_path, lambda t: t.update({"lm_head.weight": t["lm_head.weight"].half()}))
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight is stored as F16, expected BF16 or F32 \(the dtype "
+                       r"of model\.embed_tokens\.weight\)"):
+        load(tmp_path)
+
+
+def test_float32_storage_of_any_float_tensor_loads(tmp_path, weights):
+    # transformers' save_pretrained keeps norms, mHC and sinks in F32 inside a bf16 checkpoint
+    write_checkpoint(tmp_path, CONFIG, weights, dtype=torch.bfloat16)
+    _edit(tmp_path, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].float()}))
+    assert load(tmp_path)["model.norm.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.update({"model.norm.weight": quant.quantize_fp8(t["model.norm.weight"].view(1, -1), (128, 128))[0],
+                             "model.norm.weight_scale_inv": torch.ones(1, 1)}),
+         r"model\.norm\.weight is stored as F8_E4M3, expected F32"),
+        (lambda t: t.update({"model.layers.0.mlp.gate.tid2eid": t["model.layers.0.mlp.gate.tid2eid"].float()}),
+         r"tid2eid is stored as F32, expected I8 or I16"),
+        (lambda t: t.update({"model.layers.0.self_attn.kv_proj.weight_scale_inv":
+                             t["model.layers.0.self_attn.kv_proj.weight_scale_inv"].half()}),
+         r"kv_proj\.weight_scale_inv is stored as F16, expected F32 or BF16 or F8_E8M0"),
+    ],
+    ids=["fp8_norm", "float_hash_table", "f16_scale"],
+)
+def test_storage_the_layout_does_not_allow_is_named(tmp_path, weights, edit, message):
+    write_checkpoint(tmp_path, CONFIG, weights, quant="fp8")
+    _edit(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load(tmp_path)
+
+
+def test_packed_fp4_is_only_for_routed_experts(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, layout="official", quant="fp8+fp4")
+
+    def edit(tensors):
+        weight = tensors.pop("layers.0.ffn.shared_experts.w2.weight").float()
+        scale = tensors.pop("layers.0.ffn.shared_experts.w2.scale").float()
+        packed, fp4_scale = quant.quantize_fp4(quant.dequantize_fp8(weight.to(quant.FP8_DTYPE), scale, (128, 128)))
+        tensors["layers.0.ffn.shared_experts.w2.weight"] = packed
+        tensors["layers.0.ffn.shared_experts.w2.scale"] = fp4_scale
+
+    _edit(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"shared_experts\.w2\.weight is stored as I8, expected F32"):
+        load(tmp_path)
+
+
+# ---------------------------------------------------------------------- unreadable files (issue 14 item 10)
+
+
+def test_garbage_index_names_the_file(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, shards=2)
+    (tmp_path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{garbage")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not a readable JSON index"):
+        load(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": 3}}')
+    with pytest.raises(CheckpointError, match="has no 'weight_map' object"):
+        load(tmp_path)
+
+
+def test_weights_path_that_is_a_directory_is_named(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a file"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_unreadable_safetensors_file_is_named(tmp_path, weights, damage):
+    write_checkpoint(tmp_path, CONFIG, weights, shards=2)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x07garbage" * 64)
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors is not a readable safetensors file"):
+        load(tmp_path)
+
+
+def test_index_naming_a_shard_that_lacks_the_tensor(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, shards=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "model-00001-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"files that do not hold them: \['lm_head\.weight'\]"):
+        load(tmp_path)
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
+        load_weights(tmp_path / "absent", ModelConfig.from_dict(CONFIG))
+
+
+# ---------------------------------------------------------------------- loading into a model (the runner's path)
+
+
+def test_load_model_gives_every_tensor_its_modules_dtype(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights, layout="official")
+    config = ModelConfig.from_dir(tmp_path)
+    model = load_model(meta_model(config, torch.bfloat16), config, tmp_path, "cpu")
+    declared = tensor_schema(meta_model(config, torch.bfloat16))
+    loaded = model.state_dict()
+    assert {name: t.dtype for name, t in loaded.items()} == {name: spec.dtype for name, spec in declared.items()}
+    assert all(t.device.type == "cpu" for t in loaded.values())
+    assert torch.equal(loaded["model.norm.weight"], weights["model.norm.weight"])  # kept float32, exact
+    assert torch.equal(loaded["lm_head.weight"], weights["lm_head.weight"].bfloat16())
+
+
+def test_load_model_from_given_weights_checks_and_casts_them(weights):
+    config = ModelConfig.from_dict(CONFIG)
+    model = load_model(meta_model(config, torch.bfloat16), config, None, "cpu", weights=weights)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.model.norm.weight.dtype == torch.float32
+    broken = dict(weights) | {"lm_head.weight": torch.full_like(weights["lm_head.weight"], float("nan"))}
+    with pytest.raises(CheckpointError, match=r"given weights: .*lm_head\.weight"):
+        load_model(meta_model(config), config, None, "cpu", weights=broken)
+    partial = {n: t for n, t in weights.items() if n != "model.norm.weight"} | {"extra": torch.zeros(1)}
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.norm\.weight; unexpected tensors: extra"):
+        load_model(meta_model(config), config, None, "cpu", weights=partial)

@@ -1,0 +1,34 @@
+"""What decode CUDA graphs need from the backends they run: a declaration that capturing them is safe.
+
+The engine captures decode steps as CUDA graphs only when every backend of the model (attention, MoE,
+layer ops) declares `supports_cuda_graphs = True`; one that declares False makes decode run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class GraphCapturable(Protocol):
+    """A backend that says whether its decode path may be captured in a CUDA graph.
+
+    `AttentionBackend`, `MoEBackend` and `LayerOps` extend it, so every such backend declares it.
+    """
+
+    supports_cuda_graphs: bool
+    """True when, with `AttentionMetadata.needs_static_shapes` set, a call reads no device value on the
+    host (no `.item()`, `.tolist()`, `nonzero`, boolean indexing) and sizes every buffer from shapes and
+    host-side bounds only, so its kernels can be captured once and replayed with new inputs."""
+
+
+def supports_cuda_graphs(backend: object) -> bool:
+    """Whether `backend`'s decode path may be captured in a CUDA graph (its declared attribute).
+
+    :raises TypeError: `backend` does not declare `supports_cuda_graphs` (it does not satisfy
+        `GraphCapturable`), naming its type.
+    """
+    if not isinstance(backend, GraphCapturable):
+        raise TypeError(f"{type(backend).__qualname__} does not declare supports_cuda_graphs; backends "
+                        "built by make_attention, make_moe and make_layer_ops must (see GraphCapturable)")
+    return backend.supports_cuda_graphs is True

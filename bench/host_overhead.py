@@ -43,7 +43,7 @@ from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.engine.kv_cache import BLOCK_SIZE
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from deepinfer_core.testing.checkpoints import _tokenizer_dir, tiny_config, write_checkpoint
 
 PROMPT_LEN = 16

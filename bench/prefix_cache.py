@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu_throughput import git_commit, workload_config
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.kv_cache import BLOCK_SIZE
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from deepinfer_core.testing.checkpoints import write_checkpoint
 
 MODES = (("off", None), ("bounded", "bounded"), ("exact", "exact"))

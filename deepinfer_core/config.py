@@ -393,6 +393,10 @@ def _nest_rope_parameters(data: dict[str, Any], given_factor: float | None) -> d
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+SwaReplay = Literal["bounded", "exact"]
+"""How a prefix-cache hit rebuilds the sliding window (see DESIGN.md); the one list of the modes."""
+
+
 class EngineConfig(BaseModel):
     """What the engine is asked to do; `resolve(model_config)` fills the model-dependent defaults.
 
@@ -418,7 +422,7 @@ class EngineConfig(BaseModel):
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of device memory to use.")
     enable_prefix_caching: bool = False
-    swa_replay: Literal["bounded", "exact"] = Field(
+    swa_replay: SwaReplay = Field(
         "bounded", description="How a prefix-cache hit rebuilds the sliding window (see DESIGN.md)."
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
@@ -427,6 +431,17 @@ class EngineConfig(BaseModel):
         None,
         description="Overlap decode steps: launch the next step from the sampled tokens still on the "
         "device while the host handles the last one's outputs; None turns it on for CUDA devices.",
+    )
+    distributed_executor_backend: Literal["uni", "mp"] = Field(
+        "uni",
+        description='Where the model runs: "uni" in this process, "mp" in one spawned worker process per '
+        "rank (world_size ranks, joined by torch.distributed). Under torchrun the ranks are torchrun's.",
+    )
+    world_size: PositiveInt = Field(
+        1, description="Worker ranks of the mp executor; today each holds the whole model and runs every plan."
+    )
+    worker_timeout_s: float = Field(
+        600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
 
     @model_validator(mode="after")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 
 import torch
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
 
@@ -52,9 +54,13 @@ def write_config(directory: Path, config: dict) -> Path:
     return directory
 
 
+_FAKE_IDS = count()
+
+
 @dataclass
 class FakeSeq:
-    """The fields the runner reads of a scheduled sequence (model tests drive the runner directly)."""
+    """A request as model tests drive the runner directly: `step_plan` turns a list of them into the plan
+    the scheduler would send."""
 
     token_ids: list[int]
     slot: int
@@ -63,7 +69,7 @@ class FakeSeq:
     replay_start: int = 0
     no_write_before: int = 0
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = ""
+    request_id: str = field(default_factory=lambda: f"fake{next(_FAKE_IDS)}")
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +87,26 @@ def make_runner(tmp_path: Path, config: dict, weights, num_slots=8, num_blocks=6
     return ModelRunner(model_config, engine_config.resolve(model_config), torch.device("cpu"), weights=weights)
 
 
+def step_plan(runner: ModelRunner, seqs: list[FakeSeq], num_new: list[int]) -> StepPlan:
+    """The plan computing `num_new[i]` tokens of `seqs[i]`; requests the runner does not know are new."""
+    new, requests = [], []
+    for seq, n in zip(seqs, num_new):
+        known = runner.requests.get(seq.request_id)
+        if known is None:
+            new.append(NewRequest(seq.request_id, seq.slot, tuple(seq.block_table), seq.num_prompt_tokens,
+                                  seq.sampling_params, 0))
+        start = seq.num_computed_tokens
+        requests.append(ScheduledRequest(
+            seq.request_id, start, tuple(seq.token_ids[start : start + n]), start + n == seq.num_tokens,
+            tuple(seq.block_table[len(known.block_table) :]) if known else (), seq.replay_start, seq.no_write_before,
+        ))
+    return StepPlan(tuple(requests), tuple(new))
+
+
 def all_position_logprobs(runner: ModelRunner, seqs: list[FakeSeq], num_new: list[int]) -> list[torch.Tensor]:
     """Run one step and return, per sequence, the logprobs at each of its computed positions."""
-    ctx = runner.prepare_inputs(seqs, num_new)[0]
+    plan = step_plan(runner, seqs, num_new)
+    ctx = runner.prepare_inputs(plan, runner.update_states(plan))[0]
     logits = runner.model(ctx, runner.kv_cache.layers, torch.arange(sum(num_new), device=runner.device))
     out, offset = [], 0
     for seq, n in zip(seqs, num_new):

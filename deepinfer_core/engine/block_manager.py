@@ -4,8 +4,10 @@ A block holds the compressed state (CSA entries, indexer keys, HCA entries) of `
 consecutive positions of one request. The sliding window and compressor tails live in per-request
 slots, not blocks, so only full blocks are shared through the prefix cache.
 
-Prefix cache. A full block is identified by a chained hash from the first token:
-`h_i = hash_block_tokens(h_{i-1}, tokens of block i)`, `h_{-1} = None`. The hash only finds a
+Prefix cache. A full block is identified by a chained content key from the first token:
+`k_i = block_key(k_{i-1}, tokens of block i)`, `k_{-1}` = the cache fingerprint (model, weights
+identity, dtype and cache layout). Keys are SHA-256 digests, equal in every process and on every
+machine, so a store outside this process can be looked up with them. The key only finds a
 candidate; a hit is accepted only when the candidate's stored tokens equal the query's and its
 stored parent is exactly the block matched just before it, so a hash collision can never serve a
 wrong block. Every registration gets a fresh id, and a child remembers its parent's id, so a parent
@@ -19,28 +21,36 @@ only which cached blocks exist may change.
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from itertools import count
+from typing import get_args
 
+from deepinfer_core.config import SwaReplay
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
 
 _ROOT_REGISTRATION = 0
 """Parent registration id of a request's first block."""
-_SWA_REPLAY_MODES = ("bounded", "exact")
+SWA_REPLAY_MODES: tuple[str, ...] = get_args(SwaReplay)
 
 
 class NoFreeBlocksError(RuntimeError):
     """`allocate` was called without a successful `can_allocate` (a scheduler bug, not user input)."""
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
-    """Chained hash of one full block: `hash((parent_hash, tuple(token_ids)))`.
-
-    Valid within one process only (Python's hash); collisions are harmless, hits are verified.
-    """
-    return hash((parent_hash, tuple(token_ids)))
+def block_key(parent_key: bytes, token_ids: TokenIds[int]) -> bytes:
+    """Chained content key of one full block: SHA-256 over the parent's key and the block's token ids
+    (int64, little-endian). The first block's parent is the cache fingerprint. Stable across processes
+    and machines; a collision is harmless (hits are verified token by token)."""
+    tokens = array("q", token_ids)
+    if sys.byteorder == "big":  # pragma: no cover - keys are little-endian everywhere
+        tokens.byteswap()
+    return hashlib.sha256(parent_key + tokens.tobytes()).digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -52,7 +62,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class _Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     """Set while registered in the prefix cache."""
     token_ids: tuple[int, ...] | None = None
     registration: int = 0
@@ -63,7 +73,7 @@ class _Block:
 class _Chain:
     """How far a request's leading full blocks are hashed and matched to registered blocks."""
 
-    hashes: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
     registrations: list[int] = field(default_factory=list)
     is_broken: bool = False
     """A hash collision stopped the chain: later blocks of this request are not cached."""
@@ -75,9 +85,12 @@ class BlockManager:
     :param num_blocks: blocks in the pool.
     :param block_size: positions per block (128 for DeepSeek-V4: a multiple of every compress rate).
     :param enable_prefix_caching: register full blocks and serve them to later requests.
+    :param cache_fingerprint: root of every key chain: what the cached content depends on besides the
+        tokens (the model, its weights, the dtype and the cache layout).
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 128, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_prefix_caching: bool = False,
+                 cache_fingerprint: bytes = b"") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the cache more memory")
         if block_size < 1:
@@ -85,10 +98,11 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_fingerprint = cache_fingerprint
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
         self._chains: dict[str, _Chain] = {}
         self._registrations = count(_ROOT_REGISTRATION + 1)
 
@@ -172,7 +186,7 @@ class BlockManager:
 
     # -- prefix cache --------------------------------------------------------------------------
 
-    def _lookup(self, block_hash: int, parent_registration: int, token_ids: tuple[int, ...]) -> _Block | None:
+    def _lookup(self, block_hash: bytes, parent_registration: int, token_ids: tuple[int, ...]) -> _Block | None:
         """The registered block equal to this one (same tokens, same parent), or None."""
         block_id = self._hash_to_block.get(block_hash)
         if block_id is None:
@@ -195,8 +209,8 @@ class BlockManager:
         attention seeing only replayed positions; "exact" recomputes from 0. Either way the runner
         must not rewrite the cached compressed entries (`no_write_before`). No-op without prefix caching.
         """
-        if replay not in _SWA_REPLAY_MODES:
-            raise ValueError(f"swa_replay must be one of {_SWA_REPLAY_MODES}, got {replay!r}")
+        if replay not in SWA_REPLAY_MODES:
+            raise ValueError(f"swa_replay must be one of {SWA_REPLAY_MODES}, got {replay!r}")
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError(
                 f"{seq.request_id!r} already holds cache state; match_prefix is for fresh sequences"
@@ -204,11 +218,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         chain = _Chain()
-        parent_hash: int | None = None
+        parent_hash = self.cache_fingerprint
         hits: list[_Block] = []
         for index in range((seq.num_tokens - 1) // self.block_size):
             tokens = self._block_tokens(seq, index)
-            block_hash = hash_block_tokens(parent_hash, tokens)
+            block_hash = block_key(parent_hash, tokens)
             parent = chain.registrations[-1] if chain.registrations else _ROOT_REGISTRATION
             block = self._lookup(block_hash, parent, tokens)
             if block is None:
@@ -247,9 +261,9 @@ class BlockManager:
         while not chain.is_broken and len(chain.hashes) < num_full:
             index = len(chain.hashes)
             tokens = self._block_tokens(seq, index)
-            parent_hash = chain.hashes[-1] if chain.hashes else None
+            parent_hash = chain.hashes[-1] if chain.hashes else self.cache_fingerprint
             parent = chain.registrations[-1] if chain.registrations else _ROOT_REGISTRATION
-            block_hash = hash_block_tokens(parent_hash, tokens)
+            block_hash = block_key(parent_hash, tokens)
             existing = self._lookup(block_hash, parent, tokens)
             if existing is None and not self._release_hash(block_hash):
                 chain.is_broken = True
@@ -259,7 +273,7 @@ class BlockManager:
             chain.hashes.append(block_hash)
             chain.registrations.append(existing.registration)
 
-    def _release_hash(self, block_hash: int) -> bool:
+    def _release_hash(self, block_hash: bytes) -> bool:
         """Make `block_hash` free to register; False if a different block in use owns it.
 
         The owner differs from the block being registered by a hash collision, or because it is a
@@ -276,7 +290,7 @@ class BlockManager:
         self._free_uncached.append(block_id)
         return True
 
-    def _register(self, block: _Block, block_hash: int, parent: int, tokens: tuple[int, ...]) -> _Block:
+    def _register(self, block: _Block, block_hash: bytes, parent: int, tokens: tuple[int, ...]) -> _Block:
         block.hash, block.token_ids = block_hash, tokens
         block.registration, block.parent_registration = next(self._registrations), parent
         self._hash_to_block[block_hash] = block.block_id

@@ -15,9 +15,7 @@ import bisect
 
 import torch
 
-from deepinfer_core.backends import AttentionMetadata
 from deepinfer_core.engine.sampling import host_tensor
-from deepinfer_core.models.deepseek_v4 import ForwardContext
 
 NO_WRITE = 2**62  # padding rows never write a compressed entry
 
@@ -31,9 +29,9 @@ class SlotBlockTables:
     """Every state slot's block table (`[num_slots + 1, max_blocks]` int64 on the device, 0 padded), kept
     equal to the host tables of the sequences that hold the slots.
 
-    While a sequence holds a slot its `block_table` only grows by appends (the block manager replaces
-    the list when it frees or matches a prefix), so a sync writes only the ids appended since the
-    slot's last sync; a slot with a new list is rewritten whole. The last row (the scratch slot of
+    While a request holds a slot its runner-side `block_table` only grows by appends (a new admission
+    brings a new list), so a sync writes only the ids appended since the slot's last sync; a slot with a
+    new list is rewritten whole. The last row (the scratch slot of
     padding rows) is all `scratch_block`.
     """
 
@@ -43,13 +41,14 @@ class SlotBlockTables:
         self.max_blocks = max_blocks
         self._synced: dict[int, tuple[list[int], int]] = {}  # slot -> (the list last seen, ids sent)
 
-    def sync(self, seqs) -> None:
-        """Send the block ids of `seqs` that the device table lacks (one copy, none when nothing changed)."""
+    def sync(self, states) -> None:
+        """Send the block ids of `states` (the runner's `RequestState`s) that the device table lacks (one
+        copy, none when nothing changed)."""
         index: list[int] = []
         values: list[int] = []
         synced, width = self._synced, self.max_blocks
-        for seq in seqs:
-            table, slot = seq.block_table, seq.slot
+        for state in states:
+            table, slot = state.block_table, state.slot
             known = synced.get(slot)
             end = len(table)
             if known is not None and known[0] is table and known[1] <= end:
@@ -59,7 +58,7 @@ class SlotBlockTables:
             else:  # a new list in this slot: rewrite the row, zeroing what the old one left beyond it
                 start, stale = 0, 0 if known is None else known[1]
             if end > width:
-                raise ValueError(f"{seq!r} holds {end} blocks; decode graphs were built for {width}")
+                raise ValueError(f"the request in slot {slot} holds {end} blocks; decode graphs were built for {width}")
             base = slot * width
             index += range(base + start, base + max(end, stale))
             values += table[start:end]
@@ -111,28 +110,31 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def run(self, seqs, carried=None) -> torch.Tensor:
-        """Decode one token of each of `seqs` (each computes its last token, `num_computed_tokens + 1 ==
-        num_tokens`) by replaying the smallest graph that fits; return fp32 logits for their rows.
-        Pending last tokens come from `carried` (a `CarriedTokens`) on the device."""
-        n = len(seqs)
+    def run(self, requests, states, carried=None) -> torch.Tensor:
+        """Decode one token of each of `requests` (a plan's `ScheduledRequest`s, each computing its last
+        token, with the runner's `states`) by replaying the smallest graph that fits; return fp32 logits
+        for their rows. Pending last tokens come from `carried` (a `CarriedTokens`) on the device."""
+        n = len(requests)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = size - n
         scratch_slot = self.runner.kv_cache.scratch_slot
-        host = [max(s.token_ids[-1], 0) for s in seqs]  # a pending token (-1) is filled below
+        host = [max(r.token_ids[0], 0) for r in requests]  # a pending token (-1) is filled below
         host += [0] * pad
-        host += [s.num_computed_tokens for s in seqs]
+        host += [r.start for r in requests]
         host += [0] * pad
-        host += [s.slot for s in seqs]
+        host += [s.slot for s in states]
         host += [scratch_slot] * pad
-        host += [s.no_write_before for s in seqs]
+        host += [r.no_write_before for r in requests]
         host += [NO_WRITE] * pad
-        host += [s.replay_start for s in seqs]
+        host += [r.window_start for r in requests]
         host += [0] * pad
         self.inputs[:, :size] = host_tensor(host).view(5, size).to(self.runner.device, non_blocking=True)
-        if carried is not None:
-            carried.fill(self.input_ids, seqs)
-        self.slot_tables.sync(seqs)
+        pending = [(i, r.request_id) for i, r in enumerate(requests) if r.token_ids[0] < 0]
+        if pending:
+            if carried is None:
+                raise RuntimeError("the plan has pending tokens but no step sampled before it")
+            carried.fill(self.input_ids, pending)
+        self.slot_tables.sync(states)
         self.slot_tables.gather(self.slots[:size], self.block_tables[:size])
         if size not in self.graphs:  # not captured (e.g. on the CPU): same padded step, run eagerly
             return self._forward(size)[:n]
@@ -153,24 +155,11 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         positions = self.positions[:size]
-        meta = AttentionMetadata(
-            query_start_loc=self.rows[: size + 1],
-            start_positions=positions,
-            positions=positions,
-            slots=self.slots[:size],
-            block_tables=self.block_tables[:size],
-            query_lens=[1] * size,
+        ctx = self.runner.make_context(
+            self.input_ids[:size], positions, positions + 1, self.no_write_before[:size],
+            query_start_loc=self.rows[: size + 1], start_positions=positions, slots=self.slots[:size],
+            block_tables=self.block_tables[:size], query_lens=[1] * size,
             start_positions_host=[0] * size,  # stale under replay: decode paths read device tensors only
-            window_starts=self.window_starts[:size],
-            needs_static_shapes=True,
-            max_seq_len=self.max_seq_len,
+            window_starts=self.window_starts[:size], needs_static_shapes=True, max_seq_len=self.max_seq_len,
         )
-        model = self.runner.model
-        ctx = ForwardContext(
-            metadata=meta,
-            input_ids=self.input_ids[:size],
-            rope=model.rope_tables(positions),
-            num_entries={rate: (positions + 1) // rate for rate in self.runner.compress_rates},
-            no_write_before=self.no_write_before[:size],
-        )
-        return model(ctx, self.runner.kv_cache.layers, self.rows[:size])
+        return self.runner.model(ctx, self.runner.kv_cache.layers, self.rows[:size])

@@ -1,11 +1,12 @@
 """The engine: requests in, incremental `RequestOutput`s out, one `step()` at a time.
 
-`add_request` validates and queues; `step` asks the scheduler for a batch, runs it on the runner,
-appends sampled tokens, applies stop rules and reports every request that progressed.
+`add_request` validates and queues; `step` asks the scheduler for a `StepPlan`, runs it through the
+executor (the model side: in this process, or worker ranks), appends the sampled tokens of the
+`StepResult`, applies stop rules and reports every request that progressed.
 
-Overlapped decode (`async_scheduling`): a step whose batch is all decodes is left in flight. Its
-sequences get a `PENDING_TOKEN`, so the next step can be scheduled and launched at once, reading those
-tokens on the device; only then does the host wait for the step in flight's tokens (copied back
+Overlapped decode (`async_scheduling`): a step whose plan is all decodes is left in flight. Its
+sequences get a `PENDING_TOKEN`, so the next step can be scheduled and launched at once, the runner
+reading those tokens on the device; only then does the host wait for the step in flight's tokens (copied back
 without blocking the stream), write them in and apply stop rules. The device never waits for the host
 between decode steps. A sequence that stops ran one step more than it needed; that token is dropped.
 Any step that is not all decodes (a prefill, an admission, a sequence waiting) first settles the step
@@ -26,12 +27,13 @@ from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
-from deepinfer_core.engine.kv_cache import BLOCK_SIZE
-from deepinfer_core.engine.overlap import InFlightStep, can_overlap, is_all_decodes, launch_copy
-from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.engine.executor import make_executor
+from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
+from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer_core.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.models import registry
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.tokenizer import load_tokenizer
@@ -91,31 +93,33 @@ class Engine:
 
     def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None) -> None:
         _show_info_logs()
-        model_config = engine_config.load_model_config()
+        model_config = registry.load_model_config(engine_config.model)
         self.config = engine_config.resolve(model_config)
         self.model_config: ModelConfig = model_config
         device = torch.device(self.config.device) if self.config.device else plugins.select_device()
-        self.runner = ModelRunner(model_config, self.config, device, weights=weights)
+        self.executor = make_executor(model_config, self.config, device, weights)
+        info = self.executor.info
         self.tokenizer = load_tokenizer(self.config.model, model_config)
         self.eos_token_ids = model_config.eos_token_ids
-        self.block_manager = BlockManager(self.runner.num_blocks, BLOCK_SIZE, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
+                                          info.cache_fingerprint)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 max_model_len=self.config.max_model_len,
-                block_size=BLOCK_SIZE,
+                block_size=info.block_size,
                 sliding_window=model_config.sliding_window,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 swa_replay=self.config.swa_replay,
             ),
             self.block_manager,
-            self.runner.num_slots,
+            info.num_slots,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, _Completion] = {}
         overlap = self.config.async_scheduling
-        self._overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._overlap = info.device.type == "cuda" if overlap is None else overlap
         self._in_flight: InFlightStep | None = None
         self._seed_source = random.Random(self.config.seed)
         self._token_texts: dict[int, str] = {}
@@ -177,6 +181,18 @@ class Engine:
             self.scheduler.abort(seq_id)
             self._seq_owner.pop(seq_id, None)
 
+    @property
+    def runner(self):
+        """The model runner, when it lives in this process (the "uni" executor); benches and tests read it."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            raise AttributeError("the model runs in worker processes: this engine has no in-process runner")
+        return runner
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (nothing to do in-process); the engine is unusable afterwards."""
+        self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -194,34 +210,35 @@ class Engine:
         if in_flight is not None and not can_overlap(self.scheduler, self.config.max_model_len):
             self._settle(in_flight, touched)
             in_flight = None
-        batch = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         owner = self._seq_owner
         for seq in self.scheduler.pop_finished():
             request = owner[seq.request_id].request
             touched[request.request_id] = request
-        if batch is None:
+        if plan is None:
             if in_flight is not None:  # everything running was preempted: nothing to launch
                 self._settle(in_flight, touched)
             return [self._finish_output(request) for request in touched.values()]
-        self._note_scheduled(batch.seqs)
-        result = self.runner.execute(batch.seqs, batch.num_new_tokens, in_flight.carried if in_flight else None)
-        launched = launch_copy(batch.seqs, result.output) if self._overlap and is_all_decodes(batch, result) else None
+        seqs = [owner[r.request_id].seq for r in plan.requests]
+        self._note_scheduled(seqs)
+        result = self.executor.execute(plan)
+        launched = launch_copy(seqs, result.output) if self._overlap and can_leave_in_flight(plan, result) else None
         if in_flight is not None:  # read only now: the device already runs this step
             self._settle(in_flight, touched)
         if launched is not None:
             outputs = [self._finish_output(request) for request in touched.values()]
-            self.scheduler.postprocess(batch)
-            for seq in batch.seqs:
+            self.scheduler.postprocess(plan)
+            for seq in seqs:
                 if not seq.is_finished:
                     seq.append_token(PENDING_TOKEN)
             self._in_flight = launched
             return outputs
-        self.scheduler.postprocess(batch)
+        self.scheduler.postprocess(plan)
         for i, (first, logits) in result.prompt_logits.items():
-            self._record_prompt_logprobs(batch.seqs[i], first, logits)
+            self._record_prompt_logprobs(seqs[i], first, logits)
         if result.output is not None:
-            seqs = batch.seqs if len(result.sampled) == len(batch.seqs) else [batch.seqs[i] for i in result.sampled]
-            self._append_tokens(seqs, result.output, touched)
+            sampled = seqs if len(result.sampled) == len(seqs) else [seqs[i] for i in result.sampled]
+            self._append_tokens(sampled, result.output, touched)
         return [self._finish_output(request) for request in touched.values()]
 
     def _note_scheduled(self, seqs: list[Sequence]) -> None:
@@ -366,7 +383,7 @@ class Engine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_free_blocks": self.block_manager.num_free_blocks,
-            "num_blocks": self.runner.num_blocks,
+            "num_blocks": self.executor.info.num_blocks,
             "prefix_cache_hit_tokens": s.num_hit_tokens,
             "prefix_cache_queried_tokens": s.num_queried_tokens,
             "prefix_cache_hit_rate": s.hit_rate,

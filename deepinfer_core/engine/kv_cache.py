@@ -6,17 +6,18 @@ Per layer (see `deepinfer_core.backends.attention` for how backends read it):
   row is a scratch row decode steps write to when they close no window), plus the
   compressor tail rings `kv_tail` / `gate_tail` `[num_slots, tail_rows, proj]` (gate in fp32);
 - CSA: `index_keys` `[num_blocks * 32, index_head_dim]` and the indexer's own tail rings.
-Blocks are per request (block tables); slots are per running request.
+Blocks are per request (block tables); slots are per running request. A layer whose plan names a
+`kv_source` owns no compressed pool and no tails: its `LayerCache` holds the source layer's pools.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from deepinfer_core.models.deepseek_v4 import LayerCache
+from deepinfer_core.models.interface import LayerCache
 from deepinfer_core.models.layer_plan import LayerPlan
-
-BLOCK_SIZE = 128
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -27,9 +28,9 @@ def bytes_per_block(plans: list[LayerPlan], dtype: torch.dtype) -> int:
     """Bytes one 128-token block takes across all layers (compressed entries + indexer keys)."""
     total = 0
     for plan in plans:
-        if plan.has_compressor:
+        if plan.owns_compressed:
             total += plan.attention.entries_per_block * plan.attention.head_dim
-        if plan.has_indexer:
+        if plan.owns_compressed and plan.has_indexer:
             total += plan.attention.entries_per_block * plan.attention.index_head_dim
     return total * _dtype_bytes(dtype)
 
@@ -40,9 +41,10 @@ def bytes_per_slot(plans: list[LayerPlan], dtype: torch.dtype) -> int:
     for plan in plans:
         spec = plan.attention
         total += spec.sliding_window * spec.head_dim * item
-        if plan.has_compressor:
-            proj = spec.head_dim * (2 if plan.has_indexer else 1)
-            total += plan.tail_rows * proj * (item + 4)
+        if not plan.owns_compressed:
+            continue
+        proj = spec.head_dim * (2 if plan.has_indexer else 1)
+        total += plan.tail_rows * proj * (item + 4)
         if plan.has_indexer:
             total += plan.tail_rows * 2 * spec.index_head_dim * (item + 4)
     return total
@@ -59,7 +61,19 @@ class KVCache:
                  device: torch.device) -> None:
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.scratch_block, self.scratch_slot = num_blocks, num_slots
-        self.layers = [self._allocate(plan, num_blocks + 1, num_slots + 1, dtype, device) for plan in plans]
+        self.layers: list[LayerCache] = []
+        for plan in plans:
+            if plan.kv_source is None:
+                self.layers.append(self._allocate(plan, num_blocks + 1, num_slots + 1, dtype, device))
+                continue
+            if plan.kv_source >= plan.index or plans[plan.kv_source].kv_source is not None:
+                raise ValueError(f"layer {plan.index} reads the compressed entries of layer {plan.kv_source}, "
+                                 "which must be an earlier layer that owns its own")
+            source = self.layers[plan.kv_source]
+            window = torch.zeros(num_slots + 1, plan.attention.sliding_window, plan.attention.head_dim,
+                                 dtype=dtype, device=device)
+            self.layers.append(replace(source, window=window, kv_tail=None, gate_tail=None, index_kv_tail=None,
+                                       index_gate_tail=None))
 
     @staticmethod
     def _allocate(plan: LayerPlan, num_blocks: int, num_slots: int, dtype, device) -> LayerCache:

@@ -1,5 +1,8 @@
 """Overlapped decode (`EngineConfig.async_scheduling`): what a decode step left in flight holds, and when
 the next step may launch before it is read. `Engine.step` drives it; docs/structures.md describes it.
+
+The sampled tokens themselves stay with the runner that sampled them: the next plan names them with
+`PENDING_TOKEN` and the runner substitutes its device copy. The host side only waits for the copy.
 """
 
 from __future__ import annotations
@@ -9,9 +12,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from deepinfer_core.backends import SamplerOutput
-from deepinfer_core.engine.runner import CarriedTokens, StepResult
+from deepinfer_core.engine.plan import StepPlan, StepResult
 from deepinfer_core.engine.sampling import ends_by_length
-from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler
+from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.sequence import Sequence
 
 
@@ -24,15 +27,12 @@ class InFlightStep:
     """Host copies of the sampler's output, valid once `ready` has fired."""
     ready: torch.cuda.Event | None
     """Recorded after the copies (None when the output already lives on the host)."""
-    carried: CarriedTokens
-    """The sampled tokens on the device, for the next step's inputs."""
 
 
 def launch_copy(seqs: list[Sequence], output: SamplerOutput) -> InFlightStep:
     """Start copying `output` to the host without blocking the stream (pinned buffers, an event)."""
-    carried = CarriedTokens(output.token_ids, {seq.request_id: row for row, seq in enumerate(seqs)})
     if output.token_ids.device.type != "cuda":
-        return InFlightStep(list(seqs), output, None, carried)
+        return InFlightStep(list(seqs), output, None)
     copies = {}
     for name in (f.name for f in fields(output)):
         value = getattr(output, name)
@@ -41,18 +41,18 @@ def launch_copy(seqs: list[Sequence], output: SamplerOutput) -> InFlightStep:
             copies[name].copy_(value, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return InFlightStep(list(seqs), replace(output, **copies), ready, carried)
+    return InFlightStep(list(seqs), replace(output, **copies), ready)
 
 
-def is_all_decodes(batch: ScheduledBatch, result: StepResult) -> bool:
-    """Whether the executed step computed one token of every sequence and sampled each (no prompt
+def can_leave_in_flight(plan: StepPlan, result: StepResult) -> bool:
+    """Whether the executed plan computed one token of every request and sampled each (no prompt
     logprobs): such a step may be left in flight."""
-    return (result.output is not None and len(result.sampled) == len(batch.seqs) and not result.prompt_logits
-            and all(n == 1 for n in batch.num_new_tokens))
+    return (result.output is not None and len(result.sampled) == len(plan.requests) and not result.prompt_logits
+            and plan.is_all_decodes)
 
 
 def can_overlap(scheduler: Scheduler, max_model_len: int) -> bool:
-    """Whether the next batch will be all decodes (nothing waiting, every running sequence decoding), so it
+    """Whether the next plan will be all decodes (nothing waiting, every running sequence decoding), so it
     may launch before the step in flight is settled; not when every running sequence's pending token ends
     it by length (that step would compute nothing anybody reads)."""
     if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):

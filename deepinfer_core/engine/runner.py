@@ -1,66 +1,79 @@
-"""The model runner: owns the device, the weights, the backends and the cache; runs one step.
+"""The model runner: owns the device, the weights, the backends and the cache; runs one step plan.
 
-It turns a `ScheduledBatch` into flat tensors (`prepare_*`), runs the model, and samples the requests
-whose last known token was computed this step.
+It keeps its own state per request (slot, block table, sampling parameters), updated from each
+`StepPlan`, and never reads a `Sequence`: the plan is the only input. It turns a plan into flat
+tensors (`prepare_inputs`), runs the model (or a captured decode graph), and samples the requests the
+plan marks. The tokens it sampled last stay on the device, so a plan whose input is `PENDING_TOKEN`
+(overlapped decode) reads the real id there.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.backends import AttentionMetadata, SamplerOutput, SamplingSpec
+from deepinfer_core.backends import AttentionMetadata, SamplingSpec
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
-from deepinfer_core.engine.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.engine.plan import PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
-from deepinfer_core.engine.sequence import PENDING_TOKEN
-from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM, ForwardContext
-from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
+from deepinfer_core.models import registry
+from deepinfer_core.models.interface import (
+    CausalLM,
+    ForwardContext,
+    cache_fingerprint,
+    checkpoint_identity,
+    tensors_identity,
+)
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
 from deepinfer_core.models.weights import load_weights
+from deepinfer_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class StepResult:
-    """What one executed step produced."""
+class RequestState:
+    """What the runner keeps of one request between steps (vLLM's persistent batch, one row)."""
 
-    sampled: list[int]
-    """Indices (into the step's sequences) that were sampled, in `output` row order."""
-    output: SamplerOutput | None
-    """The sampler's output for them (None when nothing was sampled)."""
-    prompt_logits: dict[int, tuple[int, torch.Tensor]]
-    """Per sequence asking for prompt logprobs: (position of the first prompt token predicted,
-    fp32 logits `[count, vocab]` predicting prompt tokens from that position on)."""
+    slot: int
+    block_table: list[int]
+    """Grows by the plan's `new_block_ids`; a new admission brings a new list."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
 
 
 @dataclass
 class CarriedTokens:
-    """Tokens sampled by the step still in flight: `tokens[rows[request_id]]` on the device is the real
-    id of that sequence's trailing `PENDING_TOKEN`."""
+    """The tokens the last step sampled, on the device: `tokens[rows[request_id]]`."""
 
     tokens: torch.Tensor
-    rows: dict[str, int]
+    request_ids: list[str]
 
-    def fill(self, input_ids: torch.Tensor, seqs, flat_rows: list[int] | None = None) -> None:
-        """Write the carried token into `input_ids` for each of `seqs` whose last token is pending;
-        seq `i`'s last token sits at `flat_rows[i]` (default `i`)."""
-        dst, src = [], []
-        for i, seq in enumerate(seqs):
-            if seq.token_ids[-1] == PENDING_TOKEN:
-                row = self.rows.get(seq.request_id)
-                if row is None:
-                    raise RuntimeError(f"{seq!r} has a pending token that no step in flight sampled")
-                dst.append(i if flat_rows is None else flat_rows[i])
-                src.append(row)
-        if not dst:
+    @functools.cached_property
+    def rows(self) -> dict[str, int]:
+        return {request_id: row for row, request_id in enumerate(self.request_ids)}
+
+    def fill(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
+        """Write the carried token of each `(flat row, request id)` into `input_ids` on the device."""
+        if not pending:
             return
+        dst, src = [], []
+        for flat_row, request_id in pending:
+            row = self.rows.get(request_id)
+            if row is None:
+                raise RuntimeError(f"request {request_id!r} has a pending token that the last step did not sample")
+            dst.append(flat_row)
+            src.append(row)
         if dst == src and len(src) == self.tokens.numel():  # the same batch again, in the same order
             input_ids[: len(dst)].copy_(self.tokens)
             return
@@ -70,24 +83,34 @@ class CarriedTokens:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
-        """`weights` (internal names) replaces loading from `engine_config.model` when given."""
+                 weights: dict[str, torch.Tensor] | None = None,
+                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
+        """`weights` (internal names) replaces loading from `engine_config.model` when given;
+        `agree_num_blocks` turns this rank's cache size into the one every rank uses (the minimum)."""
         self.config, self.engine_config, self.device = model_config, engine_config, device
         self.dtype = engine_config.torch_dtype(model_config)
-        self.plans = build_layer_plan(model_config, self.dtype)
-        self.model = self._load_model(weights)
+        model_cls = registry.model_class(model_config)
+        self.plans = model_cls.layer_plan(model_config, self.dtype)
+        self.cache_fingerprint = cache_fingerprint(
+            model_config, self.dtype, self.plans,
+            tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
+        self.model: CausalLM = self._load_model(model_cls, weights)
         self._bind_backends()
         self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
         self.num_slots = engine_config.max_num_seqs
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self.available_blocks()
+        if agree_num_blocks is not None:
+            self.num_blocks = agree_num_blocks(self.num_blocks)
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
+        self.requests: dict[str, RequestState] = {}
+        self._carried: CarriedTokens | None = None
         self.graphs = self._capture_graphs()
 
     # -- build phases -------------------------------------------------------------------------------
 
-    def _load_model(self, weights: dict[str, torch.Tensor] | None) -> DeepseekV4ForCausalLM:
+    def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(self.config, self.plans, self.dtype)
+            model = model_cls(self.config, self.plans, self.dtype)
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device)
         weights = {name: t.to(self.device) for name, t in weights.items()}
@@ -105,7 +128,8 @@ class ModelRunner:
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
 
-    def _num_blocks(self) -> int:
+    def available_blocks(self) -> int:
+        """Cache blocks that fit: `num_kv_blocks`, else what device (or host) memory allows."""
         cfg = self.engine_config
         per_block = max(bytes_per_block(self.plans, self.dtype), 1)
         per_slot = bytes_per_slot(self.plans, self.dtype)
@@ -129,10 +153,9 @@ class ModelRunner:
         return blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
-        backends = [*self.model.attention_backends, *self.model.moe_backends, self.model.ops]
         if self.device.type != "cuda" or self.engine_config.enforce_eager:
             return None
-        if not all(getattr(b, "supports_cuda_graphs", False) for b in backends):
+        if not all(getattr(b, "supports_cuda_graphs", False) for b in self.model.backends()):
             logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
             return None
         max_len = self.engine_config.max_model_len
@@ -143,101 +166,123 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def execute(self, seqs, num_new_tokens: list[int], carried: CarriedTokens | None = None) -> StepResult:
-        """Compute `num_new_tokens[i]` tokens of each sequence; sample where its last token was computed.
+    def update_states(self, plan: StepPlan) -> list[RequestState]:
+        """Apply the plan's bookkeeping (freed, new, appended blocks); the states in `plan.requests` order."""
+        for request_id in plan.freed_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(new.slot, list(new.block_ids), new.num_prompt_tokens,
+                                                         new.sampling_params, new.seed)
+        states = []
+        for request in plan.requests:
+            state = self.requests.get(request.request_id)
+            if state is None:
+                raise RuntimeError(f"plan schedules {request.request_id!r}, which the runner holds no state for")
+            if request.new_block_ids:
+                state.block_table.extend(request.new_block_ids)
+            states.append(state)
+        return states
 
-        A sequence whose last token is `PENDING_TOKEN` takes it from `carried` on the device."""
-        if self._is_graph_step(seqs, num_new_tokens):
-            sampled = list(range(len(seqs)))
-            tensors = self._sampling_tensors(seqs, sampled)  # before the launch: its copies then need no wait
-            return self._sample(sampled, self.graphs.run(seqs, carried), tensors, {})
-        ctx, logits_indices, sampled, prompt_spans = self.prepare_inputs(seqs, num_new_tokens)
-        if carried is not None:
-            carried.fill(ctx.input_ids, seqs, list(accumulate(num_new_tokens, initial=-1))[1:])
-        tensors = self._sampling_tensors(seqs, sampled)
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan: compute every scheduled token, sample the requests it marks."""
+        states = self.update_states(plan)
+        if self._is_graph_step(plan):
+            sampled = list(range(len(states)))
+            tensors = self._sampling_tensors(plan, states, sampled)  # before the launch: no wait on copies
+            return self._sample(plan, sampled, self.graphs.run(plan.requests, states, self._carried), tensors, {})
+        ctx, logits_indices, sampled, prompt_spans, pending = self.prepare_inputs(plan, states)
+        if pending:
+            if self._carried is None:
+                raise RuntimeError("the plan has pending tokens but no step sampled before it")
+            self._carried.fill(ctx.input_ids, pending)
+        tensors = self._sampling_tensors(plan, states, sampled)
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        return self._sample(sampled, logits[: len(sampled)], tensors, prompt_logits)
+        return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
 
-    def _sampling_tensors(self, seqs, sampled: list[int]):
+    def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
         if not sampled:
             return None
-        rows = seqs if len(sampled) == len(seqs) else [seqs[i] for i in sampled]  # `sampled` is increasing
+        rows = [states[i] for i in sampled]
         return prepare_sampling_tensors(
-            [s.sampling_params for s in rows], [s.seed for s in rows], [s.num_output_tokens for s in rows],
+            [s.sampling_params for s in rows], [s.seed for s in rows],
+            [plan.requests[i].end - states[i].num_prompt_tokens for i in sampled],
             self.config.eos_token_ids, self.device, self.config.vocab_size,
         )
 
-    def _sample(self, sampled: list[int], logits: torch.Tensor, tensors, prompt_logits: dict) -> StepResult:
+    def _sample(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, tensors,
+                prompt_logits: dict) -> StepResult:
         if not sampled:
             return StepResult([], None, prompt_logits)
-        return StepResult(sampled, self.sampler.sample(logits, tensors), prompt_logits)
+        output = self.sampler.sample(logits, tensors)
+        self._carried = CarriedTokens(output.token_ids, [plan.requests[i].request_id for i in sampled])
+        return StepResult(sampled, output, prompt_logits)
 
-    def _is_graph_step(self, seqs, num_new_tokens: list[int]) -> bool:
-        return (
-            self.graphs is not None and self.graphs.can_run(len(seqs)) and all(n == 1 for n in num_new_tokens)
-            and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs)
-        )
+    def _is_graph_step(self, plan: StepPlan) -> bool:
+        return self.graphs is not None and self.graphs.can_run(len(plan.requests)) and plan.is_all_decodes
 
     @functools.cached_property
     def compress_rates(self) -> set[int]:
         """The compression rates of the model's compressing layers (CSA and HCA)."""
         return {p.compress_rate for p in self.plans if p.has_compressor}
 
-    def prepare_inputs(self, seqs, num_new_tokens: list[int]):
-        """Flat step tensors. Logits rows: first one per sampled sequence (in `sampled` order), then, per
-        sequence that asked for prompt logprobs, a span `(first target position, row, count)`."""
-        ids, positions, totals, sampled, ends = [], [], [], [], []
+    def make_context(self, input_ids: torch.Tensor, positions: torch.Tensor, totals: torch.Tensor,
+                     no_write_before: torch.Tensor, **metadata) -> ForwardContext:
+        """The step's `ForwardContext` (eager steps and decode graphs alike): `metadata` are the
+        `AttentionMetadata` fields; `totals` `[num_seqs]` tokens each request has after the step."""
+        return ForwardContext(
+            metadata=AttentionMetadata(positions=positions, **metadata),
+            input_ids=input_ids,
+            rope=self.model.rope_tables(positions),
+            num_entries={rate: totals // rate for rate in self.compress_rates},
+            no_write_before=no_write_before,
+        )
+
+    def prepare_inputs(self, plan: StepPlan, states: list[RequestState]):
+        """Flat step tensors. Logits rows: first one per sampled request (in `sampled` order), then, per
+        request asking for prompt logprobs, a span `(first target position, row, count)`. `pending`:
+        `(flat row, request id)` of inputs that are `PENDING_TOKEN` (written as 0 here)."""
+        ids, positions, totals, sampled, ends, pending = [], [], [], [], [], []
         prompt_spans, prompt_rows = {}, []
-        starts = [s.num_computed_tokens for s in seqs]
+        requests = plan.requests
         offset = 0
-        for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new_tokens)):
-            end = start + n
-            ids += seq.token_ids[start:end]
-            if end == seq.num_tokens and ids[-1] == PENDING_TOKEN:
-                ids[-1] = 0  # CarriedTokens.fill writes the real id on the device
+        for i, (request, state) in enumerate(zip(requests, states)):
+            start, n, end = request.start, request.num_tokens, request.end
+            ids += request.token_ids
+            if request.token_ids[-1] == PENDING_TOKEN:
+                ids[-1] = 0
+                pending.append((offset + n - 1, request.request_id))
             positions += range(start, end)
             totals.append(end)
-            if end == seq.num_tokens:
+            if request.is_sampled:
                 sampled.append(i)
                 ends.append(offset + n - 1)
-            if seq.sampling_params.prompt_logprobs is not None:
-                count = min(end, seq.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
+            if state.sampling_params.prompt_logprobs is not None:
+                count = min(end, state.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
                 if count > 0:
                     prompt_spans[i] = (start + 1, len(prompt_rows), count)
                     prompt_rows += range(offset, offset + count)
             offset += n
-        width = max(len(s.block_table) for s in seqs) or 1
-        window_starts = [s.replay_start for s in seqs]
+        width = max(len(s.block_table) for s in states) or 1
+        starts = [r.start for r in requests]
+        window_starts = [r.window_start for r in requests]
         has_window_starts = any(window_starts)
         (start_loc, start_positions, position_t, slots, total_t, input_ids, no_write_before, logits_rows,
          window_t, tables) = _to_device([
-            [0, *accumulate(num_new_tokens)], starts, positions, [s.slot for s in seqs], totals, ids,
-            [s.no_write_before for s in seqs], ends + prompt_rows, window_starts if has_window_starts else [],
-            _flat_block_tables(seqs, width, fill=-1),
+            [0, *accumulate(r.num_tokens for r in requests)], starts, positions, [s.slot for s in states], totals,
+            ids, [r.no_write_before for r in requests], ends + prompt_rows,
+            window_starts if has_window_starts else [], _flat_block_tables(states, width, fill=-1),
         ], self.device)
-        meta = AttentionMetadata(
-            query_start_loc=start_loc,
-            start_positions=start_positions,
-            positions=position_t,
-            slots=slots,
-            block_tables=tables.view(len(seqs), width),
-            query_lens=list(num_new_tokens),
-            start_positions_host=starts,
-            max_seq_len=max(totals),
-        )
-        if has_window_starts:
-            meta.window_start_positions_host = window_starts
-            meta.window_starts = window_t
-        ctx = ForwardContext(
-            metadata=meta,
-            input_ids=input_ids,
-            rope=self.model.rope_tables(position_t),
-            num_entries={rate: total_t // rate for rate in self.compress_rates},
-            no_write_before=no_write_before,
+        ctx = self.make_context(
+            input_ids, position_t, total_t, no_write_before,
+            query_start_loc=start_loc, start_positions=start_positions, slots=slots,
+            block_tables=tables.view(len(states), width), query_lens=[r.num_tokens for r in requests],
+            start_positions_host=starts, max_seq_len=max(totals),
+            window_start_positions_host=window_starts if has_window_starts else None,
+            window_starts=window_t if has_window_starts else None,
         )
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
-        return ctx, logits_rows, sampled, prompt_spans
+        return ctx, logits_rows, sampled, prompt_spans, pending
 
 
 _ALIGN = 16
@@ -256,12 +301,12 @@ def _to_device(segments: list[list[int]], device: torch.device) -> list[torch.Te
     return [buffer[a:b] for a, b in bounds]
 
 
-def _flat_block_tables(seqs, width: int, fill: int) -> list[int]:
-    """Row-major `[len(seqs), width]` block tables, each row padded with `fill`."""
+def _flat_block_tables(states: list[RequestState], width: int, fill: int) -> list[int]:
+    """Row-major `[len(states), width]` block tables, each row padded with `fill`."""
     flat = []
-    for seq in seqs:
-        flat += seq.block_table
-        flat += [fill] * (width - len(seq.block_table))
+    for state in states:
+        flat += state.block_table
+        flat += [fill] * (width - len(state.block_table))
     return flat
 
 
@@ -273,8 +318,6 @@ def _match_param_dtypes(model: torch.nn.Module, weights: dict[str, torch.Tensor]
 
 def _host_memory() -> int:
     try:
-        import os
-
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30

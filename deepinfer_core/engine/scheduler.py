@@ -22,10 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
-from deepinfer_core.engine.block_manager import BlockManager
+from deepinfer_core.engine.block_manager import SWA_REPLAY_MODES, BlockManager
+from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
-
-_SWA_REPLAY_MODES = ("bounded", "exact")
 
 
 @dataclass
@@ -58,25 +57,8 @@ class SchedulerConfig:
             )
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
-        if self.swa_replay not in _SWA_REPLAY_MODES:
-            raise ValueError(f"swa_replay must be one of {_SWA_REPLAY_MODES}, got {self.swa_replay!r}")
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: the runner computes `seq.token_ids[c : c + n]` at positions `c .. c+n-1`
-    (`c = seq.num_computed_tokens`, `n = num_new_tokens[i]`) and samples for each sequence where
-    `c + n == seq.num_tokens`."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
+        if self.swa_replay not in SWA_REPLAY_MODES:
+            raise ValueError(f"swa_replay must be one of {SWA_REPLAY_MODES}, got {self.swa_replay!r}")
 
 
 @dataclass
@@ -101,14 +83,15 @@ class SchedulerStats:
 @dataclass
 class _Step:
     budget: int
-    batch: ScheduledBatch = field(default_factory=ScheduledBatch)
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
     scheduled: set[str] = field(default_factory=set)
     is_memory_short: bool = False
     """Something was preempted, or a chunk shrank or waited, for lack of blocks."""
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.batch.seqs.append(seq)
-        self.batch.num_new_tokens.append(num_new_tokens)
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
         self.scheduled.add(seq.request_id)
         self.budget -= num_new_tokens
 
@@ -140,6 +123,8 @@ class Scheduler:
         self._arrival: dict[str, int] = {}
         self._arrivals = count()
         self._finished_here: list[Sequence] = []
+        self._planned: set[str] = set()  # requests the runner holds state for
+        self._freed: list[str] = []  # of those, released since the last plan
 
     # -- queues --------------------------------------------------------------------------------
 
@@ -210,27 +195,48 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's batch (see the module docstring); None when nothing can run."""
+    def schedule(self) -> StepPlan | None:
+        """Pick this step's work (see the module docstring) as a plan; None when nothing can run."""
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_decodes(step)
         self._schedule_prefill_chunks(step)
         if not step.is_memory_short:
             self._admit_waiting(step)
-        return step.batch if step.batch.seqs else None
+        return self._plan(step) if step.seqs else None
 
-    def postprocess(self, batch: ScheduledBatch) -> None:
-        """Record that the batch ran: advance each sequence and cache its newly full blocks."""
+    def _plan(self, step: _Step) -> StepPlan:
+        """The immutable plan of `step`; new requests carry their whole state, the others what changed."""
+        new_requests, requests = [], []
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            start, table = seq.num_computed_tokens, seq.block_table
+            if seq.request_id not in self._planned:
+                self._planned.add(seq.request_id)
+                new_requests.append(NewRequest(seq.request_id, seq.slot, tuple(table), seq.num_prompt_tokens,
+                                               seq.sampling_params, seq.seed))
+                new_blocks = ()
+            else:
+                new_blocks = tuple(table[seq.num_planned_blocks :])
+            seq.num_planned_blocks = len(table)
+            requests.append(ScheduledRequest(
+                seq.request_id, start, tuple(seq.token_ids[start : start + n]), start + n == seq.num_tokens,
+                new_blocks, seq.replay_start, seq.no_write_before,
+            ))
+        freed, self._freed = tuple(self._freed), []
+        return StepPlan(tuple(requests), tuple(new_requests), freed)
+
+    def postprocess(self, plan: StepPlan) -> None:
+        """Record that the plan ran: advance each sequence and cache its newly full blocks."""
         is_caching = self.config.enable_prefix_caching  # cache_full_blocks is a no-op otherwise
-        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
-            if seq.status is not SequenceStatus.RUNNING:
+        for request in plan.requests:
+            seq = self._seqs.get(request.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and postprocess
-            seq.num_computed_tokens += num_new_tokens
+            seq.num_computed_tokens += request.num_tokens
             if is_caching:
                 self.block_manager.cache_full_blocks(seq)
 
     def _has_room(self, step: _Step) -> bool:
-        return step.budget > 0 and len(step.batch) < self.config.max_num_seqs
+        return step.budget > 0 and len(step.seqs) < self.config.max_num_seqs
 
     def _schedule_decodes(self, step: _Step) -> None:
         for seq in list(self.running):
@@ -251,7 +257,7 @@ class Scheduler:
                 step.is_memory_short = True
 
     def _schedule_prefill_chunks(self, step: _Step) -> None:
-        if len(step.batch.seqs) == len(self.running):
+        if len(step.seqs) == len(self.running):
             return  # every running sequence is decoding this step
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
@@ -334,6 +340,9 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     def _release_resources(self, seq: Sequence) -> None:
+        if seq.request_id in self._planned:
+            self._planned.remove(seq.request_id)
+            self._freed.append(seq.request_id)
         self.block_manager.free(seq)
         if seq.slot is not None:
             self._free_slots.append(seq.slot)

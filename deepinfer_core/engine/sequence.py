@@ -13,14 +13,12 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
+from deepinfer_core.engine.plan import PENDING_TOKEN
+
 if TYPE_CHECKING:
     from deepinfer_core.sampling_params import SamplingParams
 
 _SEED_BITS = 64
-
-PENDING_TOKEN = -1
-"""Stands for a sampled token that is still on the device (overlapped decode, see `Engine.step`): the
-next step reads it there, and the engine writes the real id in once it comes back."""
 
 
 class SequenceStatus(enum.Enum):
@@ -87,6 +85,8 @@ class Sequence:
         """Leading tokens whose state (window, compressor tails, compressed entries) is in the cache."""
         self.block_table: list[int] = []
         """Cache block ids; block i covers positions [block_size * i, block_size * (i + 1))."""
+        self.num_planned_blocks = 0
+        """Leading `block_table` entries already sent to the runner in a step plan."""
         self.slot: int | None = None
         """Per-request state slot (sliding-window ring, compressor tails) while running, else None."""
         self.num_cached_tokens = 0
@@ -166,6 +166,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.replay_start = 0
         self.no_write_before = 0
+        self.num_planned_blocks = 0
         self.slot = None
 
     def __repr__(self) -> str:

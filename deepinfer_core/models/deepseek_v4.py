@@ -6,16 +6,15 @@ as is (`deepinfer_core.models.weights` maps the official DeepSeek names onto the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer_core.backends import AttentionBackend, AttentionMetadata, MoEBackend, MoEWeights
+from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
 from deepinfer_core.models.compressor import Compressor, Indexer
-from deepinfer_core.models.layer_plan import LayerPlan
+from deepinfer_core.models.interface import ForwardContext, LayerCache
+from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
 from deepinfer_core.models.layers import (
     FP32,
     ConcatenatedLinears,
@@ -26,34 +25,6 @@ from deepinfer_core.models.layers import (
     SharedExpert,
 )
 from deepinfer_core.models.rope import Rotary
-
-
-@dataclass
-class LayerCache:
-    """One layer's cache tensors (see `deepinfer_core.engine.kv_cache`); None where the layer has none."""
-
-    window: torch.Tensor
-    compressed: torch.Tensor | None = None
-    kv_tail: torch.Tensor | None = None
-    gate_tail: torch.Tensor | None = None
-    index_keys: torch.Tensor | None = None
-    index_kv_tail: torch.Tensor | None = None
-    index_gate_tail: torch.Tensor | None = None
-
-
-@dataclass
-class ForwardContext:
-    """Per-step inputs every layer reads; built once per step by the runner."""
-
-    metadata: AttentionMetadata
-    input_ids: torch.Tensor
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """`main` / `compress` cos, sin and -sin (the inverse rotation) for every token."""
-    num_entries: dict[int, torch.Tensor]
-    """Per compress rate, `[num_seqs]` entries each request has after this step."""
-    no_write_before: torch.Tensor
-    """`[num_seqs]` int64: per request, entries of windows ending at or before this position are
-    already cached and must not be rewritten."""
 
 
 class Attention(nn.Module):
@@ -179,7 +150,13 @@ class DeepseekV4Backbone(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """The whole model. Backends are plain objects chosen once (`bind_backends`), never looked up per step."""
+    """The whole model (a `deepinfer_core.models.interface.CausalLM`). Backends are plain objects chosen
+    once (`bind_backends`), never looked up per step."""
+
+    @classmethod
+    def layer_plan(cls, config, dtype: torch.dtype) -> list[LayerPlan]:
+        """V4's plan: every layer owns its caches (see `build_layer_plan`)."""
+        return build_layer_plan(config, dtype)
 
     def __init__(self, config, plans: list[LayerPlan], dtype: torch.dtype) -> None:
         super().__init__()
@@ -205,6 +182,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             layer.mlp.shared_experts.bind()
         self.hc_weights = [(layer.attn_hc.weights(), layer.ffn_hc.weights()) for layer in self.model.layers]
         self.head_weights = self.model.hc_head.weights()
+
+    def backends(self) -> list[object]:
+        """Every bound backend object."""
+        return [*self.attention_backends, *self.moe_backends, self.ops]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per rope kind, cos, sin and -sin of `positions`, computed once a step for every layer."""

@@ -8,6 +8,10 @@ import torch
 
 from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec
 
+BLOCK_SIZE = 128
+"""Positions per paged cache block: a multiple of every compress rate (CSA 4, HCA 128), so a block holds
+whole compressed entries of every layer. The scheduler, block manager, cache and runner all read this."""
+
 ATTENTION_KINDS = {
     "sliding_attention": "sliding",
     "compressed_sparse_attention": "csa",
@@ -26,6 +30,14 @@ class LayerPlan:
     """`main` (sliding layers) or `compress` (CSA/HCA layers, YaRN)."""
     attention: AttentionSpec
     moe: MoESpec
+    kv_source: int | None = None
+    """Layer whose compressed entries (and indexer keys) this layer reads instead of owning any; None:
+    it owns its own (every V4 layer). A reading layer has no compressor and no tails of its own."""
+
+    @property
+    def owns_compressed(self) -> bool:
+        """The layer writes a compressed pool of its own (it has a compressor and is nobody's reader)."""
+        return self.has_compressor and self.kv_source is None
 
     @property
     def compress_rate(self) -> int:
@@ -51,9 +63,9 @@ def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
     for i, layer_type in enumerate(config.layer_types):
         kind = ATTENTION_KINDS[layer_type]
         rate = 0 if kind == "sliding" else int(config.compress_rates[layer_type])
-        if rate and 128 % rate:
+        if rate and BLOCK_SIZE % rate:
             raise NotImplementedError(
-                f"compress rate {rate} of {layer_type}: the paged cache needs rates dividing its 128-token block"
+                f"compress rate {rate} of {layer_type}: the paged cache needs rates dividing its {BLOCK_SIZE}-token block"
             )
         is_csa = kind == "csa"
         attention = AttentionSpec(

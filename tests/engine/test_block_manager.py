@@ -193,7 +193,7 @@ def test_duplicate_block_is_not_registered_twice():
 
 
 def test_forced_hash_collision_never_serves_a_wrong_block(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: 7)
+    monkeypatch.setattr(bm_module, "block_key", lambda parent, tokens: 7)
     manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     a = make_seq([1, 1, 1, 1, 2, 2, 2, 2, 3], "a")
     compute_all(manager, a)
@@ -209,7 +209,7 @@ def test_forced_hash_collision_never_serves_a_wrong_block(monkeypatch):
 
 def test_parent_is_verified_not_only_the_block_tokens(monkeypatch):
     # A hash that ignores the parent: block tokens alone would match a block of another chain.
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: hash(tuple(tokens)))
+    monkeypatch.setattr(bm_module, "block_key", lambda parent, tokens: hash(tuple(tokens)))
     manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq([1] * 4 + [2] * 4 + [0], "a"))  # chain X -> Y
     compute_all(manager, make_seq([3] * 4 + [4] * 4 + [0], "c"))  # chain Z -> W
@@ -219,7 +219,7 @@ def test_parent_is_verified_not_only_the_block_tokens(monkeypatch):
 
 
 def test_collision_with_unreferenced_block_replaces_it(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: 7)
+    monkeypatch.setattr(bm_module, "block_key", lambda parent, tokens: 7)
     manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     a = make_seq([1] * 4 + [0], "a")
     compute_all(manager, a)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.engine.cuda_graph import NO_WRITE, DecodeGraphs, SlotBlockTables, batch_ladder
+from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.runner import CarriedTokens
-from deepinfer_core.engine.sequence import PENDING_TOKEN
-from tests.oracle import FakeSeq, all_position_logprobs, make_runner, parity_config, random_state_dict
+from tests.oracle import FakeSeq, all_position_logprobs, make_runner, parity_config, random_state_dict, step_plan
 
 CONFIG = parity_config("sliding_csa_hca")
 WEIGHTS = random_state_dict(CONFIG, seed=5)
@@ -39,11 +39,12 @@ def test_padded_decode_equals_plain_decode(tmp_path):
         seqs = pairs[1]
         carried = None
         if step % 2:  # odd steps: the token is still "on the device", in another step's row order
-            carried = CarriedTokens(torch.tensor([0, token, 0, token, token, token]), {"r0": 1, "r1": 5, "r2": 3, "r3": 4})
+            carried = CarriedTokens(torch.tensor([0, token, 0, token, token, token]), ["x", "r0", "y", "r2", "r3", "r1"])
             token = PENDING_TOKEN
         for s in seqs:
             s.token_ids.append(token)
-        logits = graphs.run(seqs, carried)
+        plan = step_plan(padded, seqs, [1] * 4)
+        logits = graphs.run(plan.requests, padded.update_states(plan), carried)
         for s in seqs:
             s.num_computed_tokens += 1
         assert logits.shape[0] == 4  # padded to a ladder size of 4 here, padding rows dropped
@@ -100,8 +101,12 @@ def test_graph_inputs_hold_the_real_rows_then_padding(tmp_path):
     seqs = [FakeSeq([3, 4, 5], slot=5, block_table=[2], num_computed_tokens=2, replay_start=1, no_write_before=2),
             FakeSeq([6, 7], slot=1, block_table=[0, 1], num_computed_tokens=1),
             FakeSeq([8], slot=3, block_table=[4])]
-    graphs.run(seqs + [FakeSeq([9], slot=0, block_table=[6])])  # 4 rows, then 3 padded to 4 over a stale row
-    graphs.run(seqs)
+    def run(seqs):
+        plan = step_plan(runner, seqs, [1] * len(seqs))
+        graphs.run(plan.requests, runner.update_states(plan))
+
+    run(seqs + [FakeSeq([9], slot=0, block_table=[6])])  # 4 rows, then 3 padded to 4 over a stale row
+    run(seqs)
     cache = runner.kv_cache
     assert graphs.input_ids[:4].tolist() == [5, 7, 8, 0]
     assert graphs.positions[:4].tolist() == [2, 1, 0, 0]

@@ -8,7 +8,8 @@ import torch
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.engine.runner import CarriedTokens
-from deepinfer_core.engine.sequence import PENDING_TOKEN, Sequence
+from deepinfer_core.engine.plan import PENDING_TOKEN
+from deepinfer_core.engine.sequence import Sequence
 from tests.engine.test_engine import CONFIG, WEIGHTS, assert_matches_oracle, make_engine, random_prompts, run
 from tests.oracle import hf_model
 
@@ -90,17 +91,17 @@ def test_overlapped_decode_matches_transformers_under_preemption(tmp_path, oracl
 def test_next_step_launches_before_the_last_is_read(tmp_path):
     engine = make_engine(tmp_path, max_num_seqs=4, num_kv_blocks=8, async_scheduling=True)
     events = []
-    execute, settle = engine.runner.execute, engine._settle
+    execute, settle = engine.executor.execute, engine._settle
 
-    def record_execute(seqs, num_new_tokens, carried=None):
-        events.append(("launch", carried is not None))
-        return execute(seqs, num_new_tokens, carried)
+    def record_execute(plan):
+        events.append(("launch", any(PENDING_TOKEN in r.token_ids for r in plan.requests)))
+        return execute(plan)
 
     def record_settle(in_flight, touched):
         events.append(("settle", None))
         return settle(in_flight, touched)
 
-    engine.runner.execute, engine._settle = record_execute, record_settle
+    engine.executor.execute, engine._settle = record_execute, record_settle
     run(engine, random_prompts([10, 12]), [6, 6])
     launches = [carried for kind, carried in events if kind == "launch"]
     # prefill, first decode (nothing in flight), then every decode launches from carried tokens
@@ -143,24 +144,23 @@ def test_prefix_cache_hits_with_overlap_equal_a_cold_run(tmp_path):
 
 
 def test_carried_tokens_fill_by_request_and_reject_unknown_pending():
-    params = SamplingParams()
-    seqs = [Sequence(name, [1, 2], params) for name in ("a", "b", "c")]
-    seqs[0].append_token(PENDING_TOKEN)
-    seqs[2].append_token(PENDING_TOKEN)
-    carried = CarriedTokens(torch.tensor([70, 80, 90]), {"c": 0, "x": 1, "a": 2})
+    carried = CarriedTokens(torch.tensor([70, 80, 90]), ["c", "x", "a"])
     ids = torch.tensor([0, 5, 0, 6, 0])
-    carried.fill(ids, seqs, flat_rows=[0, 1, 4])
+    carried.fill(ids, [(0, "a"), (4, "c")])
     assert ids.tolist() == [90, 5, 0, 6, 70]
-    same = CarriedTokens(torch.tensor([7, 8]), {"a": 0, "c": 1})
+    same = CarriedTokens(torch.tensor([7, 8]), ["a", "c"])
     ids = torch.zeros(2, dtype=torch.long)
-    same.fill(ids, [seqs[0], seqs[2]])
+    same.fill(ids, [(0, "a"), (1, "c")])
     assert ids.tolist() == [7, 8]
-    with pytest.raises(RuntimeError, match="no step in flight"):
-        CarriedTokens(torch.tensor([1]), {"b": 0}).fill(torch.zeros(3, dtype=torch.long), seqs)
-    seqs[0].resolve_pending(42)
-    assert seqs[0].output_token_ids == [42] and seqs[2].output_token_ids == []
+    with pytest.raises(RuntimeError, match="did not sample"):
+        CarriedTokens(torch.tensor([1]), ["b"]).fill(torch.zeros(3, dtype=torch.long), [(0, "a")])
+    seq = Sequence("a", [1, 2], SamplingParams())
+    seq.append_token(PENDING_TOKEN)
+    assert seq.output_token_ids == []
+    seq.resolve_pending(42)
+    assert seq.output_token_ids == [42]
     with pytest.raises(RuntimeError, match="no pending token"):
-        seqs[0].resolve_pending(43)
+        seq.resolve_pending(43)
 
 
 def test_a_step_that_schedules_nothing_still_settles_the_step_in_flight(tmp_path):

@@ -1,16 +1,20 @@
 """Scheduler: budgets, chunked prefill, decode/prefill mixing, slots, preemption, abort, prefix caching.
 
-`FakeRunner` is a test double for the model runner: it checks every batch is well formed and
-"samples" a token that depends only on the sequence's whole prefix, so any schedule (chunked,
-preempted, recomputed) must produce exactly the tokens of a plain sequential run.
+`FakeRunner` is a test double for the model runner that sees only the step plans, as the real runner
+does: it keeps each request's block table from them, writes every computed token into a fake paged
+cache through that table, and "samples" a token that depends on the whole prefix as read back through
+the table. So any schedule (chunked, preempted, recomputed, served from the prefix cache) must produce
+exactly the tokens of a plain sequential run, and a wrong block id, start or chunk in a plan changes them.
 """
 
+import pickle
 import random
 
 import pytest
 
 from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from deepinfer_core.engine.plan import StepPlan
+from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -66,50 +70,64 @@ def check_invariants(scheduler: Scheduler) -> None:
 
 
 class FakeRunner:
-    """Checks each batch and returns {request_id: sampled token} for sequences that reach their end."""
+    """Runs plans on a fake paged cache; returns {request_id: sampled token} for sampled requests."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.batches: list[list[tuple[str, int, int]]] = []  # (request_id, start, num_new_tokens)
+        self.tables: dict[str, list[int]] = {}
+        self.cache: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id
 
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+    def execute(self, plan: StepPlan) -> dict[str, int]:
         config = self.scheduler.config
-        assert 0 < batch.num_batched_tokens <= config.max_num_batched_tokens
-        assert len(batch) <= config.max_num_seqs
-        assert len({seq.request_id for seq in batch.seqs}) == len(batch)
+        plan = pickle.loads(pickle.dumps(plan))  # a plan crosses to worker processes as it is
+        assert 0 < plan.num_tokens <= config.max_num_batched_tokens
+        assert len(plan.requests) <= config.max_num_seqs
+        assert len({r.request_id for r in plan.requests}) == len(plan.requests)
+        for request_id in plan.freed_request_ids:
+            del self.tables[request_id]
+        for new in plan.new_requests:
+            assert new.request_id not in self.tables
+            self.tables[new.request_id] = list(new.block_ids)
         sampled = {}
-        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            assert num_new_tokens >= 1 and start + num_new_tokens <= seq.num_tokens
-            assert len(seq.block_table) * BS >= start + num_new_tokens
-            if start + num_new_tokens == seq.num_tokens:
-                sampled[seq.request_id] = next_token(seq.token_ids)
-        self.batches.append(
-            [(s.request_id, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        )
+        for r in plan.requests:
+            table = self.tables[r.request_id]
+            table.extend(r.new_block_ids)
+            assert r.num_tokens >= 1 and len(table) * BS >= r.end
+            for position, token in enumerate(r.token_ids, start=r.start):
+                where = (table[position // BS], position % BS)
+                if position < r.no_write_before:
+                    assert self.cache[where] == token, "a shared cached block must already hold the token"
+                else:
+                    self.cache[where] = token
+            if r.is_sampled:
+                prefix = [self.cache[(table[p // BS], p % BS)] for p in range(r.end)]
+                sampled[r.request_id] = next_token(prefix)
+        self.batches.append([(r.request_id, r.start, r.num_tokens) for r in plan.requests])
         return sampled
 
 
-def step(scheduler: Scheduler, runner: FakeRunner, finished: dict[str, Sequence]) -> ScheduledBatch | None:
+def step(scheduler: Scheduler, runner: FakeRunner, finished: dict[str, Sequence]) -> StepPlan | None:
     """One engine step, as the engine loop runs it."""
-    batch = scheduler.schedule()
+    plan = scheduler.schedule()
     for seq in scheduler.pop_finished():
         assert seq.request_id not in finished
         finished[seq.request_id] = seq
     check_invariants(scheduler)
-    if batch is None:
+    if plan is None:
         return None
-    sampled = runner.execute(batch)
-    scheduler.postprocess(batch)
-    for seq in batch.seqs:
-        if seq.request_id in sampled:
-            seq.append_token(sampled[seq.request_id])
-            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                assert seq.request_id not in finished
-                finished[seq.request_id] = seq
+    seqs = {seq.request_id: seq for seq in scheduler.running}
+    sampled = runner.execute(plan)
+    scheduler.postprocess(plan)
+    for request_id, token in sampled.items():
+        seq = seqs[request_id]
+        seq.append_token(token)
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+            scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            assert seq.request_id not in finished
+            finished[seq.request_id] = seq
     check_invariants(scheduler)
-    return batch
+    return plan
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 2000) -> dict[str, Sequence]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, AttentionSpec
-from deepinfer_core.engine.kv_cache import BLOCK_SIZE
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.testing import conformance
 from deepinfer_core.testing.cases import AttentionCase, random_attention_case, round_to

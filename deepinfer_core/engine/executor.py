@@ -1,0 +1,185 @@
+"""Executors: run a `StepPlan` on the model side and return rank 0's `StepResult`.
+
+- `UniExecutor` ("uni", the default): one `ModelRunner` in the engine's own process.
+- `MultiprocExecutor` ("mp"): one worker process per rank, started by the engine, joined in a
+  `torch.distributed` group (gloo on CPU, NCCL on CUDA). Every rank gets every plan through its own
+  pipe and answers it; rank 0's answer carries the result. A rank that raises, dies or stays silent
+  past `worker_timeout_s` ends the executor with a `WorkerError` naming the rank and the cause.
+- Under `torchrun` (see `deepinfer_core.engine.worker`), rank 0's process hosts the engine and its own
+  runner, and sends plans to the other ranks over torch.distributed.
+
+Today every rank holds the whole model (a replica) and computes the same plan; sharding the model
+across ranks plugs in behind the runner without changing this protocol.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mp_connection
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.plan import StepPlan, StepResult
+
+
+class WorkerError(RuntimeError):
+    """A worker rank failed, died or hung; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class ModelSideInfo:
+    """What the engine learns from the model side at start-up."""
+
+    num_blocks: int
+    num_slots: int
+    block_size: int
+    cache_fingerprint: bytes
+    device: torch.device
+
+
+class Executor(Protocol):
+    """Runs plans. `info` is fixed once built; `execute` is called once per step, in order."""
+
+    info: ModelSideInfo
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run `plan` on every rank; return rank 0's result."""
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent)."""
+
+
+def runner_info(runner) -> ModelSideInfo:
+    from deepinfer_core.models.layer_plan import BLOCK_SIZE
+
+    return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device)
+
+
+class UniExecutor:
+    """The model runner in this process."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        from deepinfer_core.engine.runner import ModelRunner
+
+        self.runner = ModelRunner(model_config, engine_config, device, weights=weights)
+        self.info = runner_info(self.runner)
+        self.execute = self.runner.execute
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiprocExecutor:
+    """`world_size` worker processes, one per rank (see the module docstring).
+
+    Workers are fresh interpreters (`python -m deepinfer_core.engine.worker`), each holding one end of
+    a socket pair: nothing of the caller's `__main__` is re-imported, so no `if __name__ == "__main__"`
+    guard is needed around `LLM(...)`."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.world_size = engine_config.world_size
+        self.timeout_s = engine_config.worker_timeout_s
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._conns, self._procs = [], []
+        self._is_shut_down = False
+        for rank in range(self.world_size):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.engine.worker", str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()])
+            theirs.close()
+            conn = mp_connection.Connection(ours.detach())
+            self._conns.append(conn)
+            self._procs.append(proc)
+            args = (rank, self.world_size, init_method, model_config, engine_config, str(device), weights)
+            conn.send_bytes(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+        infos = self._collect(timeout_s=None, what="start-up")
+        self.info = infos[0]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(data)
+            except OSError as err:
+                self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].exitcode}")
+        return self._collect(timeout_s=self.timeout_s, what="a step")[0]
+
+    def _collect(self, timeout_s: float | None, what: str) -> list:
+        """One answer from every rank; `WorkerError` on an error report, a dead rank or a timeout."""
+        answers: dict[int, object] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(answers) < self.world_size:
+            waiting = [rank for rank in range(self.world_size) if rank not in answers]
+            remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if remaining <= 0:
+                self._fail(waiting[0], f"sent nothing for {timeout_s:g} s during {what} "
+                                       f"(worker_timeout_s); ranks still silent: {waiting}")
+            ready = mp_connection.wait([self._conns[r] for r in waiting], timeout=remaining)
+            for rank in waiting:
+                conn = self._conns[rank]
+                if conn in ready:
+                    try:
+                        kind, payload = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        self._fail(rank, f"exited during {what} (exit code {self._procs[rank].wait(5)})")
+                    if kind == "error":
+                        self._fail(rank, f"raised during {what}: {payload}")
+                    answers[rank] = payload
+                elif self._procs[rank].poll() is not None:
+                    self._fail(rank, f"exited during {what} (exit code {self._procs[rank].returncode})")
+        return [answers[rank] for rank in range(self.world_size)]
+
+    def _fail(self, rank: int, cause: str):
+        self.shutdown()
+        raise WorkerError(f"worker rank {rank} {cause}")
+
+    def shutdown(self) -> None:
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for conn in self._conns:
+            conn.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_procs"):
+            self.shutdown()
+
+
+def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
+                  weights: dict[str, torch.Tensor] | None = None) -> Executor:
+    """The executor `engine_config.distributed_executor_backend` names (torchrun's when launched by it)."""
+    from deepinfer_core.engine import worker
+
+    if worker.launched_by_torchrun():
+        return worker.TorchrunExecutor(model_config, engine_config, device, weights)
+    if engine_config.distributed_executor_backend == "mp":
+        return MultiprocExecutor(model_config, engine_config, device, weights)
+    if engine_config.world_size != 1:
+        raise ValueError(f"world_size={engine_config.world_size} needs distributed_executor_backend='mp'")
+    return UniExecutor(model_config, engine_config, device, weights)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

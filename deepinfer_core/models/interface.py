@@ -1,0 +1,100 @@
+"""What the engine, the cache and the graphs know of a model: this interface and its layer plan.
+
+A model class (found through `deepinfer_core.models.registry`) is built on the meta device as
+`cls(config, plans, dtype)` from `cls.layer_plan(config, dtype)`, loaded with `load_state_dict`, bound
+to its backends once, and then run one step at a time on a `ForwardContext` and the cache's
+`LayerCache`s. Nothing else of it is read outside `deepinfer_core/models/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from deepinfer_core.backends import AttentionBackend, AttentionMetadata, LayerOps, MoEBackend
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
+
+
+@dataclass
+class LayerCache:
+    """One layer's cache tensors (see `deepinfer_core.engine.kv_cache`); None where the layer has none."""
+
+    window: torch.Tensor
+    compressed: torch.Tensor | None = None
+    kv_tail: torch.Tensor | None = None
+    gate_tail: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    index_kv_tail: torch.Tensor | None = None
+    index_gate_tail: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    """Per-step inputs every layer reads; built once per step by the runner (`ModelRunner.make_context`)."""
+
+    metadata: AttentionMetadata
+    input_ids: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """Per rope kind, cos, sin and -sin (the inverse rotation) for every token."""
+    num_entries: dict[int, torch.Tensor]
+    """Per compress rate, `[num_seqs]` entries each request has after this step."""
+    no_write_before: torch.Tensor
+    """`[num_seqs]` int64: per request, entries of windows ending at or before this position are
+    already cached and must not be rewritten."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """The model side of a step. Classes also provide `layer_plan(config, dtype) -> list[LayerPlan]`
+    (a classmethod) and are constructed as `cls(config, plans, dtype)`."""
+
+    plans: list[LayerPlan]
+
+    def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], ops: LayerOps,
+                      device: torch.device) -> None:
+        """Attach one attention and one MoE backend per layer and the layer ops, after loading."""
+
+    def backends(self) -> list[object]:
+        """Every bound backend object (graph capture needs each to support CUDA graphs)."""
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per rope kind, cos, sin and -sin of `positions`, once a step for every layer."""
+
+    def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run every layer over the step's tokens; fp32 logits `[len(logits_indices), vocab]`."""
+
+
+def checkpoint_identity(model_dir: str | Path) -> bytes:
+    """SHA-256 over every safetensors file's name, size and header (tensor names, dtypes, shapes and
+    offsets): cheap to read, and different whenever the weights were rewritten."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with path.open("rb") as f:
+            raw = f.read(8)
+            header = f.read(struct.unpack("<Q", raw)[0]) if len(raw) == 8 else b""
+        digest.update(f"{path.name}:{path.stat().st_size}:".encode() + header)
+    return digest.digest()
+
+
+def tensors_identity(weights: dict[str, torch.Tensor]) -> bytes:
+    """SHA-256 over in-memory weights' names, shapes, dtypes and first few values."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name]
+        head = tensor.detach().reshape(-1)[:8].to("cpu", torch.float64).tolist()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{head}".encode())
+    return digest.digest()
+
+
+def cache_fingerprint(config, dtype: torch.dtype, plans: list[LayerPlan], weights_identity: bytes) -> bytes:
+    """What cached blocks depend on besides their tokens: the model's config, its weights, the compute
+    dtype and the cache layout. The root of every block key chain (`BlockManager`)."""
+    layout = {"config": config.model_dump(mode="json"), "dtype": str(dtype), "block_size": BLOCK_SIZE,
+              "plans": [repr(plan) for plan in plans]}
+    return hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode() + weights_identity).digest()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 import os
+import secrets
 import time
+import warnings
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -11,10 +14,13 @@ from tqdm.auto import tqdm
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.engine.sampling import check_sampling_params, finished_text
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""vLLM's other spellings of `dtype`."""
 
 
 class LLM:
@@ -22,16 +28,18 @@ class LLM:
 
     :param model: checkpoint directory (official DeepSeek or transformers layout); None reads
         `DEEPINFER_HF_MODEL_DIR`.
-    :param dtype: "auto", "float32", "bfloat16" or "float16".
-    :param seed: seeds the per-request seeds of requests that give none.
+    :param dtype: "auto", "float32", "bfloat16" or "float16" (or vLLM's "half", "float", a `torch.dtype`).
+    :param seed: seeds the per-request seeds of requests that give none; None draws one at random.
     :param max_model_len: longest prompt + output.
+    :param tensor_parallel_size: 1 (tensor parallelism is not implemented yet).
     :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
         `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device` (see `EngineConfig`).
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 *, tokenizer: str | None = None, trust_remote_code: bool = False, expert_parallel_size: int = 1,
-                 decode_sequence: bool = False, **engine_options: Any) -> None:
+    def __init__(self, model: str | None = None, dtype: Any = "auto", seed: int | None = 0,
+                 max_model_len: int | None = None, *, tokenizer: str | None = None, trust_remote_code: bool = False,
+                 expert_parallel_size: int = 1, tensor_parallel_size: int = 1, decode_sequence: bool = False,
+                 **engine_options: Any) -> None:
         model = model or os.environ.get(MODEL_DIR_ENV)
         if not model:
             raise ValueError(f"no model given: pass LLM(model=<checkpoint dir>) or set {MODEL_DIR_ENV}")
@@ -39,6 +47,10 @@ class LLM:
             raise NotImplementedError("tokenizer: a tokenizer directory other than the model's")
         if expert_parallel_size != 1:
             raise NotImplementedError("expert_parallel_size > 1 (expert parallelism)")
+        if tensor_parallel_size != 1:
+            raise NotImplementedError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism (use 1)")
+        dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        seed = secrets.randbits(63) if seed is None else operator.index(seed)
         del trust_remote_code  # nothing here runs checkpoint code
         unknown = set(engine_options) - set(EngineConfig.model_fields)
         if unknown:
@@ -57,15 +69,19 @@ class LLM:
                  prompt_token_ids: Seq[Seq[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput] | list[str]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        :param prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of either.
+        :param prompts: a string, a `{"prompt": "..."}` or `{"prompt_token_ids": [...]}` dict (vLLM's
+            TextPrompt and TokensPrompt), or a list of these.
         :param sampling_params: one `SamplingParams` for all prompts, or one per prompt; None: defaults.
         :param prompt_token_ids: DeepInfer 0.1 spelling: a list of token-id lists.
         :param use_tqdm: show a progress bar over requests.
         """
         requests = self._normalise_prompts(prompts, prompt_token_ids)
         params = self._normalise_params(sampling_params, len(requests))
-        for text, ids in requests:  # validate everything before any work starts
-            self.engine.validate_prompt(ids)
+        requests = [(text, self._truncate(ids, p)) for (text, ids), p in zip(requests, params)]
+        engine = self.engine
+        for (text, ids), p in zip(requests, params):  # validate everything before any work starts
+            engine.validate_prompt(ids)
+            check_sampling_params(p, engine.model_config.vocab_size, engine.tokenizer, engine.eos_token_ids)
         ids_in_order = []
         for (text, ids), p in zip(requests, params):
             request_id = str(self._counter)
@@ -73,7 +89,7 @@ class LLM:
             self.engine.add_request(request_id, ids, p, prompt=text)
             ids_in_order.append(request_id)
         finished = self._run(len(requests), use_tqdm)
-        outputs = [finished[i] for i in ids_in_order]
+        outputs = [self._finish_texts(finished[i], p) for i, p in zip(ids_in_order, params)]
         if self.decode_sequence:
             return [o.outputs[0].text for o in outputs]
         return outputs
@@ -98,6 +114,22 @@ class LLM:
             bar.close()
         return finished
 
+    def _truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """`truncate_prompt_tokens`: keep the last k ids (-1: as many as `max_model_len` leaves room for)."""
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.engine.config.max_model_len - 1
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+    def _finish_texts(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or (params.skip_special_tokens and not params.include_stop_str_in_output):
+            return output
+        for completion in output.outputs:
+            completion.text = finished_text(completion.text, completion.token_ids, completion.stop_reason, params,
+                                            lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
+        return output
+
     def _normalise_prompts(self, prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None, list[int]]]:
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts (strings or {'prompt_token_ids': [...]}) or prompt_token_ids")
@@ -117,14 +149,27 @@ class LLM:
 
     def _one_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError(f"a prompt dict needs 'prompt_token_ids'; got keys {sorted(prompt)}")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids'; got keys {sorted(prompt)}")
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt is a string or a {{'prompt_token_ids': [...]}} dict, not {type(prompt).__name__}")
-        return prompt, self.encode(prompt)
+        return prompt, self.tokenize(prompt)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: Any, *args: Any, **kwargs: Any) -> list[int]:
+        """Deprecated alias of `tokenize` (for one release): in vLLM, `LLM.encode` is pooling.
+
+        :raises NotImplementedError: for vLLM's pooling call (anything but one text).
+        """
+        if not isinstance(text, str) or args or kwargs:
+            raise NotImplementedError("pooling (vLLM's LLM.encode); use LLM.tokenize(text) for token ids")
+        warnings.warn("LLM.encode(text) is deprecated: vLLM's LLM.encode is pooling; use LLM.tokenize(text)",
+                      DeprecationWarning, stacklevel=2)
+        return self.tokenize(text)
+
+    def tokenize(self, text: str) -> list[int]:
         """Token ids of a raw text prompt, with the model's BOS in front (no chat template)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:

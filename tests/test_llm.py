@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import LLM, RequestOutput, SamplingParams
+from deepinfer_core.sampling_params import MAX_N
 from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir, tiny_config, write_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -106,3 +107,106 @@ def test_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
         llm.generate([{"prompt_token_ids": list(range(2, 50))}] * 3, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == free
+
+
+# -- the offline API a vLLM user expects ------------------------------------------------------------------
+
+BOS = 0  # <｜begin▁of▁sentence｜>, a special token of the embedded model's vocabulary
+BOS_TEXT = "<｜begin▁of▁sentence｜>"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return LLM(str(embedded_tiny_model_dir()), max_model_len=128, num_kv_blocks=4, max_num_seqs=4)
+
+
+def test_text_prompt_dicts_are_tokenized_like_strings(embedded):
+    [as_string] = embedded.generate("Hello, world", GREEDY, use_tqdm=False)
+    [as_dict] = embedded.generate({"prompt": "Hello, world"}, GREEDY, use_tqdm=False)
+    assert as_dict.prompt == "Hello, world" and as_dict.prompt_token_ids == as_string.prompt_token_ids
+    assert as_dict.outputs[0].token_ids == as_string.outputs[0].token_ids
+
+
+def test_vllm_engine_spellings(model_dir):
+    half = LLM(str(model_dir), dtype="half", seed=None, tensor_parallel_size=1, max_model_len=64, num_kv_blocks=4)
+    assert half.engine.config.dtype == "float16" and isinstance(half.engine.config.seed, int)
+    [out] = half.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        LLM(str(model_dir), tensor_parallel_size=2)
+
+
+def test_tokenize_and_the_deprecated_encode_alias(embedded):
+    ids = embedded.tokenize("Hello")
+    assert ids == [0, *embedded.get_tokenizer().encode("Hello")]
+    with pytest.warns(DeprecationWarning, match="pooling"):
+        assert embedded.encode("Hello") == ids
+    with pytest.raises(NotImplementedError, match="pooling"):
+        embedded.encode(["Hello"], pooling_params=None)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ids(llm):
+    prompt = {"prompt_token_ids": list(range(2, 42))}
+    [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=5), use_tqdm=False)
+    assert out.prompt_token_ids == list(range(37, 42))
+    [whole] = llm.generate({"prompt_token_ids": [3] * 300}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                           use_tqdm=False)
+    assert len(whole.prompt_token_ids) == 255  # max_model_len 256 leaves room for one new token
+
+
+def test_logit_bias_and_skip_special_tokens_end_to_end(embedded):
+    biased = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={BOS: 100.0})
+    [skipped] = embedded.generate("Hello", biased, use_tqdm=False)
+    assert skipped.outputs[0].token_ids == [BOS] * 3 and skipped.outputs[0].text == ""
+    biased.skip_special_tokens = False
+    [kept] = embedded.generate("Hello", biased, use_tqdm=False)
+    assert kept.outputs[0].text == BOS_TEXT * 3
+
+
+def test_allowed_token_ids_end_to_end(embedded):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True, allowed_token_ids=[5, 6])
+    [out] = embedded.generate("Hello", params, use_tqdm=False)
+    assert set(out.outputs[0].token_ids) <= {5, 6} and len(out.outputs[0].token_ids) == 8
+
+
+def test_single_token_bad_words_end_to_end(embedded):
+    [plain] = embedded.generate("Hello, world", GREEDY, use_tqdm=False)
+    first = plain.outputs[0].token_ids[0]
+    word = embedded.get_tokenizer().decode([first])
+    assert embedded.get_tokenizer().encode(word) == [first]  # the word is that one token
+    [banned] = embedded.generate("Hello, world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                                bad_words=[word]), use_tqdm=False)
+    assert first not in banned.outputs[0].token_ids
+
+
+def test_include_stop_str_in_output(embedded):
+    [plain] = embedded.generate("Hello, world", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                use_tqdm=False)
+    text = plain.outputs[0].text
+    stop = text[4:7]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop)
+    [cut] = embedded.generate("Hello, world", params, use_tqdm=False)
+    params.include_stop_str_in_output = True
+    [kept] = embedded.generate("Hello, world", params, use_tqdm=False)
+    assert cut.outputs[0].text == text[: text.find(stop)] and kept.outputs[0].text == cut.outputs[0].text + stop
+    assert kept.outputs[0].stop_reason == stop
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (dict(stop_token_ids=[129280], min_tokens=1), ValueError, "outside the vocabulary"),
+        (dict(logit_bias={10**6: 1.0}), ValueError, "logit_bias has ids"),
+        (dict(presence_penalty=0.5), NotImplementedError, "presence_penalty"),
+        (dict(repetition_penalty=1.2), NotImplementedError, "repetition_penalty"),
+    ],
+)
+def test_parameters_the_model_cannot_serve_fail_before_any_work(embedded, params, error, message):
+    with pytest.raises(error, match=message):
+        embedded.generate(["Hello", "world"], SamplingParams(**params), use_tqdm=False)
+    assert not embedded.engine.has_unfinished_requests() and embedded.engine.scheduler.num_waiting == 0
+
+
+def test_n_is_bounded_with_the_bound_in_the_error():
+    with pytest.raises(ValueError, match=f"n must be an integer in \\[1, {MAX_N}\\]"):
+        SamplingParams(n=100000)

@@ -302,3 +302,21 @@ def build_logprobs_entry(
 
 def _as_list(values) -> list:
     return values.tolist() if isinstance(values, torch.Tensor) else values
+
+
+def finished_text(text: str, token_ids: list[int], stop_reason: int | str | None, params: SamplingParams,
+                  decode: Callable[[list[int], bool], str]) -> str:
+    """A finished completion's text under `skip_special_tokens` and `include_stop_str_in_output`.
+
+    :param text: the engine's text: special tokens skipped, cut before a matched stop string.
+    :param token_ids: the completion's ids.
+    :param stop_reason: the matched stop string (or stop id, or None).
+    :param params: the request's parameters.
+    :param decode: `(ids, skip_special_tokens) -> text`.
+    """
+    stop = stop_reason if isinstance(stop_reason, str) else None
+    if not params.skip_special_tokens:
+        full = decode(token_ids, False)
+        cut = full.find(stop) if stop is not None else -1
+        text = full if cut < 0 else full[:cut]
+    return text + stop if stop is not None and params.include_stop_str_in_output else text

@@ -46,3 +46,30 @@ def test_v41_rejects_a_v4_vocabulary(tmp_path: Path) -> None:
 def test_v41_loads_a_vocabulary_with_system(v41_checkpoint: Path) -> None:
     tokenizer = load_tokenizer(v41_checkpoint, {"model_type": "deepseek_v41"})
     assert tokenizer.token_to_id("<｜System｜>") == 128799
+
+
+MIXED = ("def f(x):\n    return x + 1\nHello, world! The sea is wide.\n中文的句子，还有标点。日本語のテキスト、そして\n"
+         "1234567 numbers 3.14 and <｜User｜> spelled out\n\n\nTabs\tand  double  spaces end\n") * 400
+
+
+def test_encode_within_is_encode_when_it_fits(v4_tokenizer) -> None:
+    from deepinfer_recipe.tokenizer import CHUNK_CHARS
+
+    assert len(MIXED) > 5 * CHUNK_CHARS  # several pieces
+    assert v4_tokenizer.encode_within(MIXED, 10**9) == v4_tokenizer.encode(MIXED)
+
+
+def test_encode_within_stops_after_the_piece_that_passes(v4_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer_recipe.tokenizer import CHUNK_CHARS
+
+    seen = []
+    encode = v4_tokenizer.encode
+    monkeypatch.setattr(v4_tokenizer, "encode", lambda text: seen.append(len(text)) or encode(text))
+    assert v4_tokenizer.encode_within(MIXED, 1000) is None
+    assert len(seen) <= 2 and sum(seen) < 3 * CHUNK_CHARS < len(MIXED)
+
+
+def test_encode_within_refuses_uncut_text_by_its_length(v4_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(v4_tokenizer, "encode", lambda text: pytest.fail("tokenized"))
+    assert v4_tokenizer.max_token_bytes == 128
+    assert v4_tokenizer.encode_within("a" * (100 * 128 + 1), 100) is None

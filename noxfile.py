@@ -1,6 +1,10 @@
-"""Developer sessions: `nox -s tests` (the CI command), `nox -s lint`, `nox -s demo`, `nox -s gpu`."""
+"""Developer sessions: `nox -s tests` (the CI command), `nox -s lint`, `nox -s demo`, `nox -s gpu`,
+`nox -s wheels`."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -8,6 +12,8 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "lint"]
 
 TORCH = "torch==2.13.0"  # installed on its own first, so the packages below never pick another build
+DISTRIBUTIONS = (".", "plugins/recipe", "plugins/nvidia_sm100", "plugins/ascend950")
+"""Source directories of the four distributions: deepinfer, deepinfer-recipe, -nvidia-sm100, -ascend950."""
 # the NVIDIA plugin with Triton: off the GPU its kernel tests run in Triton's interpreter
 EDITABLE_PACKAGES = ("-e", ".[test]", "-e", "plugins/recipe", "-e", "plugins/nvidia_sm100[triton]",
                      "-e", "plugins/ascend950")
@@ -45,3 +51,12 @@ def gpu(session: nox.Session) -> None:
     """The NVIDIA plugin's tests, conformance included (run on a GPU machine)."""
     install(session)
     session.run("pytest", "-q", "plugins/nvidia_sm100/tests", *session.posargs)
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """The four wheels into dist/, for `pip install --find-links dist "deepinfer[nvidia]"` (see README)."""
+    session.install("setuptools>=68")
+    for directory in DISTRIBUTIONS:  # setuptools would package files left in build/ by an older tree
+        shutil.rmtree(Path(directory) / "build", ignore_errors=True)
+    session.run("pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", "dist", *DISTRIBUTIONS)

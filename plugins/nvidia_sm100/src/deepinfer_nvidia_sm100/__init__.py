@@ -4,4 +4,4 @@ The hooks live in `deepinfer_nvidia_sm100.hooks` (entry point `nvidia_sm100` in 
 Kernel modules import Triton, so they are imported only after a suitable GPU was found.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -106,10 +106,11 @@ def add_serve_parser_or_hint(subparsers: argparse._SubParsersAction) -> None:
     try:
         from deepinfer_core.entrypoints.serve_cli import add_serve_parser
     except ModuleNotFoundError as err:
+        # Whatever options follow, the answer is what to install, not "unrecognized arguments": with no
+        # option prefix of its own, this parser takes every argument as one of its positionals.
         parser = subparsers.add_parser("serve", help="serve a model over HTTP (needs the recipe extra)",
-                                       add_help=False)
-        # Whatever options follow, the answer is what to install, not "unrecognized arguments".
-        parser.add_argument("ignored", nargs=argparse.REMAINDER)
+                                       add_help=False, prefix_chars="\0")
+        parser.add_argument("ignored", nargs="*")
         parser.set_defaults(handler=functools.partial(_serve_unavailable, missing=err.name))
         return
     add_serve_parser(subparsers)

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from deepinfer_core.entrypoints.limits import DEFAULT_MAX_BODY_BYTES
+import pytest
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.entrypoints.limits import DEFAULT_MAX_BODY_BYTES, HttpLimits
 from deepinfer_core.entrypoints.serve_cli import add_serve_parser, run_serve
+from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -24,3 +29,39 @@ def test_names_and_limits() -> None:
     assert (args.model_dir, args.host, args.port) == ("/ckpt", "0.0.0.0", 9000)
     assert args.served_model_name == "flash" and args.model_alias == ["a", "b"]
     assert args.max_model_len == 4096 and args.enable_prefix_caching
+
+
+def test_engine_options_reach_the_engine_config() -> None:
+    from deepinfer_core.entrypoints.serve_cli import engine_config_of
+
+    args = parse(["serve", "--dtype", "float16", "--max-model-len", "4096", "--max-num-seqs", "8",
+                  "--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.5", "--enforce-eager"])
+    model_dir = str(embedded_tiny_model_dir())
+    config = engine_config_of(args, model_dir)
+    assert (config.dtype, config.max_model_len, config.max_num_seqs) == ("float16", 4096, 8)
+    assert config.max_num_batched_tokens == 1024 and config.gpu_memory_utilization == 0.5 and config.enforce_eager
+    defaults = engine_config_of(parse(["serve"]), model_dir)
+    assert defaults == EngineConfig(model=model_dir)  # unset options keep the engine's defaults
+
+
+def test_http_limits_and_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer_core.entrypoints.serve_cli import http_limits_of
+
+    args = parse(["serve", "--body-read-timeout", "5", "--limit-concurrency", "64", "--timeout-keep-alive", "2",
+                  "--api-key", "k1"])
+    assert http_limits_of(args) == HttpLimits(body_read_timeout_s=5, limit_concurrency=64, timeout_keep_alive_s=2)
+    assert args.api_key == "k1"
+    assert parse(["serve"]).api_key is None
+    monkeypatch.setenv("DEEPINFER_API_KEY", "from-env")
+    assert parse(["serve"]).api_key == "from-env"
+    assert parse(["serve", "--api-key", "flag-wins"]).api_key == "flag-wins"
+
+
+def test_without_the_serving_extra_any_options_get_the_install_hint(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    from deepinfer_core import cli
+
+    for name in ("deepinfer_core.entrypoints.serve", "deepinfer_core.entrypoints.serve_cli"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if fastapi were missing
+    assert cli.main(["serve", "--port", "8000", "/ckpt", "--max-model-len", "4"]) == 2
+    assert 'pip install "deepinfer[recipe]"' in capsys.readouterr().err

@@ -39,11 +39,12 @@ def run_plugins(args: argparse.Namespace) -> int:
 
     from deepinfer_core import plugins
     from deepinfer_core.config import ModelConfig
+    from deepinfer_core.plugin_report import plugin_report
 
     config = ModelConfig.from_dir(args.model) if args.model else ModelConfig()
     device = plugins.select_device()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    print(format_report(plugins.plugin_report(device, representative_specs(config, dtype))))
+    print(format_report(plugin_report(device, representative_specs(config, dtype))))
     return 0
 
 

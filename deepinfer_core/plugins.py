@@ -11,8 +11,7 @@ Environment overrides, read here and nowhere else:
 - `DEEPINFER_ACCELERATOR` (`nvidia`, `ascend`, `cpu`): the platform to run on; unset, it is detected.
 - `DEEPINFER_PLUGINS_ALLOW`: comma-separated plugin names; only these (and `reference`) are loaded.
 - `DEEPINFER_PLUGINS_BLOCK`: comma-separated plugin names never loaded (`reference` included).
-- `DEEPINFER_TRACE_PLUGINS=1`: pluggy's trace of every hook call, with who answered and who declined,
-  on stderr.
+- `DEEPINFER_TRACE_PLUGINS=1`: pluggy's trace of every hook call and its answer, on stderr.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import os
 import sys
 import traceback
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +85,9 @@ class HookOutcome:
     declines: dict[str, str] = field(default_factory=dict)
     result: Any = None
     spec: Any = None
-    """The spec asked for (the report's factory calls); None for `detect_device`."""
+    """The spec asked for (`plugin_report`'s factory calls); None for `detect_device`."""
     error: str | None = None
-    """Set in the report when the winner, or every plugin, failed; shown instead of raised."""
+    """Set by `plugin_report` when the winner, or every plugin, failed; shown instead of raised."""
 
 
 @dataclass(frozen=True)
@@ -252,8 +251,12 @@ class Declines:
         return outcome
 
 
-def _call(hook_name: str, **kwargs: Any) -> HookOutcome:
-    """Call a first-result hook through pluggy; an exception gets a note naming the plugin it came from."""
+def ask(hook_name: str, **kwargs: Any) -> HookOutcome:
+    """Call a first-result hook through pluggy and learn who answered and why the others declined.
+
+    :param kwargs: the hook's arguments but `decline` (each plugin gets its own via `Declines`).
+    :raises Exception: whatever a plugin raised, with a note naming the plugin.
+    """
     caller = getattr(get_plugin_manager().hook, hook_name)
     declines = Declines(caller.get_hookimpls())
     try:
@@ -271,7 +274,7 @@ def _describe_declines(declines: dict[str, str]) -> str:
 
 
 def _make(hook_name: str, spec: Any, device: torch.device) -> Any:
-    outcome = _call(hook_name, spec=spec, device=device)
+    outcome = ask(hook_name, spec=spec, device=device)
     if outcome.winner is None:
         raise BackendUnavailableError(f"no plugin can {hook_name.removeprefix('make_')} {spec} on {device}. "
                                       f"Declined: {_describe_declines(outcome.declines)}")
@@ -302,7 +305,7 @@ def select_device() -> torch.device:
     """
     accelerator = os.environ.get("DEEPINFER_ACCELERATOR", "").strip().lower()
     if not accelerator:
-        outcome = _call("detect_device")
+        outcome = ask("detect_device")
         if outcome.winner is None:
             raise PluginError(f"no plugin detected a device. Declined: {_describe_declines(outcome.declines)}")
         return outcome.result
@@ -403,71 +406,3 @@ def model_entries() -> list:
 
     get_plugin_manager().hook.register_models(register=register)
     return entries
-
-
-# ---------------------------------------------------------------------------------------------------
-# Report (`deepinfer plugins`)
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PluginInfo:
-    """One loaded plugin."""
-
-    name: str
-    version: str
-    platforms: list[str]
-    hooks: list[str]
-
-
-@dataclass
-class PluginReport:
-    """What `deepinfer plugins` prints."""
-
-    device: torch.device
-    plugins: list[PluginInfo]
-    choices: list[HookOutcome]
-
-
-def plugin_report(device: torch.device, specs: Mapping[str, Iterable[Any]]) -> PluginReport:
-    """Every loaded plugin, who detects the device, and which one builds each backend for `device`.
-
-    :param specs: by factory hook name, the specs to ask for (the caller knows the model; `deepinfer
-        plugins` takes them from the checkpoint's layer plan). Each backend is built once per spec; a
-        plugin that fails while building is reported, not raised.
-    """
-    pm = get_plugin_manager()
-    versions = _plugin_versions()
-    served = platforms()
-    infos = [
-        PluginInfo(name=name, version=versions.get(name, "-"), platforms=served.get(name, []),
-                   hooks=sorted(caller.name for caller in pm.get_hookcallers(plugin) or []))
-        for name, plugin in pm.list_name_plugin()
-        if plugin is not None  # a blocked name is listed with no plugin
-    ]
-    choices = [_choose("detect_device")]
-    for hook_name, hook_specs in specs.items():
-        if hook_name not in FACTORY_PROTOCOLS:
-            raise ValueError(f"{hook_name!r} is not a factory hook; choose from {sorted(FACTORY_PROTOCOLS)}")
-        choices += [_choose(hook_name, spec=spec, device=device) for spec in hook_specs]
-    return PluginReport(device=device, plugins=infos, choices=choices)
-
-
-def _choose(hook_name: str, **kwargs: Any) -> HookOutcome:
-    spec = kwargs.get("spec")
-    try:
-        outcome = _call(hook_name, **kwargs)
-    except Exception as err:  # noqa: BLE001 -- the report shows a broken plugin instead of stopping at it
-        notes = " ".join(getattr(err, "__notes__", []))
-        return HookOutcome(hook=hook_name, winner=None, spec=spec, error=f"{type(err).__name__}: {err} {notes}".strip())
-    outcome.spec, outcome.result = spec, None  # the report keeps no backend alive
-    outcome.error = None if outcome.winner else "nobody can build it"
-    return outcome
-
-
-def _plugin_versions() -> dict[str, str]:
-    versions = {}
-    for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
-        if ep.dist is not None:
-            versions.setdefault(ep.name, ep.dist.version)
-    return versions

@@ -10,6 +10,7 @@ from deepinfer_ascend950 import hooks
 
 from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionSpec, MoESpec, SamplingSpec
+from deepinfer_core.plugin_report import plugin_report
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.reference.sampling import ReferenceSampler
@@ -45,7 +46,7 @@ def test_factories_decline_so_the_reference_serves(isolated_plugin_manager):
     assert type(plugins.make_attention(attention, CPU)) is ReferenceAttention
     assert type(plugins.make_moe(moe, CPU)) is ReferenceMoE
     assert type(plugins.make_sampler(SamplingSpec(vocab_size=8), CPU)) is ReferenceSampler
-    report = plugins.plugin_report(CPU, {"make_attention": [attention], "make_moe": [moe]})
+    report = plugin_report(CPU, {"make_attention": [attention], "make_moe": [moe]})
     factory_choices = [c for c in report.choices if c.hook != "detect_device"]
     assert factory_choices and all(c.winner == "reference" for c in factory_choices)
     assert all(c.declines["ascend950"] == hooks.NOT_IMPLEMENTED for c in factory_choices)

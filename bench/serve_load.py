@@ -5,15 +5,32 @@ prompt-encoding throughput of deepseek-recipe on a ~32K-token conversation.
     python bench/serve_load.py --model-dir CKPT --concurrency 1 64 --max-tokens 128
 
 Prints one JSON line per measurement, then a short table.
+
+Needs the serving extra and an HTTP client: `pip install httpx "deepinfer[recipe]"` (checked first).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
+import sys
 import time
+
+# module -> what to install for it
+REQUIREMENTS = {"httpx": "httpx", "fastapi": '"deepinfer[recipe]"', "uvicorn": '"deepinfer[recipe]"',
+                "deepseek_recipe": '"deepinfer[recipe]"', "deepinfer_recipe": '"deepinfer[recipe]"'}
+
+
+def missing_requirements() -> list[str]:
+    """What to pip install for the modules this script needs and cannot find."""
+    return list(dict.fromkeys(pip for module, pip in REQUIREMENTS.items() if importlib.util.find_spec(module) is None))
+
+
+if __name__ == "__main__" and (missing := missing_requirements()):
+    sys.exit(f"bench/serve_load.py needs more packages: pip install {' '.join(missing)}")
 
 import httpx
 
@@ -123,7 +140,7 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
+        from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
         model_dir = str(embedded_tiny_model_dir())
     engine = Engine(EngineConfig(model=model_dir, device=args.device, enable_prefix_caching=True))

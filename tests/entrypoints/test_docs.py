@@ -1,0 +1,39 @@
+"""The Serving docs: the README's client snippets and the load bench's requirements."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serving_section() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("## Serving")
+    end = readme.find("\n## ", start + 1)
+    return readme[start:end if end >= 0 else len(readme)]
+
+
+def test_readme_client_snippets_bound_the_answer() -> None:
+    snippets = re.findall(r"```python\n(.*?)```", serving_section(), flags=re.S)
+    creates = [call for snippet in snippets for call in re.findall(r"\.create\((.*?)\n\)", snippet, flags=re.S)]
+    assert creates, "the Serving section shows a client call"
+    for call in creates:
+        assert "max_tokens=" in call, call  # without it the answer may run to the end of the context
+
+
+def test_readme_documents_the_api_key_variable() -> None:
+    from deepinfer_core.entrypoints.auth import API_KEY_ENV
+
+    assert API_KEY_ENV in serving_section() and "--api-key" in serving_section()
+
+
+def test_serve_load_says_what_to_install() -> None:
+    hide_httpx = ("import runpy, sys; sys.modules['httpx'] = None; sys.argv = ['serve_load.py']; "
+                  "runpy.run_path('bench/serve_load.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", hide_httpx], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "pip install httpx" in done.stderr and "Traceback" not in done.stderr

@@ -1,8 +1,9 @@
 """Tokenizer lookup: plugin loaders first (highest priority first), then the checkpoint's tokenizer.json.
 
 Loading checks that the tokenizer fits the model: its vocabulary is no larger than the model's, and it
-has the model's BOS and EOS ids. A tokenizer that is not the checkpoint's own `tokenizer.json` (a
-plugin's fallback) is reported with a logged warning. Every load error is a `CheckpointError`.
+has the model's BOS and EOS ids; the checkpoint's own `tokenizer.json` that does not fit is an error.
+A tokenizer that is not the checkpoint's own (a plugin's fallback) is reported with a logged warning,
+which also says if it does not fit. Every load error is a `CheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def load_tokenizer(model_dir: str | Path, config: Any) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it has none (then only token-id prompts work).
 
     `config` is a `ModelConfig` (then the tokenizer is checked against it) or a config.json dict.
-    Raises `CheckpointError` naming the file when a tokenizer cannot be loaded or does not fit.
+    Raises `CheckpointError` naming the file when a tokenizer cannot be loaded, or when the checkpoint's
+    own `tokenizer.json` does not fit the model. A plugin's fallback for a checkpoint without one is
+    logged (with why, if it does not fit the model: tiny test models use the real V4 tokenizer).
     """
     model_dir = Path(model_dir)
     own = model_dir / TOKENIZER_FILE
@@ -67,13 +70,16 @@ def load_tokenizer(model_dir: str | Path, config: Any) -> Tokenizer | None:
             source = f"the {loader.name!r} plugin's tokenizer"
             break
     if tokenizer is None and own.is_file():
-        tokenizer, source = _load(partial(TokenizerJson, own), own, "tokenizers"), str(own)
+        tokenizer = _load(partial(TokenizerJson, own), own, "tokenizers")
     if tokenizer is None:
         return None
-    if not own.is_file():
-        logger.warning("%s has no %s: using %s, %r", model_dir, TOKENIZER_FILE, source, tokenizer)
-    if isinstance(config, ModelConfig):
-        check_tokenizer_fits(tokenizer, config, own if own.is_file() else repr(tokenizer))
+    misfit = tokenizer_misfit(tokenizer, config) if isinstance(config, ModelConfig) else None
+    if own.is_file():
+        if misfit:
+            raise CheckpointError(f"{own}: {misfit}")
+        return tokenizer
+    logger.warning("%s has no %s: using %s, %r%s", model_dir, TOKENIZER_FILE, source, tokenizer,
+                   f"; it does not fit the model ({misfit}): text prompts may be refused" if misfit else "")  # fmt: skip
     return tokenizer
 
 
@@ -87,18 +93,19 @@ def _load(load, path: Path, by: str):
         raise CheckpointError(f"{where}: cannot load a tokenizer ({by}): {err}") from err
 
 
-def check_tokenizer_fits(tokenizer: Tokenizer, config: ModelConfig, where: Path | str) -> None:
-    """Raise `CheckpointError` unless `tokenizer`'s ids fit the model: no more ids than its
-    `vocab_size` (embedding rows), and the model's BOS/EOS ids among them."""
+def tokenizer_misfit(tokenizer: Tokenizer, config: ModelConfig) -> str | None:
+    """Why `tokenizer`'s ids do not fit the model of `config` (more ids than its `vocab_size`, the
+    embedding's rows; or no id for its BOS/EOS), or None when they fit."""
     if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(
-            f"{where}: the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
-            f"{config.vocab_size}; this tokenizer is not the model's"
+        return (
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {config.vocab_size}; "
+            f"it is not this model's tokenizer"
         )
     for name, ids in (("bos_token_id", [config.bos_token_id]), ("eos_token_id", config.eos_token_ids)):
         outside = [i for i in ids if i is not None and i >= tokenizer.vocab_size]
         if outside:
-            raise CheckpointError(
-                f"{where}: config.json's {name} {outside} is not an id of this tokenizer "
-                f"({tokenizer.vocab_size} ids); the tokenizer is not the model's"
+            return (
+                f"config.json's {name} {outside} is not an id of this tokenizer ({tokenizer.vocab_size} ids); "
+                f"it is not this model's tokenizer"
             )
+    return None

@@ -78,3 +78,12 @@ def test_falling_back_to_the_bundled_tokenizer_is_logged(tmp_path, caplog):
 
 def test_no_tokenizer_at_all_is_none(tmp_path, isolated_plugin_manager):
     assert load_tokenizer(tmp_path, model_config()) is None
+
+
+def test_a_fallback_that_does_not_fit_the_model_is_logged_as_such(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="deepinfer_core.tokenizer"):
+        tokenizer = load_tokenizer(tmp_path, ModelConfig.from_dict(tiny_config()))  # vocab_size 512
+    assert tokenizer.vocab_size == V4_VOCAB
+    (message,) = caplog.messages
+    assert f"{tmp_path} has no tokenizer.json: using the 'recipe' plugin's tokenizer" in message
+    assert "it does not fit the model (the tokenizer has 129280 ids but the model's vocab_size is 512" in message

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from deepinfer_core.config import CheckpointError, ModelConfig
-from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
-from deepinfer_core.models.layer_plan import build_layer_plan
+from deepinfer_core.models import registry
 
 IGNORED_PREFIXES = ("mtp.", "model.mtp.")
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -54,9 +53,11 @@ class TensorSpec:
 
 
 def meta_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of `config` at compute dtype `dtype`, built on the meta device (holds no memory)."""
+    """The model of `config` (its class from the registry) at compute dtype `dtype`, built on the meta
+    device (holds no memory)."""
+    model_cls = registry.model_class(config)
     with torch.device("meta"):
-        return DeepseekV4ForCausalLM(config, build_layer_plan(config, dtype), dtype)
+        return model_cls(config, model_cls.layer_plan(config, dtype), dtype)
 
 
 def tensor_schema(model: nn.Module) -> dict[str, TensorSpec]:

@@ -11,7 +11,8 @@ Environment overrides, read here and nowhere else:
 - `DEEPINFER_ACCELERATOR` (`nvidia`, `ascend`, `cpu`): the platform to run on; unset, it is detected.
 - `DEEPINFER_PLUGINS_ALLOW`: comma-separated plugin names; only these (and `reference`) are loaded.
 - `DEEPINFER_PLUGINS_BLOCK`: comma-separated plugin names never loaded (`reference` included).
-- `DEEPINFER_TRACE_PLUGINS=1`: pluggy's trace of every hook call and its answer, on stderr.
+- `DEEPINFER_TRACE_PLUGINS=1`: pluggy's trace of every hook call and its answer, with who answered
+  and why the plugins asked before it declined, on stderr.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def build_plugin_manager(
     check_plugins(pm)
     if trace:
         pm.trace.root.setwriter(lambda text: sys.stderr.write(text))
-        pm.enable_tracing()
+        pm.add_hookcall_monitoring(lambda *args: None, functools.partial(_trace_answer, pm.trace.root.get("hook")))
+        pm.enable_tracing()  # added last, so it wraps the line above: call, answer, then finish
     return pm
 
 
@@ -265,6 +267,16 @@ def ask(hook_name: str, **kwargs: Any) -> HookOutcome:
         if (plugin := declines.running(traceback.walk_tb(err.__traceback__))) is not None:
             err.add_note(f"raised by plugin {plugin!r} in {hook_name}")
         raise
+
+
+def _trace_answer(hooktrace: Callable[..., None], outcome: pluggy.Result, hook_name: str,
+                  impls: list[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
+    """Under pluggy's trace of a first-result call: who answered, and each decline's plugin and reason."""
+    declines = kwargs.get("decline")
+    if isinstance(declines, Declines) and outcome.exception is None:
+        answer = declines.outcome(hook_name, outcome.get_result())
+        reasons = "; ".join(f"{plugin}: {reason}" for plugin, reason in answer.declines.items()) or "none"
+        hooktrace(f"{hook_name} answered by {answer.winner or 'nobody'}; declined: {reasons}")
 
 
 def _describe_declines(declines: dict[str, str]) -> str:

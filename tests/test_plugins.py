@@ -452,3 +452,5 @@ def test_trace_prints_each_call_and_its_answer(monkeypatch, capsys):
     assert f"spec: {ATTENTION}" in err and f"spec: {wide}" in err
     assert "finish make_attention --> <" in err
     assert "ChipAttention object" in err and "ReferenceAttention object" in err
+    assert "make_attention answered by chip; declined: none [hook]" in err
+    assert "make_attention answered by reference; declined: chip: only sliding_window=4 is supported [hook]" in err

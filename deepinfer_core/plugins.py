@@ -234,11 +234,11 @@ class Declines:
     def running(self, frames: Iterable[tuple[types.FrameType, int]]) -> str | None:
         """The plugin whose implementation runs in the first of `frames` that runs one."""
         for frame, _ in frames:
-            owner = frame.f_locals.get("self")  # instances of one class share their methods' code
             for impl in self.asked:
-                function = impl.function
-                code = getattr(inspect.unwrap(function), "__code__", None)
-                if code is frame.f_code and getattr(function, "__self__", owner) is owner:
+                if getattr(inspect.unwrap(impl.function), "__code__", None) is not frame.f_code:
+                    continue
+                owner = getattr(impl.function, "__self__", None)  # instances of one class share the code
+                if owner is None or owner is frame.f_locals.get("self"):
                     return impl.plugin_name
         return None
 

@@ -427,3 +427,11 @@ def test_load_model_from_given_weights_checks_and_casts_them(weights):
     partial = {n: t for n, t in weights.items() if n != "model.norm.weight"} | {"extra": torch.zeros(1)}
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.norm\.weight; unexpected tensors: extra"):
         load_model(meta_model(config), config, None, "cpu", weights=partial)
+
+
+def test_load_model_refuses_a_model_of_another_config(tmp_path, weights):
+    write_checkpoint(tmp_path, CONFIG, weights)
+    config = ModelConfig.from_dir(tmp_path)
+    other = meta_model(ModelConfig.from_dict(tiny_config("sliding_only")))
+    with pytest.raises(ValueError, match="the model's tensors differ"):
+        load_model(other, config, tmp_path, "cpu")

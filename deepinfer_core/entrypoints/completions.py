@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 
 from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.engine.async_engine import EngineDeadError
-from deepinfer_core.entrypoints.errors import error_response
+from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, until_done_or_disconnect
 from deepinfer_core.entrypoints.limits import ClientGone, check_prompt_bytes, read_body
 
@@ -75,15 +75,55 @@ def encode_prompt(state: ServerState, prompt: str | list[int]) -> tuple[list[int
         return list(prompt), None
     if state.tokenizer is None:
         raise _bad("This checkpoint has no tokenizer: send the prompt as token ids.")
-    check_prompt_bytes(prompt, state.context_limit, state.max_token_bytes, "chat")
     encode_within = getattr(state.tokenizer, "encode_within", None)
-    # Tokenization stops as soon as the prompt cannot fit (the last position is for one new token).
-    ids = encode_within(prompt, state.context_limit - 1) if encode_within else state.tokenizer.encode(prompt)
+    if encode_within is None:  # a plain tokenizer: at least the byte bound before the whole encode
+        check_prompt_bytes(prompt, state.context_limit, state.max_token_bytes, "chat")
+        ids = state.tokenizer.encode(prompt)
+    else:  # stops as soon as the prompt cannot fit (the last position is for one new token)
+        ids = encode_within(prompt, state.context_limit - 1)
     if ids is None:
         raise _bad(f"This model's maximum context length is {state.context_limit} tokens; the prompt has more. "
                    "Shorten the prompt.")
     bos = state.bos_token_id
     return ([bos, *ids] if bos is not None and (not ids or ids[0] != bos) else ids), prompt
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise _bad(f"The body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise _bad("The body must be a JSON object.")
+    return body
+
+
+def _check_supported(state: ServerState, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or model not in state.encoding.model_names:
+        raise _bad(f"The model `{model}` does not exist; this server serves {state.encoding.model_names[0]!r}.")
+    for name, allowed in UNSUPPORTED.items():
+        value = body.get(name, allowed)
+        if value != allowed and not (name == "logit_bias" and value == {}):
+            raise _bad(f"'{name}' is not supported by this server (only {allowed!r}).")
+
+
+def _max_tokens(body: dict[str, Any], num_prompt_tokens: int, context_limit: int) -> int:
+    """`max_tokens` (OpenAI's default 16; null: up to the end of the context), checked against the context."""
+    room = context_limit - num_prompt_tokens
+    max_tokens = body.get("max_tokens", 16)
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        raise _bad("'max_tokens' must be a positive integer.")
+    if room < 1 or (max_tokens or 0) > room:
+        raise _bad(f"This model's maximum context length is {context_limit} tokens. However, you requested "
+                   f"{num_prompt_tokens + (max_tokens or 0)} tokens ({num_prompt_tokens} in the prompt, "
+                   f"{max_tokens or 0} for the completion).")
+    return max_tokens or room
+
+
+def _default(body: dict[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else value
 
 
 def parse_request(state: ServerState, raw: bytes) -> CompletionRequest:
@@ -93,37 +133,20 @@ def parse_request(state: ServerState, raw: bytes) -> CompletionRequest:
     """
     from deepinfer_core.sampling_params import SamplingParams
 
-    try:
-        body = json.loads(raw)
-    except ValueError as err:
-        raise _bad(f"The body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise _bad("The body must be a JSON object.")
-    model = body.get("model")
-    if model not in state.encoding.model_names:
-        raise _bad(f"The model `{model}` does not exist; this server serves {state.encoding.model_names[0]!r}.")
-    for name, allowed in UNSUPPORTED.items():
-        if body.get(name, allowed) not in (allowed, {}):
-            raise _bad(f"'{name}' is not supported by this server (only {allowed!r}).")
+    body = _json_object(raw)
+    _check_supported(state, body)
     prompt_ids, prompt_text = encode_prompt(state, _prompt_of(body))
-    room = state.context_limit - len(prompt_ids)
-    max_tokens = body.get("max_tokens", 16)
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise _bad("'max_tokens' must be a positive integer.")
-    if room < 1 or (max_tokens or 0) > room:
-        raise _bad(f"This model's maximum context length is {state.context_limit} tokens. However, you requested "
-                   f"{len(prompt_ids) + (max_tokens or 0)} tokens ({len(prompt_ids)} in the prompt, "
-                   f"{max_tokens or 0} for the completion).")
-    options = body.get("stream_options") or {}
+    max_tokens = _max_tokens(body, len(prompt_ids), state.context_limit)
     try:
         params = SamplingParams(
-            max_tokens=max_tokens or room, temperature=body.get("temperature", 1.0) or 0.0,
-            top_p=body.get("top_p", 1.0), seed=body.get("seed"), stop=body.get("stop") or None,
-            logprobs=body.get("logprobs"))
+            max_tokens=max_tokens, temperature=_default(body, "temperature", 1.0), top_p=_default(body, "top_p", 1.0),
+            seed=body.get("seed"), stop=body.get("stop") or None, logprobs=body.get("logprobs"))
     except (ValueError, TypeError, NotImplementedError) as err:
         raise _bad(str(err)) from err
-    return CompletionRequest(model, prompt_ids, prompt_text, params, bool(body.get("stream")),
-                             bool(isinstance(options, dict) and options.get("include_usage")), bool(body.get("echo")))
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    return CompletionRequest(body["model"], prompt_ids, prompt_text, params, bool(body.get("stream")),
+                             include_usage, bool(body.get("echo")))
 
 
 class CompletionRun:
@@ -190,7 +213,7 @@ class CompletionRun:
             tokens.append(chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else "")
             token_logprobs.append(chosen.logprob if chosen is not None else None)
             top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": []}
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
 
 
 async def handle_completions(state: ServerState, request: Request) -> Response:
@@ -200,7 +223,7 @@ async def handle_completions(state: ServerState, request: Request) -> Response:
         parsed = await run_in_threadpool(parse_request, state, raw)
     except ApiError as err:
         state.metrics.count_request(METRICS_API, "error")
-        return Response(err.body, status_code=err.status_code, media_type="application/json")
+        return api_error_response(err)
     except ClientGone:
         state.metrics.count_request(METRICS_API, "aborted")
         return Response(status_code=CLIENT_CLOSED_REQUEST)

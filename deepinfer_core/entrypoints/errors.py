@@ -29,6 +29,16 @@ def error_response(status_code: int, message: str, api: Api, headers: dict[str, 
                     media_type="application/json", headers=headers)
 
 
+# The body was not read to its end: the connection cannot carry another request.
+CLOSES_CONNECTION = frozenset({408, 413})
+
+
+def api_error_response(err: ApiError) -> Response:
+    """The response for a raised `ApiError`; a 408 or 413 also closes the connection."""
+    headers = {"connection": "close"} if err.status_code in CLOSES_CONNECTION else None
+    return Response(err.body, status_code=err.status_code, media_type="application/json", headers=headers)
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Answer Starlette's own HTTP errors (404 unknown path, 405 wrong method) in the API's shape."""
 
@@ -44,4 +54,4 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, message, api_of_path(path), headers=getattr(exc, "headers", None))
 
 
-__all__ = ["add_error_handlers", "api_of_path", "error_response"]
+__all__ = ["add_error_handlers", "api_error_response", "api_of_path", "error_response"]

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from deepinfer_core.chat_contract import Api, ApiError, OutputStream, PreparedRequest
 from deepinfer_core.engine.async_engine import EngineDeadError
-from deepinfer_core.entrypoints.errors import error_response
+from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.limits import ClientGone, read_body
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
         params = _sampling_params(prepared, api)
     except ApiError as err:
         state.metrics.count_request(api, "error")
-        return Response(err.body, status_code=err.status_code, media_type="application/json")
+        return api_error_response(err)
     except ClientGone:
         state.metrics.count_request(api, "aborted")
         return Response(status_code=CLIENT_CLOSED_REQUEST)

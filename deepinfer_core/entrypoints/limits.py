@@ -81,8 +81,12 @@ async def read_body(request: Request, limits: HttpLimits, api: Api) -> bytes:
 
 
 def max_token_bytes_of(tokenizer: Any) -> int | None:
-    """UTF-8 bytes of the longest vocabulary entry (an upper bound for byte-level BPE, whose entries
-    spell one byte a character); None when the tokenizer does not expose its vocabulary."""
+    """Bytes of the longest vocabulary entry: the tokenizer's own `max_token_bytes`, else the UTF-8
+    length of the longest entry (an upper bound for byte-level BPE, whose entries spell one byte a
+    character); None when the tokenizer does not expose its vocabulary."""
+    known = getattr(tokenizer, "max_token_bytes", None)
+    if isinstance(known, int):
+        return known
     hf = getattr(tokenizer, "hf", None)
     if hf is None or not hasattr(hf, "get_vocab"):
         return None

@@ -30,8 +30,8 @@ from deepinfer_core.engine.async_engine import AsyncEngine
 from deepinfer_core.entrypoints.auth import ApiKeyMiddleware
 from deepinfer_core.entrypoints.chat import load_chat_encoding
 from deepinfer_core.entrypoints.completions import handle_completions
-from deepinfer_core.entrypoints.errors import add_error_handlers, error_response
-from deepinfer_core.entrypoints.generation import handle_generation
+from deepinfer_core.entrypoints.errors import add_error_handlers, api_error_response, error_response
+from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, handle_generation
 from deepinfer_core.entrypoints.limits import ClientGone, HttpLimits, max_token_bytes_of, read_body
 from deepinfer_core.entrypoints.metrics import ServerMetrics
 
@@ -175,9 +175,9 @@ async def count_message_tokens(state: ServerState, request: Request) -> Response
         body = {**body, "max_tokens": 1, "stream": False}  # counted as if one token were asked for
         prepared = await run_in_threadpool(state.encoding.prepare, "messages", body, state.context_limit)
     except ApiError as err:
-        return Response(err.body, status_code=err.status_code, media_type="application/json")
+        return api_error_response(err)
     except ClientGone:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse({"input_tokens": len(prepared.prompt_token_ids)})
 
 

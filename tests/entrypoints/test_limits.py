@@ -39,7 +39,7 @@ def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(live_serv
                      b"content-length: 1000\r\n\r\n{\"model\": ")
         reply = read_all(conn)
     head, _, body = reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
     assert b'"type": "error"' in body and b"did not arrive within 0.3 s" in body
 
 

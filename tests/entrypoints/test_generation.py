@@ -95,3 +95,24 @@ def test_live_upload_disconnect_logs_nothing_and_is_counted(live_server: LiveSer
     assert [r.getMessage() for r in records.records if r.levelno >= logging.ERROR] == []
     text = httpx.get(f"{live_server.base_url}/metrics").text
     assert f'deepinfer_requests_total{{api="chat",outcome="aborted"}} {before + 1}' in text
+
+
+def test_live_non_streaming_disconnect_logs_nothing_and_is_counted(live_server: LiveServer) -> None:
+    records = Records()
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(records)
+    before = aborted(live_server)
+    try:
+        try:
+            httpx.post(f"{live_server.base_url}/v1/chat/completions", json=LONG, timeout=1.0)
+        except httpx.ReadTimeout:
+            pass  # the client gives up and closes its connection
+        for _ in range(200):
+            if aborted(live_server) > before:
+                break
+            time.sleep(0.05)
+    finally:
+        logger.removeHandler(records)
+    assert aborted(live_server) == before + 1
+    assert wait_idle(live_server)
+    assert [r.getMessage() for r in records.records if r.levelno >= logging.ERROR] == []

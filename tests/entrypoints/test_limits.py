@@ -129,10 +129,13 @@ def test_a_raw_prompt_too_long_stops_early_too(live_server: LiveServer, spies: t
 
 
 def test_a_prompt_that_fits_is_served_as_before(live_server: LiveServer, spies: tuple[Spy, Spy]) -> None:
-    text = "\n".join(f"Line {i} says hi" for i in range(300))  # long enough to be counted first, fits
+    # Over 8 characters a token of context, so counted first; ~1,500 tokens, so it fits.
+    text = "\n".join(f"Line{i}" + " " * 60 + "x" for i in range(300))
     reply = httpx.post(f"{live_server.base_url}/v1/chat/completions",
                        json={**chat_body(text), "thinking": {"type": "disabled"}, "max_tokens": 1}, timeout=60)
     assert reply.status_code == 200
+    plain, exact = spies
+    assert plain.chars >= len(text) and exact.calls == 1  # counted whole, then encoded exactly once
     expected = live_server.state.encoding.prepare("chat", {**chat_body(text), "thinking": {"type": "disabled"}}, 2048)
     assert reply.json()["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
 

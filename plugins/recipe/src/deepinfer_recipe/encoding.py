@@ -20,7 +20,8 @@ DEFAULT_MODEL_NAMES = {
 }
 # Formats whose promise (the output matches a schema or pattern) only constrained decoding can keep.
 UNENFORCED_FORMATS = ("json_schema", "regex")
-# Prompts longer than this many characters per token of context are counted (cheaply) before encoding.
+# Prompts (and bodies) longer than this many characters per token of context are counted (cheaply)
+# before the exact encoding; a smaller body is encoded at once, which costs little.
 PRECOUNT_CHARS_PER_TOKEN = 8
 
 
@@ -85,7 +86,8 @@ class RecipeChatEncoding:
             state = self._read_state(api, request)
             conversation_request = request.convert(self.options)
             self._reject_unsupported(conversation_request.conversation, api)
-            self._reject_too_long(conversation_request.conversation, context_limit, api)
+            if not isinstance(body, (bytes, str)) or len(body) > PRECOUNT_CHARS_PER_TOKEN * context_limit:
+                self._reject_too_long(conversation_request.conversation, context_limit, api)
             prompt_token_ids = self.encode(conversation_request.conversation)
             max_tokens = conversation_request.resolve_max_tokens(len(prompt_token_ids), context_limit)
         except dr.ConversionError as exc:

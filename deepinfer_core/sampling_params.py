@@ -254,14 +254,15 @@ def _int_key(value: object) -> object:
     return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
+# Wrong types raise ValueError like wrong values: the README promises one error type for bad parameters.
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ValueError(f"{name} must be True or False, got {value!r}")  # noqa: TRY004
 
 
 def _check_token_ids(name: str, value: object) -> list[int]:
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")  # noqa: TRY004
     return [_check_int(f"every {name} entry", t, low=0, high=MAX_TOKEN_ID) for t in value]
 
 

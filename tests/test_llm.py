@@ -195,10 +195,10 @@ def test_include_stop_str_in_output(embedded):
 @pytest.mark.parametrize(
     ("params", "error", "message"),
     [
-        (dict(stop_token_ids=[129280], min_tokens=1), ValueError, "outside the vocabulary"),
-        (dict(logit_bias={10**6: 1.0}), ValueError, "logit_bias has ids"),
-        (dict(presence_penalty=0.5), NotImplementedError, "presence_penalty"),
-        (dict(repetition_penalty=1.2), NotImplementedError, "repetition_penalty"),
+        ({"stop_token_ids": [129280], "min_tokens": 1}, ValueError, "outside the vocabulary"),
+        ({"logit_bias": {10**6: 1.0}}, ValueError, "logit_bias has ids"),
+        ({"presence_penalty": 0.5}, NotImplementedError, "presence_penalty"),
+        ({"repetition_penalty": 1.2}, NotImplementedError, "repetition_penalty"),
     ],
 )
 def test_parameters_the_model_cannot_serve_fail_before_any_work(embedded, params, error, message):

@@ -1,11 +1,15 @@
-"""SamplingParams: vLLM defaults, DeepInfer 0.1 spellings, validation and clone."""
+"""SamplingParams: vLLM defaults, DeepInfer 0.1 spellings, validation and clone; whatever it accepts runs."""
 
 import math
 
 import numpy
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from deepinfer_core.llm import LLM
 from deepinfer_core.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_TOKEN_ID, SamplingParams
+from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
 
 
 def test_defaults_match_vllm():
@@ -188,3 +192,90 @@ def test_clone_keeps_attributes_changed_after_construction():
     params.seed, params.logprobs = 9, 5
     copy = params.clone()
     assert (copy.seed, copy.logprobs) == (9, 5)
+
+
+# -- property: whatever SamplingParams accepts runs through the engine (or is refused before any work) ----
+
+VOCAB = 129280  # the embedded model's
+HUGE_INTS = st.one_of(st.integers(-(2**65), 2**65), st.integers(0, 2**64 - 1).map(numpy.uint64))
+ANY_FLOAT = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-1e30, 1e30))
+JUNK = st.one_of(st.none(), st.text(max_size=3), st.integers(-1, 2), st.floats(), st.lists(st.none(), max_size=1))
+SMALL_IDS = st.lists(st.integers(0, VOCAB - 1), max_size=3)
+
+
+def mostly(valid: st.SearchStrategy, invalid: st.SearchStrategy) -> tuple[st.SearchStrategy, st.SearchStrategy]:
+    return valid, invalid
+
+
+FIELDS = {  # per field: (values in range, numpy scalars too; then out-of-range values and bad types)
+    "n": mostly(st.one_of(st.integers(1, 3), st.integers(1, 2).map(numpy.int64)),
+                st.one_of(st.integers(-1, 0), st.just(MAX_N + 1), HUGE_INTS)),
+    "temperature": mostly(st.one_of(st.floats(0, 2), st.just(0), st.floats(1e-6, 1e-4)), st.one_of(ANY_FLOAT, JUNK)),
+    "top_p": mostly(st.floats(1e-9, 1.0), st.one_of(ANY_FLOAT, JUNK)),
+    "top_k": mostly(st.one_of(st.integers(-1, 50), st.integers(0, 2**31 - 1), st.integers(0, 9).map(numpy.int32)),
+                    st.one_of(HUGE_INTS, JUNK)),
+    "min_p": mostly(st.floats(0, 1), st.one_of(ANY_FLOAT, JUNK)),
+    "seed": mostly(st.one_of(st.none(), st.integers(0, 2**64 - 1), st.integers(0, 9).map(numpy.int64)),
+                   st.one_of(HUGE_INTS, st.floats())),
+    "stop": mostly(st.one_of(st.none(), st.text(min_size=1, max_size=2), st.lists(st.text(min_size=1, max_size=2),
+                                                                                  max_size=2)), JUNK),
+    "stop_token_ids": mostly(SMALL_IDS, st.one_of(st.lists(st.one_of(st.integers(VOCAB, VOCAB + 2), HUGE_INTS),
+                                                           min_size=1, max_size=2), JUNK)),
+    "ignore_eos": mostly(st.booleans(), JUNK),
+    "max_tokens": mostly(st.one_of(st.integers(1, 6), st.none(), st.integers(1, 4).map(numpy.int32)),
+                         st.one_of(st.integers(-1, 0), JUNK)),
+    "min_tokens": mostly(st.integers(0, 6), st.one_of(st.integers(-2, -1), HUGE_INTS, JUNK)),
+    "logprobs": mostly(st.one_of(st.none(), st.booleans(), st.integers(0, MAX_LOGPROBS)),
+                       st.one_of(st.integers(-2, -1), st.just(MAX_LOGPROBS + 1), JUNK)),
+    "prompt_logprobs": mostly(st.one_of(st.none(), st.booleans(), st.integers(0, 3)), st.one_of(st.just(-1), JUNK)),
+    "presence_penalty": mostly(st.just(0.0), st.one_of(st.floats(-2, 2), ANY_FLOAT, JUNK)),
+    "frequency_penalty": mostly(st.just(0.0), st.one_of(st.floats(-2, 2), ANY_FLOAT, JUNK)),
+    "repetition_penalty": mostly(st.just(1.0), st.one_of(st.floats(0.01, 100), ANY_FLOAT, JUNK)),
+    "logit_bias": mostly(st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-200, 200),
+                                                               max_size=3)),
+                         st.one_of(st.dictionaries(st.integers(VOCAB, 2**40), st.floats(), min_size=1, max_size=1),
+                                   st.dictionaries(st.integers(0, 9), ANY_FLOAT, min_size=1, max_size=1), JUNK)),
+    "bad_words": mostly(st.one_of(st.none(), st.lists(st.text(min_size=1, max_size=4), max_size=2)), JUNK),
+    "allowed_token_ids": mostly(st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3)),
+                                st.one_of(st.just([]), st.lists(HUGE_INTS, min_size=1, max_size=1), JUNK)),
+    "include_stop_str_in_output": mostly(st.booleans(), JUNK),
+    "skip_special_tokens": mostly(st.booleans(), JUNK),
+    "truncate_prompt_tokens": mostly(st.one_of(st.none(), st.just(-1), st.integers(1, 6)),
+                                     st.one_of(st.integers(-3, 0), JUNK)),
+}
+
+
+# Half the examples draw only values in range (most then reach the engine); half mix in anything.
+IN_RANGE = st.fixed_dictionaries({}, optional={name: valid for name, (valid, _) in FIELDS.items()})
+ANYTHING = st.fixed_dictionaries({}, optional={name: st.one_of(v, bad) for name, (v, bad) in FIELDS.items()})
+
+
+@pytest.fixture(scope="module")
+def embedded_llm():
+    return LLM(str(embedded_tiny_model_dir()), max_model_len=8, num_kv_blocks=8, max_num_seqs=8)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.one_of(IN_RANGE, ANYTHING))
+def test_whatever_is_accepted_runs_through_the_engine(embedded_llm, kwargs):
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError:
+        return  # refused on construction, saying what is allowed
+    engine = embedded_llm.engine
+    try:
+        outputs = embedded_llm.generate(["Hello", "a longer one"], params, use_tqdm=False)
+    except (ValueError, NotImplementedError):
+        # refused before any work: nothing was queued
+        assert not engine.has_unfinished_requests() and engine.scheduler.num_waiting == 0
+        return
+    for output in outputs:
+        assert len(output.outputs) == params.n
+        for completion in output.outputs:
+            assert completion.finish_reason in ("stop", "length")
+            assert params.max_tokens is None or len(completion.token_ids) <= params.max_tokens
+            assert all(0 <= t < VOCAB for t in completion.token_ids)
+            if params.allowed_token_ids:
+                assert set(completion.token_ids) <= set(params.allowed_token_ids)
+    assert not engine.has_unfinished_requests()

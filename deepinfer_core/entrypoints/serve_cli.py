@@ -111,6 +111,21 @@ def running_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
         thread.join(30)
 
 
+def require_chat_encoding(model_dir: str) -> None:
+    """Fail before the weights load when no installed plugin encodes this checkpoint's chats.
+
+    :raises ChatEncodingUnavailableError: with the install hint (the recipe plugin is missing).
+    """
+    from deepinfer_core import plugins
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.entrypoints.chat import RECIPE_HINT, ChatEncodingUnavailableError
+
+    model_type = ModelConfig.from_dir(model_dir).model_type
+    if model_type not in plugins.chat_encodings():
+        raise ChatEncodingUnavailableError(f"no installed plugin serves chats of model_type {model_type!r}; "
+                                           f"{RECIPE_HINT}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine for `args.model_dir` and serve it until interrupted."""
     import uvicorn
@@ -122,6 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
         model_dir = str(embedded_tiny_model_dir())
+    require_chat_encoding(model_dir)
     limits = http_limits_of(args)
     app = build_app(Engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
                     model_aliases=args.model_alias, limits=limits, api_key=args.api_key)
@@ -129,4 +145,5 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_serve_parser", "engine_config_of", "http_limits_of", "run_serve", "running_server"]
+__all__ = ["add_serve_parser", "engine_config_of", "http_limits_of", "require_chat_encoding", "run_serve",
+           "running_server"]

@@ -65,3 +65,14 @@ def test_without_the_serving_extra_any_options_get_the_install_hint(monkeypatch:
         monkeypatch.setitem(sys.modules, name, None)  # as if fastapi were missing
     assert cli.main(["serve", "--port", "8000", "/ckpt", "--max-model-len", "4"]) == 2
     assert 'pip install "deepinfer[recipe]"' in capsys.readouterr().err
+
+
+def test_without_the_recipe_plugin_serve_says_what_to_install_before_loading(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from deepinfer_core import cli, plugins
+    from deepinfer_core.engine import engine
+
+    monkeypatch.setattr(plugins, "chat_encodings", dict)  # no plugin registers a chat encoding
+    monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
+    assert cli.main(["serve", "--port", "8000"]) == 1
+    assert 'pip install "deepinfer[recipe]"' in capsys.readouterr().err

@@ -161,7 +161,7 @@ class CompletionRun:
         self.last_output: Any = None
         self.arrival = time.monotonic()
         # While generating, hold back what could still turn out to be the start of a stop string.
-        self.hold_back = max(map(len, request.params.stop or [""]), default=1) - 1
+        self.hold_back = max((len(stop) for stop in request.params.stop or ()), default=1) - 1
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """Completion chunks (text deltas), the last with the finish reason."""

@@ -53,6 +53,9 @@ def test_echo_stop_and_logprobs(oai: openai.OpenAI) -> None:
         cut = oai.completions.create(model=SERVED_NAME, prompt="Count: one two", max_tokens=12, temperature=0,
                                      stop=[stop]).choices[0]
         assert cut.text == full.text[: full.text.index(stop)] and cut.finish_reason == "stop"
+        streamed = oai.completions.create(model=SERVED_NAME, prompt="Count: one two", max_tokens=12, temperature=0,
+                                          stop=[stop], stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.text  # no part of the stop leaks
 
 
 def test_invalid_requests_are_400s_in_openai_shape(oai: openai.OpenAI) -> None:

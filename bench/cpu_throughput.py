@@ -82,6 +82,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _computes_several_tokens(schedule) -> bool:
+    """Whether a scheduled step computes more than one token of some request (a prefill): from a step
+    plan's requests, or from a batch's `num_new_tokens`."""
+    counts = getattr(schedule, "num_new_tokens", None)
+    if counts is None:
+        counts = [len(r.token_ids) for r in getattr(schedule, "requests", ())]
+    return max(counts, default=0) > 1
+
+
 # -- the model, both sides --------------------------------------------------------------------------
 
 
@@ -157,17 +166,10 @@ class StepSplit:
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._current: dict[str, float] = {}
         self._kind = "idle"
-        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.scheduler, "schedule", "schedule", tag=True)
         self._wrap(runner, "prepare_inputs", "prepare")
         self._wrap(runner.model, "forward", "forward")
         self._wrap(runner.sampler, "sample", "sample")
-        execute = runner.execute
-
-        def tagged_execute(seqs, num_new_tokens):
-            self._kind = "prefill" if max(num_new_tokens) > 1 else "decode"
-            return execute(seqs, num_new_tokens)
-
-        runner.execute = tagged_execute
         step = engine.step
 
         def timed_step():
@@ -183,13 +185,19 @@ class StepSplit:
 
         engine.step = timed_step
 
-    def _wrap(self, owner, attr: str, phase: str) -> None:
-        inner = getattr(owner, attr)
+    def _wrap(self, owner, attr: str, phase: str, tag: bool = False) -> None:
+        """Time `owner.attr` as `phase`; `tag`: its result (the step's schedule) says prefill or decode."""
+        inner = getattr(owner, attr, None)
+        if inner is None:  # the runner no longer has this phase as a method: it is reported as 0
+            return
 
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return inner(*args, **kwargs)
+                result = inner(*args, **kwargs)
+                if tag and result is not None:
+                    self._kind = "prefill" if _computes_several_tokens(result) else "decode"
+                return result
             finally:
                 self._current[phase] += time.perf_counter() - start
 

@@ -9,16 +9,51 @@ Times, with `triton.testing.do_bench`, each candidate tiling of
 and prints one JSON line per candidate with its time and its largest difference from the first one.
 `bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
 
-    python bench/prefill_tiles.py [--only attention,hyper,moe]
+    python bench/prefill_tiles.py [--only attention,hyper,moe] [--tiny]
+
+`--tiny` is the smoke mode the test suite runs: tiny sizes, the first two candidates of each sweep, one
+untimed-quality run each (wall clock, not `do_bench`); without a CUDA device the kernels run in Triton's
+interpreter on the CPU. Its times mean nothing; it proves the sweeps still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes each sweep runs at."""
+
+    heads: int = 64
+    head_dim: int = 512
+    window: int = 128
+    hca_rate: int = 128
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    prompts: tuple[int, ...] = (512,) * 16
+    hidden: int = 4096
+    hyper_tokens: tuple[int, ...] = (256, 2048, 8192)
+    moe_intermediate: int = 2048
+    experts: int = 256
+    top_k: int = 6
+    moe_tokens: tuple[int, ...] = (2048, 8192)
+    num_variants: int | None = None
+    """Candidates per sweep (None: all)."""
+
+
+V4_FLASH = Sizes()
+TINY = Sizes(heads=16, head_dim=64, window=16, hca_rate=8, index_heads=4, index_head_dim=32, index_topk=8,
+             prompts=(32, 32), hidden=128, hyper_tokens=(8,), moe_intermediate=64, experts=8, top_k=2,
+             moe_tokens=(16,), num_variants=2)
 
 ATTENTION_TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1),
                    (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]
@@ -47,37 +82,47 @@ def report(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def time_variants(label: str, variants, run, **fields) -> None:
+def time_variants(label: str, variants, run, sizes: Sizes, **fields) -> None:
     """Time `run(variant)` for each variant; a variant that fails to compile is reported, not fatal."""
-    from triton.testing import do_bench
-
     first = None
-    for variant in variants:
+    for variant in variants[: sizes.num_variants]:
         try:
             out = run(variant)
             outs = out if isinstance(out, tuple) else (out,)
             first = first or outs
             diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs, first))
-            ms = do_bench(lambda v=variant: run(v), warmup=5, rep=30)
+            ms = _milliseconds(lambda v=variant: run(v), sizes)
             report(kernel=label, variant=variant, ms=round(ms, 3), max_diff_vs_first=diff, **fields)
         except Exception as err:  # noqa: BLE001 - e.g. a tile over the shared-memory limit
             report(kernel=label, variant=variant, error=str(err)[:200], **fields)
 
 
-def sweep_attention(device: torch.device) -> None:
+def _milliseconds(fn, sizes: Sizes) -> float:
+    if sizes.num_variants is not None:  # the smoke mode: one wall-clock run
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=30)
+
+
+def sweep_attention(device: torch.device, sizes: Sizes) -> None:
     from deepinfer_nvidia_sm100.attention import TritonAttention
 
     from deepinfer_core.backends.attention import AttentionSpec
     from deepinfer_core.testing.cases import random_attention_case
 
+    shape = {"num_heads": sizes.heads, "head_dim": sizes.head_dim, "sliding_window": sizes.window,
+             "dtype": torch.bfloat16}
     specs = {
-        "hca": AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=128,
-                             dtype=torch.bfloat16),
-        "csa": AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=4, index_n_heads=64,
-                             index_head_dim=128, index_topk=512, dtype=torch.bfloat16),
+        "hca": AttentionSpec(compress_rate=sizes.hca_rate, **shape),
+        "csa": AttentionSpec(compress_rate=4, index_n_heads=sizes.index_heads, index_head_dim=sizes.index_head_dim,
+                             index_topk=sizes.index_topk, **shape),
     }
+    prompts = list(sizes.prompts)
     for name, spec in specs.items():
-        case = random_attention_case(spec, [512] * 16, [0] * 16, poison=False).to(device, torch.bfloat16)
+        case = random_attention_case(spec, prompts, [0] * len(prompts), poison=False).to(device, torch.bfloat16)
         backend = TritonAttention(spec)
 
         def run(tiles, backend=backend, case=case):
@@ -85,15 +130,15 @@ def sweep_attention(device: torch.device) -> None:
             return backend.forward(case.q, case.kv, case.window, case.compressed, case.sinks, case.metadata,
                                    case.topk_indices, case.num_entries)
 
-        time_variants("attention", ATTENTION_TILES, run, case=name)
+        time_variants("attention", ATTENTION_TILES, run, sizes, case=name)
 
 
-def sweep_hyper(device: torch.device) -> None:
+def sweep_hyper(device: torch.device, sizes: Sizes) -> None:
     from deepinfer_nvidia_sm100 import hyper_kernels
 
     from deepinfer_core.backends.layer_ops import HyperWeights, LayerOpsSpec
 
-    hidden, n = 4096, 4
+    hidden, n = sizes.hidden, 4
     spec = LayerOpsSpec(hidden_size=hidden, hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
                         dtype=torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -102,7 +147,7 @@ def sweep_hyper(device: torch.device) -> None:
                       torch.randn(rows, device=device, generator=gen) * 0.1, torch.ones(3, device=device))
     norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
     counters = hyper_kernels.new_split_counters(device)
-    for num_tokens in (256, 2048, 8192):
+    for num_tokens in sizes.hyper_tokens:
         streams = torch.randn(num_tokens, n, hidden, device=device, dtype=torch.bfloat16)
         block_out = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
         post = torch.rand(num_tokens, n, device=device)
@@ -119,15 +164,15 @@ def sweep_hyper(device: torch.device) -> None:
                 for name, value in saved.items():
                     setattr(hyper_kernels, name, value)
 
-        time_variants("hc_post_pre", HYPER_VARIANTS, run, tokens=num_tokens)
+        time_variants("hc_post_pre", HYPER_VARIANTS, run, sizes, tokens=num_tokens)
 
 
-def sweep_moe(device: torch.device) -> None:
+def sweep_moe(device: torch.device, sizes: Sizes) -> None:
     from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
 
     from deepinfer_core.backends.moe import MoESpec, MoEWeights
 
-    hidden, inter, experts, top_k = 4096, 2048, 256, 6
+    hidden, inter, experts, top_k = sizes.hidden, sizes.moe_intermediate, sizes.experts, sizes.top_k
     spec = MoESpec(hidden, inter, experts, top_k, "sqrtsoftplus", 1.5, 10.0, False, torch.bfloat16)
     weights = MoEWeights(
         router=torch.randn(experts, hidden, device=device, dtype=torch.bfloat16) * 0.02,
@@ -135,7 +180,7 @@ def sweep_moe(device: torch.device) -> None:
         down=torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.02,
     )
     moe = TritonMoE(spec)
-    for num_tokens in (2048, 8192):
+    for num_tokens in sizes.moe_tokens:
         x = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
         ids = torch.rand(num_tokens, experts, device=device).topk(top_k).indices.to(torch.int32)
         topk_weights = torch.rand(num_tokens, top_k, device=device)
@@ -144,22 +189,30 @@ def sweep_moe(device: torch.device) -> None:
             gate_up, down = tiles
             return moe.experts(x, ids, topk_weights, weights, GemmConfig(*gate_up), down and GemmConfig(*down))
 
-        time_variants("moe_experts", MOE_TILES, run, tokens=num_tokens)
+        time_variants("moe_experts", MOE_TILES, run, sizes, tokens=num_tokens)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="attention,hyper,moe", help="comma-separated sweeps to run")
+    parser.add_argument("--tiny", action="store_true", help="smoke mode: tiny sizes, two candidates a sweep")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/prefill_tiles.py times GPU kernels: it needs a CUDA device and deepinfer-nvidia-sm100")
-    device = torch.device("cuda")
-    report(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    sizes = TINY if args.tiny else V4_FLASH
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        report(device=torch.cuda.get_device_name(), torch=torch.__version__, tiny=args.tiny)
+    elif args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        device = torch.device("cpu")
+        report(device="cpu (Triton's interpreter)", torch=torch.__version__, tiny=True)
+    else:
+        sys.exit("bench/prefill_tiles.py times GPU kernels: it needs a CUDA device and deepinfer-nvidia-sm100 "
+                 "(--tiny runs the sweeps in Triton's interpreter on the CPU)")
     sweeps = {"attention": sweep_attention, "hyper": sweep_hyper, "moe": sweep_moe}
     for name in args.only.split(","):
         if name not in sweeps:
             sys.exit(f"--only: unknown sweep {name!r}; choose from {', '.join(sweeps)}")
-        sweeps[name](device)
+        sweeps[name](device, sizes)
 
 
 if __name__ == "__main__":

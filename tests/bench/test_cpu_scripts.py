@@ -1,0 +1,53 @@
+"""The bench scripts run end to end in their smoke modes on the CPU, so a bench never silently rots
+(`gpu_decode.py --tiny` and `host_overhead.py` are in tests/test_bench_scripts.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(*args: str, env: dict | None = None) -> list[dict]:
+    """The script's JSON lines (it must exit 0)."""
+    done = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_cpu_throughput_quick_times_both_sides_and_splits_the_steps():
+    rows = [r for r in run_script("bench/cpu_throughput.py", "--quick") if "batch" in r]
+    assert [r["batch"] for r in rows] == [4]
+    row = rows[0]
+    assert row["deepinfer_tok_s"] > 0 and row["transformers_tok_s"] > 0
+    assert row["greedy"]["rows_compared"] == 4
+    steps = row["deepinfer_steps"]
+    assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1  # the timing split still sees steps
+    assert set(steps["decode"]["ms_per_step"]) == {"schedule", "prepare", "forward", "sample", "other"}
+
+
+def test_prefix_cache_quick_reports_every_mode():
+    rows = {r["mode"]: r for r in run_script("bench/prefix_cache.py", "--quick") if "mode" in r}
+    assert set(rows) == {"off", "bounded", "exact"}
+    assert rows["off"]["hit_tokens"] == 0 and rows["bounded"]["hit_tokens"] > 0
+    # the exact replay reproduces the cold run; bounded replay is allowed to differ
+    assert rows["exact"]["token_match"] == 1.0 and rows["exact"]["max_logprob_diff"] == 0.0
+
+
+def test_prefill_tiles_tiny_runs_every_sweep():
+    pytest.importorskip("triton", reason="the sweeps' kernels need triton (its interpreter on the CPU)")
+    pytest.importorskip("deepinfer_nvidia_sm100", reason="the sweeps time the NVIDIA plugin's kernels")
+    rows = [r for r in run_script("bench/prefill_tiles.py", "--tiny") if "kernel" in r]
+    assert not [r for r in rows if "error" in r]
+    counts = {(r["kernel"], r.get("case")): 0 for r in rows}
+    for r in rows:
+        counts[r["kernel"], r.get("case")] += 1
+    assert counts == {("attention", "hca"): 2, ("attention", "csa"): 2, ("hc_post_pre", None): 2,
+                      ("moe_experts", None): 2}
+    assert all(r["ms"] > 0 for r in rows)

@@ -110,7 +110,7 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(data)
             except OSError as err:
-                self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].exitcode}")
+                self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].poll()}")
         return self._collect(timeout_s=self.timeout_s, what="a step")[0]
 
     def _collect(self, timeout_s: float | None, what: str) -> list:

@@ -19,7 +19,7 @@ from itertools import accumulate
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.backends import AttentionMetadata, SamplingSpec
+from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cuda_graphs
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
@@ -155,7 +155,7 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.engine_config.enforce_eager:
             return None
-        if not all(getattr(b, "supports_cuda_graphs", False) for b in self.model.backends()):
+        if not all(supports_cuda_graphs(b) for b in self.model.backends()):
             logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
             return None
         max_len = self.engine_config.max_model_len

@@ -325,3 +325,33 @@ def test_allocate_then_free_restores_pool_with_shared_blocks():
     assert manager.num_free_blocks < before[0]
     manager.free(seq)
     assert snapshot(manager) == before
+
+
+# -- stable keys ------------------------------------------------------------------------------------
+
+
+def test_block_keys_are_content_hashes_equal_in_another_process():
+    import subprocess
+    import sys
+
+    tokens = list(range(100, 100 + BS))
+    root = bm_module.block_key(b"fingerprint", tokens)
+    child = bm_module.block_key(root, [7] * BS)
+    code = ("from deepinfer_core.engine.block_manager import block_key as k; "
+            f"r = k(b'fingerprint', {tokens!r}); print(r.hex(), k(r, [7] * {BS}).hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [root.hex(), child.hex()]  # Python's hash() would differ between processes
+    assert len(root) == 32 and root != bm_module.block_key(b"other model", tokens)
+    assert child != bm_module.block_key(bm_module.block_key(b"fingerprint", tokens[::-1]), [7] * BS)
+
+
+def test_the_cache_fingerprint_roots_every_chain():
+    a = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, cache_fingerprint=b"model-a")
+    b = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, cache_fingerprint=b"model-b")
+    for manager in (a, b):
+        seq = Sequence("s", list(range(1, 2 * BS + 2)), SamplingParams())
+        manager.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_full_blocks(seq)
+    assert set(a._hash_to_block).isdisjoint(b._hash_to_block)  # same tokens, other model: other keys
+    assert a.num_cached_blocks == b.num_cached_blocks == 2

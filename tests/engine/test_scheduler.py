@@ -519,3 +519,49 @@ def test_random_workload_completes_exactly(seed):
     for name, seq in finished.items():
         assert seq.output_token_ids == expected[name]
     assert scheduler.block_manager.num_free_blocks == num_blocks
+
+
+# -- the step plan ----------------------------------------------------------------------------------
+
+
+def test_plan_carries_new_requests_once_then_appended_blocks_and_freed_ids():
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=8, max_num_seqs=2)
+    a, b = make_seq("a", range(1, 7), max_tokens=8), make_seq("b", range(1, 3), max_tokens=8)
+    scheduler.add(a)
+    first = scheduler.schedule()
+    assert [n.request_id for n in first.new_requests] == ["a"]
+    new = first.new_requests[0]
+    assert (new.slot, new.block_ids, new.num_prompt_tokens) == (a.slot, tuple(a.block_table), 6)
+    assert first.requests[0].token_ids == (1, 2, 3, 4, 5, 6) and first.requests[0].is_sampled
+    assert pickle.loads(pickle.dumps(first)) == first  # plain values only: it crosses processes as is
+    scheduler.postprocess(first)
+    assert len(a.block_table) == 2
+    for _ in range(3):  # three uncomputed tokens (as in a recompute): position 8 needs a third block
+        a.append_token(9)
+    second = scheduler.schedule()
+    assert second.new_requests == () and second.requests[0].start == 6
+    assert second.requests[0].new_block_ids == (a.block_table[2],) and second.requests[0].token_ids == (9, 9, 9)
+    scheduler.postprocess(second)
+    scheduler.add(b)
+    scheduler.finish(a, SequenceStatus.FINISHED_STOPPED)
+    third = scheduler.schedule()
+    assert third.freed_request_ids == ("a",) and [n.request_id for n in third.new_requests] == ["b"]
+    assert scheduler.schedule().freed_request_ids == ()  # said once
+
+
+def test_a_preempted_request_comes_back_as_a_new_request_with_its_whole_table():
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=16, max_num_seqs=2)
+    runner = FakeRunner(scheduler)
+    old, new = make_seq("old", range(1, 8), max_tokens=6), make_seq("new", range(1, 8), max_tokens=6)
+    scheduler.add(old)
+    scheduler.add(new)
+    plans, finished = [], {}
+    while scheduler.has_unfinished():
+        plans.append(step(scheduler, runner, finished))
+    assert scheduler.stats.num_preemptions > 0
+    freed = [p for p in plans if p is not None and "new" in p.freed_request_ids and "new" not in
+             {r.request_id for r in p.requests}]
+    assert freed, "the preemption was announced to the runner"
+    readmitted = [n for p in plans if p is not None for n in p.new_requests if n.request_id == "new"]
+    assert len(readmitted) >= 2 and readmitted[-1].block_ids  # readmitted with a fresh full table
+    assert finished["new"].output_token_ids == reference_output(list(range(1, 8)), 6)

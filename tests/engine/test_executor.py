@@ -1,0 +1,157 @@
+"""Executors: worker processes (mp, torchrun) give the in-process outputs; a failing rank is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+from deepinfer_core.engine.executor import MultiprocExecutor, WorkerError
+from deepinfer_core.engine.plan import ScheduledRequest, StepPlan
+from deepinfer_core.testing.checkpoints import write_checkpoint
+from tests.oracle import parity_config, random_state_dict, write_config
+
+CONFIG = parity_config("hca128")
+WEIGHTS = random_state_dict(CONFIG, seed=11)
+LENGTHS, MAX_TOKENS = [3, 118, 124, 126, 129, 200], [6, 14, 12, 10, 3, 6]
+
+
+def make_engine(directory, **options) -> Engine:
+    write_config(directory, CONFIG)
+    options = {"max_num_seqs": 5, "max_num_batched_tokens": 96, "num_kv_blocks": 7, **options}
+    return Engine(EngineConfig(model=str(directory), dtype="float32", **options), weights=WEIGHTS)
+
+
+def prompts(lengths=LENGTHS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
+
+
+def generate(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
+    for i, (prompt, n) in enumerate(zip(prompts(), MAX_TOKENS)):
+        params = SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=n, ignore_eos=True, logprobs=0)
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                completion = out.outputs[0]
+                done[out.request_id] = (completion.token_ids,
+                                        [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)])
+    return done
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    engine = make_engine(tmp_path_factory.mktemp("uni"))
+    return generate(engine), engine.stats()["num_preemptions"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_worker_ranks_give_the_in_process_outputs_bit_for_bit(tmp_path, in_process, world_size):
+    expected, preemptions = in_process
+    assert preemptions > 0, "the pool was meant to force preemption (freed and readmitted requests)"
+    engine = make_engine(tmp_path, distributed_executor_backend="mp", world_size=world_size,
+                         enable_prefix_caching=False)
+    try:
+        assert isinstance(engine.executor, MultiprocExecutor)
+        assert generate(engine) == expected
+        with pytest.raises(AttributeError, match="worker processes"):
+            engine.runner  # noqa: B018 -- the model lives in the workers
+    finally:
+        engine.shutdown()
+    assert all(proc.poll() is not None for proc in engine.executor._procs)
+
+
+@pytest.fixture
+def two_ranks(tmp_path):
+    engine = make_engine(tmp_path, distributed_executor_backend="mp", world_size=2, worker_timeout_s=3)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_rank_that_raises_is_named_with_its_error(two_ranks):
+    bogus = StepPlan((ScheduledRequest("never-admitted", 0, (5,), True),))
+    with pytest.raises(WorkerError, match=r"worker rank \d raised during a step: RuntimeError: .*never-admitted"):
+        two_ranks.executor.execute(bogus)
+    assert all(proc.poll() is not None for proc in two_ranks.executor._procs)  # nothing left running
+
+
+def test_a_rank_that_dies_ends_the_engine_with_its_exit_code(two_ranks):
+    two_ranks.add_request("a", prompts([20])[0], SamplingParams(max_tokens=8))
+    two_ranks.step()
+    os.kill(two_ranks.executor._procs[1].pid, signal.SIGKILL)
+    two_ranks.executor._procs[1].wait(10)
+    with pytest.raises(WorkerError, match=r"worker rank 1 (exited|.*pipe is closed).*-9"):
+        two_ranks.step()
+
+
+def test_a_rank_that_hangs_times_out(two_ranks):
+    two_ranks.add_request("a", prompts([20])[0], SamplingParams(max_tokens=8))
+    os.kill(two_ranks.executor._procs[1].pid, signal.SIGSTOP)
+    with pytest.raises(WorkerError, match=r"sent nothing for 3 s during a step .*silent: \[1\]"):
+        two_ranks.step()
+    assert all(proc.poll() is not None for proc in two_ranks.executor._procs)  # the stopped rank was killed
+
+
+def test_a_start_up_failure_names_the_rank_and_cause(tmp_path):
+    write_config(tmp_path, CONFIG)  # a config but no weights
+    with pytest.raises(WorkerError, match=r"worker rank \d raised during start-up: .*safetensors"):
+        Engine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=4,
+                            distributed_executor_backend="mp", world_size=2))
+
+
+def test_world_size_needs_the_mp_executor(tmp_path):
+    with pytest.raises(ValueError, match="distributed_executor_backend='mp'"):
+        make_engine(tmp_path, world_size=2)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+import torch
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+
+engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", max_num_seqs=2, num_kv_blocks=8,
+                             distributed_executor_backend="mp"))
+# only rank 0 gets here: the other ranks serve plans inside Engine(...) and exit when it shuts down
+for i, prompt in enumerate(json.loads(sys.argv[2])):
+    engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+done = {}
+while engine.has_unfinished_requests():
+    done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+print("TOKENS " + json.dumps(done), flush=True)
+"""
+
+
+def test_torchrun_ranks_serve_rank_zeros_engine(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "model", CONFIG, WEIGHTS)
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    batch = prompts([9, 40])
+    expected = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=2, num_kv_blocks=8))
+    for i, prompt in enumerate(batch):
+        expected.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    want = {}
+    while expected.has_unfinished_requests():
+        want.update({o.request_id: o.outputs[0].token_ids for o in expected.step() if o.finished})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         str(model_dir), json.dumps(batch)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, proc.stdout  # rank 0 alone returned from Engine(...)
+    assert json.loads(lines[0].removeprefix("TOKENS ")) == want

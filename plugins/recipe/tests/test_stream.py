@@ -149,3 +149,45 @@ def test_one_output_ending_mid_character_is_not_lost(encoding, v4_tokenizer) -> 
     assert response["usage"]["completion_tokens"] == len(generated)
     # Every whole answer token keeps its logprob; the flushed partial one has none to show.
     assert [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]] == ["Once", " upon", " a", " time"]
+
+
+# Seven ids whose text encodes again as nine: recipe's own count (re-encoding the reasoning) said 9 of 7.
+REENCODES_LONGER = [66150, 18254, 36941, 18316, 99064, 12429, 81050]
+
+
+def usage_of(stream, frames: list[str]) -> dict:
+    if frames and frames[0].startswith(("data: {", "event: ")):
+        body = next(f for f in reversed(frames) if '"usage":{' in f)
+        data = json.loads(body.split("data: ", 1)[1])
+        return data.get("usage") or data["response"]["usage"]
+    return json.loads(stream.response_json())["usage"]
+
+
+@pytest.mark.parametrize(("api", "stream"), [("chat", False), ("chat", True), ("responses", False), ("responses", True)])
+def test_reasoning_tokens_are_the_generated_ids_before_thinking_ends(encoding, api, stream) -> None:
+    body = ({"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}]} if api == "chat"
+            else {"model": "tiny-v4", "input": "x"})
+    if stream:
+        body |= {"stream": True} | ({"stream_options": {"include_usage": True}} if api == "chat" else {})
+    frames, stream_ = run(encoding, api, body, REENCODES_LONGER, finish_reason="length")
+    usage = usage_of(stream_, frames)
+    details = usage.get("completion_tokens_details") or usage["output_tokens_details"]
+    total = usage.get("completion_tokens", usage.get("output_tokens"))
+    assert total == len(REENCODES_LONGER) and details["reasoning_tokens"] == len(REENCODES_LONGER)
+
+
+def test_reasoning_tokens_stop_at_the_close_tag_and_skip_eos(encoding, v4_tokenizer) -> None:
+    thought = v4_tokenizer.encode("Let me see, 🙂 ok")
+    generated = thought + v4_tokenizer.encode("</think>The answer is 42.") + [EOS]
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}]}
+    _, stream = run(encoding, "chat", body, generated)
+    usage = json.loads(stream.response_json())["usage"]
+    assert usage["completion_tokens"] == len(generated)
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == len(thought)
+
+
+def test_no_reasoning_tokens_without_thinking(encoding) -> None:
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled"}}
+    _, stream = run(encoding, "chat", body, REENCODES_LONGER, finish_reason="length")
+    usage = json.loads(stream.response_json())["usage"]
+    assert usage["completion_tokens"] == 7 and usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0) == 0

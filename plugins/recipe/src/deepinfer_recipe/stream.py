@@ -8,10 +8,15 @@ Ids whose bytes end in the middle of a UTF-8 character are held back until a lat
 Recipe's processor drops a tokens chunk it cannot decode when the stream ends, so a tail still
 incomplete at the end is flushed as a text chunk (lossy, U+FFFD for the partial character, as
 DeepSeek's API shows it) that counts its tokens: no text and no token is lost from the usage.
+
+Recipe counts reasoning tokens by encoding the reasoning text again, which can give more tokens than
+were generated (reasoning_tokens 10 of completion_tokens 8). The stream counts them itself, as the
+generated ids before thinking ends, and writes that count into the usage it reports.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +35,10 @@ PROTOCOLS: dict[str, tuple[Any, Any]] = {
 
 REPLACEMENT_CHARACTER = "\ufffd"
 MAX_INCOMPLETE_IDS = 3
+REASONING_END_TOKENS = ("</think>", "｜DSML｜")
+"""Tokens that end thinking: its close tag, or the marker of a tool call made while thinking."""
+USAGE_DETAILS = {"completion_tokens_details": "completion_tokens", "output_tokens_details": "output_tokens"}
+"""Where each API's usage holds `reasoning_tokens`, and the total it is part of."""
 
 FINISH_REASONS = {
     "stop": dr.InferenceFinishReason.Stop,
@@ -87,6 +96,7 @@ class RecipeOutputStream:
         # Generated ids (stop ids removed) whose text ends mid-character, not yet given to the processor.
         self._held_ids: list[int] = []
         self._held_pairs: list[tuple[float, list[tuple[int, float]]]] = []
+        self._reasoning = ReasoningCount(tokenizer, state.conversation_request.parsing_options)
         self._is_ready = False
         self._is_closed = False
         self._response = None
@@ -130,7 +140,7 @@ class RecipeOutputStream:
         """The accumulated response body (non-streaming requests only)."""
         if self._response is None:
             raise RuntimeError("response_json() is only available for non-streaming requests")
-        return self._response.to_json()
+        return self._reasoning.into_usage(self._response.to_json())
 
     def close(self) -> None:
         """Release the parser without a successful completion."""
@@ -143,6 +153,7 @@ class RecipeOutputStream:
         new_logprobs = logprobs[self._num_seen:len(token_ids)] if logprobs and self._prepared.logprobs is not None else None
         self._num_seen = len(token_ids)
         keep = [i for i, token_id in enumerate(new_ids) if token_id not in self._stop_token_ids]
+        self._reasoning.add(new_ids[i] for i in keep)
         events = []
         if keep:
             ids = self._held_ids + [new_ids[i] for i in keep]
@@ -185,4 +196,49 @@ class RecipeOutputStream:
                 self._response.accumulate(event)
             return []
         name_of = self._response_cls.sse_event_name
-        return [sse_frame(name_of(event), event.to_json()) for event in events]
+        return [sse_frame(name_of(event), self._reasoning.into_usage(event.to_json())) for event in events]
+
+
+class ReasoningCount:
+    """The generated ids before thinking ends (stop ids excluded): the response's reasoning tokens.
+
+    :param tokenizer: names the ids that end thinking.
+    :param options: recipe's parsing options; a response that does not start in thinking has none.
+    """
+
+    def __init__(self, tokenizer: DeepseekTokenizer, options: dr.ParsingOptions) -> None:
+        stage = options.thinking_initial_stage
+        self.is_thinking = stage is not None and stage.starts_in_reasoning() and not options.starts_in_tool_calls
+        self.end_ids = {tokenizer.token_to_id(token) for token in REASONING_END_TOKENS} - {None}
+        self.count = 0
+
+    def add(self, token_ids) -> None:
+        """Count the next generated ids."""
+        for token_id in token_ids:
+            if not self.is_thinking:
+                return
+            if token_id in self.end_ids:
+                self.is_thinking = False
+                return
+            self.count += 1
+
+    def into_usage(self, body: str) -> str:
+        """`body` (one event or response, JSON) with every `reasoning_tokens` replaced by the count,
+        never above the total it is part of."""
+        if '"reasoning_tokens"' not in body:
+            return body
+        data = json.loads(body)
+        self._set(data)
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+    def _set(self, node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                self._set(item)
+        elif isinstance(node, dict):
+            for details_key, total_key in USAGE_DETAILS.items():
+                details = node.get(details_key)
+                if isinstance(details, dict) and "reasoning_tokens" in details:
+                    details["reasoning_tokens"] = min(self.count, int(node.get(total_key) or 0))
+            for value in node.values():
+                self._set(value)

@@ -78,3 +78,22 @@ def test_invalid_conversation_names_its_index(llm: LLM) -> None:
     with pytest.raises(ChatRequestError, match="conversation 1"):
         llm.chat([good, bad])
     assert not llm.engine.has_unfinished_requests()  # nothing was queued
+
+
+def test_an_answer_ending_mid_character_is_kept_and_counted(llm: LLM) -> None:
+    """Issue 14 item 1: the last id (25249) ends mid-character; the answer was lost, with 0 tokens."""
+    [answer] = llm.chat([{"role": "user", "content": "Tell me a story."}], SamplingParams(max_tokens=32, seed=6))
+    ids = answer.output.outputs[0].token_ids
+    assert llm.get_tokenizer().decode(ids).endswith("\ufffd")  # the case: ends in a partial character
+    assert answer.reasoning_content and answer.reasoning_content.endswith("\ufffd")  # flushed, replaced
+    assert answer.usage["completion_tokens"] == len(ids) == 32
+
+
+def test_reasoning_tokens_never_exceed_completion_tokens(llm: LLM) -> None:
+    """Issue 14 item 2: re-encoding this reasoning text gives 11 tokens of the 8 generated."""
+    [answer] = llm.chat([{"role": "user", "content": "Tell me a story."}], SamplingParams(max_tokens=8, seed=4))
+    ids = answer.output.outputs[0].token_ids
+    assert len(llm.get_tokenizer().encode(answer.reasoning_content)) > len(ids)  # the case that overcounted
+    usage = answer.usage
+    assert usage["completion_tokens"] == len(ids) == 8
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 8  # all thinking: no </think> yet

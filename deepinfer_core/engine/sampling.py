@@ -1,5 +1,6 @@
-"""Per-step sampling helpers: build the sampler's tensors, decide when a completion stops, and turn
-sampler output into `Logprob` entries.
+"""Per-step sampling helpers: check a request's parameters against the model, build the sampler's
+tensors, decide when a completion stops, turn sampler output into `Logprob` entries, and finish a
+completion's text.
 
 Seeds and token indices are the engine's: row `i` draws its token number `num_generated[i]` (0 for
 the first generated token) under `seeds[i]`. The engine picks a random seed for a request without

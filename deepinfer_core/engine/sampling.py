@@ -68,10 +68,16 @@ def check_sampling_params(
         if banned.issuperset(params.allowed_token_ids):
             raise ValueError("every allowed_token_ids entry is an EOS or stop id, banned until min_tokens; "
                              "allow other ids or lower min_tokens")
-    if not token_history:
-        needs = [name for name in _history_fields(params) if name]
-        if needs:
-            raise NotImplementedError(f"{', '.join(needs)}: the engine does not pass generated ids to the sampler yet")
+    if not token_history and needs_token_history(params):
+        needs = ", ".join(name for name in _history_fields(params) if name)
+        raise NotImplementedError(f"{needs}: the engine does not pass generated ids to the sampler yet")
+
+
+def needs_token_history(params: SamplingParams) -> bool:
+    """Whether the sampler needs the request's generated ids (penalties, bad words of several tokens):
+    the runner passes them to `prepare_sampling_tensors`, and overlapped decode must not leave the
+    last one on the device only. Call after `check_sampling_params` (it resolves `bad_words`)."""
+    return any(_history_fields(params))
 
 
 def _history_fields(params: SamplingParams) -> list[str]:

@@ -12,6 +12,7 @@ from deepinfer_core.engine.sampling import (
     build_logprobs_entry,
     check_sampling_params,
     check_stop,
+    needs_token_history,
     prepare_sampling_tensors,
 )
 from deepinfer_core.outputs import Logprob
@@ -248,4 +249,9 @@ def test_bad_words_need_a_tokenizer():
 def test_fields_that_need_generated_ids_say_so_until_the_runner_passes_them(kwargs):
     with pytest.raises(NotImplementedError, match=next(iter(kwargs)).split("_")[0]):
         check_sampling_params(SamplingParams(**kwargs), VOCAB, WordTokenizer(), EOS)
-    check_sampling_params(SamplingParams(**kwargs), VOCAB, WordTokenizer(), EOS, token_history=True)
+    params = SamplingParams(**kwargs)
+    check_sampling_params(params, VOCAB, WordTokenizer(), EOS, token_history=True)
+    assert needs_token_history(params)
+    single_word = SamplingParams(bad_words=["h"], logit_bias={1: 2.0}, allowed_token_ids=[1, 2])
+    check_sampling_params(single_word, VOCAB, WordTokenizer(), EOS)
+    assert not needs_token_history(single_word)

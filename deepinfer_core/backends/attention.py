@@ -23,6 +23,11 @@ import torch
 
 from deepinfer_core.backends.graphs import GraphCapturable
 
+BLOCK_SIZE = 128
+"""Positions per paged cache block: a multiple of every compress rate (CSA 4, HCA 128), so a block holds
+whole compressed entries of every layer. The scheduler, block manager, cache, runner and backends all
+read this one value."""
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -52,8 +57,8 @@ class AttentionSpec:
 
     @property
     def entries_per_block(self) -> int:
-        """Compressed entries per 128-token cache block (0 for sliding-only layers)."""
-        return 128 // self.compress_rate if self.compress_rate else 0
+        """Compressed entries per `BLOCK_SIZE`-token cache block (0 for sliding-only layers)."""
+        return BLOCK_SIZE // self.compress_rate if self.compress_rate else 0
 
 
 @dataclass

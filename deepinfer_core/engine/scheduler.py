@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
+from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.engine.block_manager import SWA_REPLAY_MODES, BlockManager
 from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
@@ -37,7 +38,7 @@ class SchedulerConfig:
     """Token budget of one step; must be >= max_num_seqs so every running sequence can decode."""
     max_model_len: int
     """Longest prompt accepted, in tokens (the engine stops generation at this length)."""
-    block_size: int = 128
+    block_size: int = BLOCK_SIZE
     """Positions per cache block; must equal the block manager's."""
     sliding_window: int = 128
     """Window of the sliding-window attention; bounded replay recomputes this many tokens."""

@@ -135,7 +135,7 @@ class TorchrunExecutor:
         statuses = [None] * self.world_size
         try:
             dist.gather_object(error, statuses, dst=0)
-        except Exception as err:  # noqa: BLE001 -- a dead or hung rank
+        except Exception as err:
             raise WorkerError(f"a worker rank did not answer a step: {err}") from err
         for rank, status in enumerate(statuses):
             if status is not None:

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec
+from deepinfer_core.backends.attention import BLOCK_SIZE
 
-BLOCK_SIZE = 128
-"""Positions per paged cache block: a multiple of every compress rate (CSA 4, HCA 128), so a block holds
-whole compressed entries of every layer. The scheduler, block manager, cache and runner all read this."""
+__all__ = ["BLOCK_SIZE", "LayerPlan", "build_layer_plan", "layer_ops_spec"]
 
 ATTENTION_KINDS = {
     "sliding_attention": "sliding",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backends.attention import AttentionMetadata
+from deepinfer_core.backends.attention import BLOCK_SIZE, AttentionMetadata
 from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOpsSpec
 
 
@@ -136,7 +136,7 @@ class ReferenceLayerOps:
         entry = entry.clamp(min=0)
         freqs = (entry * rate).to(torch.float32)[:, None] * w.inv_freq
         closed = apply_rotary(closed, freqs.cos() * w.rope_scaling, freqs.sin() * w.rope_scaling)
-        epb = 128 // rate
+        epb = BLOCK_SIZE // rate
         target = metadata.block_tables[seq, entry // epb] * epb + entry % epb
         entries[torch.where(keep, target, entries.shape[0] - 1)] = closed.to(entries.dtype)
 

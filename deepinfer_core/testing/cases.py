@@ -22,9 +22,7 @@ from deepinfer_core.backends import (
     SamplingSpec,
     SamplingTensors,
 )
-
-BLOCK_SIZE = 128
-"""Tokens per cache block (see `AttentionSpec.entries_per_block`)."""
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
 
 
 @dataclass

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOps
+from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.testing.cases import round_to
 from deepinfer_core.testing.compare import assert_close, tolerances
 
@@ -83,8 +84,8 @@ def check_norm_and_rope(backend: LayerOps, reference: LayerOps, device: torch.de
 def _compress_step(rate: int, overlap: bool, width: int, query_lens: list[int], starts: list[int],
                    no_write: list[int], dtype: torch.dtype, gen: torch.Generator):
     proj, ring = (2 if overlap else 1) * width, (2 if overlap else 1) * rate
-    epb, num_seqs = 128 // rate, len(query_lens)
-    blocks = [-(-(s + n) // 128) for s, n in zip(starts, query_lens)]
+    epb, num_seqs = BLOCK_SIZE // rate, len(query_lens)
+    blocks = [-(-(s + n) // BLOCK_SIZE) for s, n in zip(starts, query_lens)]
     ids = torch.randperm(sum(blocks) + 1, generator=gen)
     tables = torch.full((num_seqs, max(blocks)), -1, dtype=torch.long)
     for i, count in enumerate(blocks):

@@ -7,7 +7,14 @@ import torch
 from deepinfer_core.engine.cuda_graph import NO_WRITE, DecodeGraphs, SlotBlockTables, batch_ladder
 from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.runner import CarriedTokens
-from tests.oracle import FakeSeq, all_position_logprobs, make_runner, parity_config, random_state_dict, step_plan
+from tests.oracle import (
+    FakeSeq,
+    all_position_logprobs,
+    make_runner,
+    parity_config,
+    random_state_dict,
+    step_plan,
+)
 
 CONFIG = parity_config("sliding_csa_hca")
 WEIGHTS = random_state_dict(CONFIG, seed=5)

@@ -149,7 +149,7 @@ def test_torchrun_ranks_serve_rank_zeros_engine(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
          str(model_dir), json.dumps(batch)],
-        capture_output=True, text=True, timeout=240, env=env,
+        check=False, capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]

@@ -81,7 +81,8 @@ class LLM:
         engine = self.engine
         for (text, ids), p in zip(requests, params):  # validate everything before any work starts
             engine.validate_prompt(ids)
-            check_sampling_params(p, engine.model_config.vocab_size, engine.tokenizer, engine.eos_token_ids)
+            check_sampling_params(p, engine.model_config.vocab_size, engine.tokenizer, engine.eos_token_ids,
+                                  token_history=True)
         ids_in_order = []
         for (text, ids), p in zip(requests, params):
             request_id = str(self._counter)

@@ -197,14 +197,13 @@ def test_include_stop_str_in_output(embedded):
     [
         ({"stop_token_ids": [129280], "min_tokens": 1}, ValueError, "outside the vocabulary"),
         ({"logit_bias": {10**6: 1.0}}, ValueError, "logit_bias has ids"),
-        ({"presence_penalty": 0.5}, NotImplementedError, "presence_penalty"),
-        ({"repetition_penalty": 1.2}, NotImplementedError, "repetition_penalty"),
     ],
 )
 def test_parameters_the_model_cannot_serve_fail_before_any_work(embedded, params, error, message):
     with pytest.raises(error, match=message):
         embedded.generate(["Hello", "world"], SamplingParams(**params), use_tqdm=False)
     assert not embedded.engine.has_unfinished_requests() and embedded.engine.scheduler.num_waiting == 0
+
 
 
 def test_n_is_bounded_with_the_bound_in_the_error():

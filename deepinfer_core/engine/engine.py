@@ -30,7 +30,7 @@ from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.executor import make_executor
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.engine.plan import PENDING_TOKEN
-from deepinfer_core.engine.sampling import build_logprobs_entry, check_stop
+from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
 from deepinfer_core.models import registry
@@ -154,6 +154,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
         params = sampling_params
+        check_sampling_params(params, self.model_config.vocab_size, self.tokenizer, self.eos_token_ids,
+                              token_history=True)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer (none found); use stop_token_ids")
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)

@@ -38,6 +38,10 @@ class NewRequest:
     sampling_params: SamplingParams
     seed: int
     """The sequence's sampling seed in [0, 2**64)."""
+    token_ids: tuple[int, ...] = ()
+    """Every token so far (prompt, then generated), only for a request whose sampling reads its history
+    (penalties, bad words of several tokens: `needs_token_history`); the runner then extends it from
+    each step's `token_ids`. Empty otherwise."""
 
 
 @dataclass(frozen=True)

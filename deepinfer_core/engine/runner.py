@@ -50,6 +50,8 @@ class RequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     seed: int
+    token_ids: list[int] | None = None
+    """Prompt and generated ids, kept only for requests whose sampling reads them (penalties)."""
 
 
 @dataclass
@@ -172,7 +174,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(new.slot, list(new.block_ids), new.num_prompt_tokens,
-                                                         new.sampling_params, new.seed)
+                                                         new.sampling_params, new.seed,
+                                                         list(new.token_ids) if new.token_ids else None)
         states = []
         for request in plan.requests:
             state = self.requests.get(request.request_id)
@@ -180,6 +183,8 @@ class ModelRunner:
                 raise RuntimeError(f"plan schedules {request.request_id!r}, which the runner holds no state for")
             if request.new_block_ids:
                 state.block_table.extend(request.new_block_ids)
+            if state.token_ids is not None and request.end > len(state.token_ids):
+                state.token_ids.extend(request.token_ids[len(state.token_ids) - request.start :])
             states.append(state)
         return states
 
@@ -204,10 +209,14 @@ class ModelRunner:
         if not sampled:
             return None
         rows = [states[i] for i in sampled]
+        history = {}
+        if any(s.token_ids is not None for s in rows):  # penalties read the ids (never pending: no overlap)
+            history = {"output_token_ids": [s.token_ids[s.num_prompt_tokens :] if s.token_ids else [] for s in rows],
+                       "prompt_token_ids": [s.token_ids[: s.num_prompt_tokens] if s.token_ids else [] for s in rows]}
         return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows],
             [plan.requests[i].end - states[i].num_prompt_tokens for i in sampled],
-            self.config.eos_token_ids, self.device, self.config.vocab_size,
+            self.config.eos_token_ids, self.device, self.config.vocab_size, **history,
         )
 
     def _sample(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, tensors,

@@ -212,8 +212,9 @@ class Scheduler:
             start, table = seq.num_computed_tokens, seq.block_table
             if seq.request_id not in self._planned:
                 self._planned.add(seq.request_id)
+                history = tuple(seq.token_ids) if seq.needs_token_history else ()
                 new_requests.append(NewRequest(seq.request_id, seq.slot, tuple(table), seq.num_prompt_tokens,
-                                               seq.sampling_params, seq.seed))
+                                               seq.sampling_params, seq.seed, history))
                 new_blocks = ()
             else:
                 new_blocks = tuple(table[seq.num_planned_blocks :])

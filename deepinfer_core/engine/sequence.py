@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from deepinfer_core.engine.plan import PENDING_TOKEN
+from deepinfer_core.engine.sampling import needs_token_history
 
 if TYPE_CHECKING:
     from deepinfer_core.sampling_params import SamplingParams
@@ -76,6 +77,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.needs_token_history = needs_token_history(sampling_params)
+        """Its sampling reads its own ids (penalties): the runner is sent them, and it never overlaps."""
         if seed is None:
             seed = getattr(sampling_params, "seed", None)
         self.seed = seed if seed is not None else secrets.randbits(_SEED_BITS)

@@ -1,63 +1,115 @@
-"""Ascend 950 hooks: the platform and device detection; every backend factory declines for now.
+"""Hook implementations of the Ascend 950 plugin.
 
-Until Ascend kernels exist, the reference plugin serves every backend on the NPU.
+Every factory first checks the device (an NPU, torch_npu importable, SoC 950), then the ops it needs
+and the spec against their documented constraints; whatever does not fit declines with the reason, so
+the reference backends serve that family in PyTorch on the NPU (that is each family's fallback, and
+`deepinfer plugins` shows why). torch_npu and cann_ops_transformer are imported only here, lazily,
+once an NPU is asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_ascend950.constraints import AscendConstraintError
+from deepinfer_ascend950.platform import cann_problem, load_cann_ops, load_torch_npu, npu_problem
 from deepinfer_core.hookspecs import hookimpl
 
-NOT_IMPLEMENTED = "Ascend kernels are not implemented yet; the reference serves this"
+if TYPE_CHECKING:
+    from deepinfer_core.backends import (
+        AttentionBackend,
+        AttentionSpec,
+        EplbSpec,
+        LayerOps,
+        LayerOpsSpec,
+        MoEBackend,
+        MoESpec,
+        SamplingBackend,
+        SamplingSpec,
+        VerifySpec,
+    )
+
+PLATFORM = "ascend"
+NO_NPU_KERNEL = "no NPU-specific kernel: the reference's PyTorch serves it on the NPU"
 
 
 @hookimpl
 def platforms() -> list[str]:
-    return ["ascend"]
+    return [PLATFORM]
 
 
 @hookimpl
 def detect_device(decline: Callable[[str], None]) -> torch.device | None:
-    try:
-        import torch_npu
-    except ImportError as err:
-        decline(f"torch_npu is not installed ({err})")
-        return None
-    if not torch_npu.npu.is_available():
-        decline("torch_npu found no NPU on this machine")
+    problem = npu_problem()
+    if problem is not None:
+        decline(problem)
         return None
     return torch.device("npu")
 
 
-@hookimpl
-def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]) -> None:
-    decline(NOT_IMPLEMENTED)
+def _build(decline: Callable[[str], None], build: Callable[[], object], fallback: str) -> object | None:
+    """`build()`, or None after declining with the violated constraint and what serves instead."""
+    try:
+        return build()
+    except AscendConstraintError as err:
+        decline(f"{err}; {fallback}")
+        return None
 
 
 @hookimpl
-def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> None:
-    decline(NOT_IMPLEMENTED)
+def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]) -> AttentionBackend | None:
+    problem = npu_problem(device) or cann_problem()
+    if problem is not None:
+        decline(f"{problem}; attention falls back to the reference (PyTorch on the device)")
+        return None
+    from deepinfer_ascend950.attention import AscendAttention
+
+    return _build(decline, lambda: AscendAttention(spec, device, load_cann_ops()),
+                  "attention falls back to the reference (PyTorch on the NPU)")
 
 
 @hookimpl
-def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> None:
-    decline(NOT_IMPLEMENTED)
+def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
+    problem = npu_problem(device)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_ascend950.moe import AscendMoE
+
+    return _build(decline, lambda: AscendMoE(spec, device, load_torch_npu()),
+                  "MoE falls back to the reference (PyTorch on the NPU)")
+
+
+@hookimpl
+def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
+    problem = npu_problem(device)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_ascend950.layer_ops import AscendLayerOps
+
+    return AscendLayerOps(spec, load_torch_npu())
+
+
+@hookimpl
+def make_sampler(spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]) -> SamplingBackend | None:
+    problem = npu_problem(device)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_ascend950.sampling import AscendSampler
+
+    return AscendSampler(spec, device)
 
 
 @hookimpl
 def make_eplb(spec: EplbSpec, device: torch.device, decline: Callable[[str], None]) -> None:
-    decline(NOT_IMPLEMENTED)
-
-
-@hookimpl
-def make_sampler(spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]) -> None:
-    decline(NOT_IMPLEMENTED)
+    decline(NO_NPU_KERNEL)  # placement is a small host-side computation; no NPU op helps
 
 
 @hookimpl
 def make_verifier(spec: VerifySpec, device: torch.device, decline: Callable[[str], None]) -> None:
-    decline(NOT_IMPLEMENTED)
+    decline(NO_NPU_KERNEL)

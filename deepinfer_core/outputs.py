@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
-"""Why a completion ended: a stop token or EOS, `max_tokens` or a full context, or an abort."""
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a completion ended: a stop token or EOS, `max_tokens` or a full context, an abort, or an error
+(the model's logits for its next token were not finite: no token is made up)."""
 
 
 @dataclass

@@ -29,7 +29,7 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.executor import make_executor
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
-from deepinfer_core.engine.plan import PENDING_TOKEN
+from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
@@ -55,6 +55,7 @@ _FINISH_REASON = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -266,6 +267,12 @@ class Engine:
         for row, (seq, token) in enumerate(zip(seqs, output.token_ids.tolist())):  # one device read
             if seq.is_finished:
                 continue  # stopped (by the step settled before this one) or aborted: the token is dropped
+            if token == NONFINITE_TOKEN:  # a pending placeholder stays: outputs never show it
+                logger.error("request %s: the model's logits are not finite; it ends with finish_reason "
+                             "'error'", seq.request_id)
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+                touched[owner[seq.request_id].request.request_id] = owner[seq.request_id].request
+                continue
             if pending:
                 seq.resolve_pending(token)
             else:

@@ -18,6 +18,10 @@ from typing import Any
 
 from deepinfer_core.sampling_params import SamplingParams
 
+NONFINITE_TOKEN = -2
+"""Stands, in a step result, for the token of a row whose logits were not finite: the engine ends that
+request with finish reason "error" instead of appending a made-up token."""
+
 PENDING_TOKEN = -1
 """Stands for a token the previous step sampled that the host has not read yet (overlapped decode):
 the engine appends it to the sequence, the plan carries it as an input id, and the runner that sampled

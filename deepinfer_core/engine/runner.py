@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -23,7 +23,7 @@ from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cu
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
-from deepinfer_core.engine.plan import PENDING_TOKEN, StepPlan, StepResult
+from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.models import registry
 from deepinfer_core.models.interface import (
@@ -225,7 +225,9 @@ class ModelRunner:
             return StepResult([], None, prompt_logits)
         output = self.sampler.sample(logits, tensors)
         self._carried = CarriedTokens(output.token_ids, [plan.requests[i].request_id for i in sampled])
-        return StepResult(sampled, output, prompt_logits)
+        # a row with NaN or infinite logits gets no made-up token (the carried copy stays a valid id)
+        token_ids = torch.where(logits.isfinite().all(dim=-1), output.token_ids, NONFINITE_TOKEN)
+        return StepResult(sampled, replace(output, token_ids=token_ids), prompt_logits)
 
     def _is_graph_step(self, plan: StepPlan) -> bool:
         return self.graphs is not None and self.graphs.can_run(len(plan.requests)) and plan.is_all_decodes

@@ -35,6 +35,8 @@ class SequenceStatus(enum.Enum):
     """Ended by `max_tokens`, `max_model_len`, or a cache too small to ever hold it."""
     FINISHED_ABORTED = "aborted"
     """Cancelled by the caller."""
+    FINISHED_ERROR = "error"
+    """Ended because the model's logits for its next token were not finite (NaN or infinite)."""
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,46 @@
+"""A row whose logits are not finite ends its request with finish_reason "error", never a made-up token;
+the other requests of the batch go on unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+from tests.engine.test_engine import CONFIG, WEIGHTS
+from tests.oracle import write_config
+
+POISON = 7  # its embedding row is infinite: any request that reads it gets NaN logits
+
+
+def engine_with(tmp_path, weights, **options) -> Engine:
+    write_config(tmp_path, CONFIG)
+    return Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4, num_kv_blocks=8, **options),
+                  weights=weights)
+
+
+def run(engine, prompts):
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    return done
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_nonfinite_logits_end_that_request_alone_with_an_error(tmp_path, async_scheduling):
+    generator = torch.Generator().manual_seed(3)
+    clean = [torch.randint(POISON + 1, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in (20, 9)]
+    poisoned = dict(WEIGHTS)
+    poisoned["model.embed_tokens.weight"] = WEIGHTS["model.embed_tokens.weight"].clone()
+    poisoned["model.embed_tokens.weight"][POISON] = float("inf")
+    mid_answer = clean[0][:5] + [POISON]  # poisoned from its first token on
+    done = run(engine_with(tmp_path, poisoned, async_scheduling=async_scheduling), [mid_answer, *clean])
+    assert done["0"].finish_reason == "error" and done["0"].token_ids == [] and done["0"].logprobs == []
+    reference = run(engine_with(tmp_path, WEIGHTS), clean)
+    for i in (1, 2):
+        assert done[str(i)].finish_reason == "length"
+        assert done[str(i)].token_ids == reference[str(i - 1)].token_ids

@@ -17,6 +17,7 @@ from deepinfer_ascend950 import platform
 _spec = importlib.util.spec_from_file_location("ascend950_npu_doubles", Path(__file__).with_name("npu_doubles.py"))
 npu_doubles = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(npu_doubles)
+npu_doubles.register_npu_device_name()  # so that tests (and the hooks) can name torch.device("npu")
 
 
 @pytest.fixture(autouse=True)

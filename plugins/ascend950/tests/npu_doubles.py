@@ -222,6 +222,15 @@ def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
     return x * r1 + rotated * r2
 
 
+def register_npu_device_name() -> None:
+    """Let `torch.device("npu")` parse, as importing torch_npu does (it renames torch's privateuse1
+    backend); nothing is registered to run on it. Once per process."""
+    try:
+        torch.device("npu")
+    except RuntimeError:
+        torch.utils.rename_privateuse1_backend("npu")
+
+
 def torch_npu_module(soc_version: int = 260, is_available: bool = True) -> types.ModuleType:
     """A stand-in `torch_npu` exposing the ops above and the `npu` namespace the plugin reads."""
     module = types.ModuleType("torch_npu")

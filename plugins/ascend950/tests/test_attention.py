@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from deepinfer_ascend950.attention import AscendAttention, plan_window, prepare_compressed, prepare_window_kv
+from deepinfer_ascend950.check import check_attention_on_op_path, without_block_zero
 from deepinfer_ascend950.constraints import AscendConstraintError
 
 from deepinfer_core.backends import AttentionSpec
@@ -24,20 +25,6 @@ SPECS = {  # head_dim 512 and 128-token windows, as the op and V4 take; few head
 }
 
 
-def without_block_zero(case, spec):
-    """`case` with every block id shifted up by one over a pool grown by one leading block, so no table
-    holds block 0 (what the engine will give once it reserves block 0)."""
-    meta = case.metadata
-    tables = torch.where(meta.block_tables >= 0, meta.block_tables + 1, -1)
-    moved = dataclasses.replace(case, metadata=dataclasses.replace(meta, block_tables=tables))
-    for name in ("compressed", "index_keys"):
-        pool = getattr(case, name)
-        if pool is not None:
-            epb = spec.entries_per_block
-            setattr(moved, name, torch.cat((torch.full((epb, pool.shape[1]), float("nan")), pool)))
-    return moved
-
-
 @pytest.mark.parametrize("name", list(SPECS))
 def test_conformance_over_the_op_doubles(doubles, name):
     """The suite as it stands: its random block tables often hold block 0, which takes the fallback."""
@@ -52,18 +39,9 @@ def test_conformance_over_the_op_doubles(doubles, name):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_every_scenario_on_the_op_path(doubles, name, dtype):
     """The suite's scenarios with positive block ids only: every call goes through sparse_flash_mla."""
-    spec = dataclasses.replace(SPECS[name], dtype=dtype)
-    backend = AscendAttention(spec, CPU, doubles.cann_ops_module())
-    reference = ReferenceAttention(dataclasses.replace(spec, dtype=torch.float32), CPU)
-    for scenario, (lens, starts) in conformance.attention_scenarios(spec).items():
-        case = without_block_zero(random_attention_case(spec, lens, starts, seed=5), spec)
-        c, r = case.to(CPU, dtype), conformance._rounded_case(case, dtype)
-        got = backend.forward(c.q, c.kv, c.window, c.compressed, c.sinks, c.metadata, c.topk_indices, c.num_entries)
-        want = reference.forward(r.q, r.kv, r.window, r.compressed, r.sinks, r.metadata, r.topk_indices,
-                                 r.num_entries)
-        assert_close(got, want, *tolerances(dtype), f"{name} {scenario}")
-    assert backend.path_counts == {"sparse_flash_mla": len(conformance.attention_scenarios(spec)),
-                                   "fallback (block id 0 or static shapes)": 0}
+    backend = AscendAttention(dataclasses.replace(SPECS[name], dtype=dtype), CPU, doubles.cann_ops_module())
+    check_attention_on_op_path(backend, CPU)
+    assert backend.path_counts["fallback (block id 0 or static shapes)"] == 0
 
 
 def test_block_zero_and_static_shapes_take_the_fallback(doubles):
@@ -85,14 +63,7 @@ def test_block_zero_and_static_shapes_take_the_fallback(doubles):
 def test_float16_and_a_short_window(doubles):
     spec = AttentionSpec(num_heads=2, head_dim=512, sliding_window=16, compress_rate=4, index_n_heads=2,
                          index_head_dim=32, index_topk=8, dtype=torch.float16)
-    backend = AscendAttention(spec, CPU, doubles.cann_ops_module())
-    for scenario, (lens, starts) in conformance.attention_scenarios(spec).items():
-        case = without_block_zero(random_attention_case(spec, lens, starts, seed=1), spec)
-        c, r = case.to(CPU, torch.float16), conformance._rounded_case(case, torch.float16)
-        got = backend.forward(c.q, c.kv, c.window, c.compressed, c.sinks, c.metadata, c.topk_indices, c.num_entries)
-        want = ReferenceAttention(dataclasses.replace(spec, dtype=torch.float32), CPU).forward(
-            r.q, r.kv, r.window, r.compressed, r.sinks, r.metadata, r.topk_indices, r.num_entries)
-        assert_close(got, want, *tolerances(torch.float16), f"short window {scenario}")
+    check_attention_on_op_path(AscendAttention(spec, CPU, doubles.cann_ops_module()), CPU, seed=1)
 
 
 def test_window_replay_starts_hide_older_keys(doubles):

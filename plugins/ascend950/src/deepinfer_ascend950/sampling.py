@@ -55,10 +55,18 @@ class AscendSampler:
 
     def __init__(self, spec: SamplingSpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
-        problem = probe_device_draw(device)
-        self.draws_on_device = problem is None
-        if problem is not None:
-            logger.info("seeded draws run on the host: %s", problem)
+        self._probe = probe_device_draw(device)
+        self.draws_on_device = self._probe is None
+        if self._probe is not None:
+            logger.info("seeded draws run on the host: %s", self._probe)
+
+    def host_draw_reason(self) -> str:
+        """Why draws run on the host.
+
+        :raises RuntimeError: they do not (the probe passed)."""
+        if self._probe is None:
+            raise RuntimeError("seeded draws run on the device")
+        return self._probe
 
     def sample(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         check_sampler_inputs(self.spec, logits, params)

@@ -11,10 +11,9 @@ from deepinfer_ascend950.check import check_attention_on_op_path, without_block_
 from deepinfer_ascend950.constraints import AscendConstraintError
 
 from deepinfer_core.backends import AttentionSpec
-from deepinfer_core.testing import conformance
 from deepinfer_core.reference.attention import ReferenceAttention
+from deepinfer_core.testing import conformance
 from deepinfer_core.testing.cases import random_attention_case
-from deepinfer_core.testing.compare import assert_close, tolerances
 
 CPU = torch.device("cpu")
 SPECS = {  # head_dim 512 and 128-token windows, as the op and V4 take; few heads to stay fast on a CPU

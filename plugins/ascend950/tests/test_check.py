@@ -69,7 +69,7 @@ def test_capture_warms_up_on_a_side_stream_then_records_once():
     api = types.SimpleNamespace(Graph=Graph, Stream=Stream, stream=lambda s: Context("stream"),
                                 graph=lambda g, pool=None: Context("graph"), current_stream=Stream,
                                 synchronize=lambda: None)
-    graph, out = capture(api, lambda: calls.append("forward") or len(calls))
+    graph, _ = capture(api, lambda: calls.append("forward") or len(calls))
     assert isinstance(graph, Graph)
     assert calls == ["wait", "enter stream", "forward", "forward", "exit stream", "wait", "enter graph", "forward",
                      "exit graph"]

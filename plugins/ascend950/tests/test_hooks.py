@@ -96,8 +96,8 @@ def test_missing_cann_ops_transformer_declines_attention_only(monkeypatch, doubl
 def test_a_spec_outside_the_op_constraints_declines_with_the_constraint(npu_doubles_installed):
     backend, reasons = ask(hooks.make_attention, AttentionSpec(num_heads=8, head_dim=64, sliding_window=16,
                                                                compress_rate=0, dtype=torch.bfloat16), NPU)
-    assert backend is None and reasons == ["cann_ops_transformer.sparse_flash_mla: head_dim is 64; only 512 is "
-                                           "supported; attention falls back to the reference (PyTorch on the NPU)"]
+    assert backend is None and reasons == [("cann_ops_transformer.sparse_flash_mla: head_dim is 64; only 512 is "
+                                            "supported; attention falls back to the reference (PyTorch on the NPU)")]
     backend, reasons = ask(hooks.make_moe, MoESpec(**{**MOE.__dict__, "dtype": torch.float32}), NPU)
     assert backend is None and "npu_grouped_matmul: x/weight dtype is torch.float32" in reasons[0]
 

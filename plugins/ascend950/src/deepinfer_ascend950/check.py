@@ -155,7 +155,7 @@ def run_checks(device: torch.device, torch_npu: ModuleType, cann_ops: ModuleType
         run(f"attention {name}: every call on sparse_flash_mla", lambda b=backend: check_attention_on_op_path(b, device))
         if spec.compress_rate == 128:
             run("attention hca: does the op accept block id 0?",
-                lambda: check_block_zero_accepted(AscendAttention(spec, device, cann_ops), device), True)
+                lambda s=spec: check_block_zero_accepted(AscendAttention(s, device, cann_ops), device), True)
     for scoring, is_hash in (("sqrtsoftplus", False), ("sqrtsoftplus", True), ("sigmoid", False)):
         spec = dataclasses.replace(MOE_SPEC, scoring_func=scoring, is_hash=is_hash)
         run(f"moe {scoring}{' hash' if is_hash else ''}: conformance suite",
@@ -196,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs="?", default="doctor", choices=["doctor"])
     parser.add_argument("--no-graphs", action="store_true", help="skip the NPUGraph capture check")
     args = parser.parse_args(argv)
-    from deepinfer_ascend950.platform import AscendUnavailableError, load_cann_ops, load_torch_npu, npu_problem
+    from deepinfer_ascend950.platform import (
+        AscendUnavailableError,
+        load_cann_ops,
+        load_torch_npu,
+        npu_problem,
+    )
 
     problem = npu_problem()
     if problem is not None:

@@ -31,7 +31,7 @@ def load_torch_npu() -> ModuleType:
     """
     try:
         return importlib.import_module("torch_npu")
-    except Exception as err:  # noqa: BLE001 -- torch_npu fails with OSError/RuntimeError without CANN
+    except Exception as err:
         raise AscendUnavailableError(f"torch_npu is not importable ({type(err).__name__}: {err}); "
                                      f"install {REQUIRED}") from err
 
@@ -44,7 +44,7 @@ def load_cann_ops() -> ModuleType:
     """
     try:
         return importlib.import_module("cann_ops_transformer")
-    except Exception as err:  # noqa: BLE001 -- a broken build fails with more than ImportError
+    except Exception as err:
         raise AscendUnavailableError(f"cann_ops_transformer not importable ({type(err).__name__}: {err}); "
                                      "it ships with CANN 9.2's ops-transformer (build.sh --torch_extension)") from err
 

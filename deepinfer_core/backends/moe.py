@@ -7,7 +7,7 @@ permutation, the grouped GEMMs with the SwiGLU clamp and the weighted combine in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -35,12 +35,22 @@ class MoESpec:
     is_hash: bool = False
     """True for `hash_moe` layers: experts come from `tid2eid[token_id]`, not from the scores."""
     dtype: torch.dtype = torch.float32
-    """Activation and weight dtype."""
+    """Activation dtype, and the routed experts' weight dtype when `expert_format` is "dense"."""
+    expert_format: Literal["dense", "fp4"] = "dense"
+    """Routed-expert storage: "dense" (in `dtype`) or "fp4" (packed e2m1 codes with one power-of-two
+    scale per 32 inputs, the checkpoint's own bytes; see `MoEWeights` and `deepinfer_core.models.quant`).
+    A backend that cannot read a format declines the spec."""
 
 
 @dataclass
 class MoEWeights:
-    """One layer's routed-expert parameters, as the model holds them (transformers' layout)."""
+    """One layer's routed-expert parameters, as the model holds them (transformers' layout).
+
+    With `MoESpec.expert_format == "fp4"`, `gate_up` and `down` hold packed e2m1 codes (int8, two a
+    byte, low nibble = even input column; last dim halved) and `gate_up_scale` / `down_scale` one
+    float8_e8m0fnu scale per 32 input columns (last dim `/ 32`); `w = e2m1(code) * scale`
+    (`quant.dequantize_fp4`). Shapes below are the logical (dense) ones.
+    """
 
     router: torch.Tensor
     """`[num_experts, hidden_size]` gate weight."""
@@ -52,6 +62,10 @@ class MoEWeights:
     """`[num_experts]` fp32 `e_score_correction_bias` (top-k layers), added for selection only."""
     tid2eid: torch.Tensor | None = None
     """`[vocab_size, top_k]` int64 token-to-experts table (hash layers)."""
+    gate_up_scale: torch.Tensor | None = None
+    """`[num_experts, 2 * intermediate_size, hidden_size / 32]` FP4 group scales (fp4 format only)."""
+    down_scale: torch.Tensor | None = None
+    """`[num_experts, hidden_size, intermediate_size / 32]` FP4 group scales (fp4 format only)."""
 
 
 @runtime_checkable

@@ -1,4 +1,8 @@
-"""Reference routed MoE: V4 routing, then a loop over the experts that received tokens."""
+"""Reference routed MoE: V4 routing, then a loop over the experts that received tokens.
+
+FP4 experts (`MoESpec.expert_format == "fp4"`) are dequantised per call, only the experts a step uses,
+to the activation dtype: the same values the dequantise-at-load path holds, so both give equal results.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.backends import MoESpec, MoEWeights
+from deepinfer_core.models import quant
 
 GATHER_LIMIT = 2**25
 """Largest number of expert-weight elements the gathered path may copy in one step."""
@@ -37,6 +42,17 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_tensors(weights: MoEWeights, experts, dtype: torch.dtype, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(gate_up, down)` of `experts` (an index or an index tensor) as dense `dtype` tensors."""
+    if not fp4:
+        return weights.gate_up[experts], weights.down[experts]
+    if weights.gate_up_scale is None or weights.down_scale is None:
+        raise ValueError("FP4 experts need MoEWeights.gate_up_scale and down_scale")
+    gate_up = quant.dequantize_fp4(weights.gate_up[experts], weights.gate_up_scale[experts])
+    down = quant.dequantize_fp4(weights.down[experts], weights.down_scale[experts])
+    return gate_up.to(dtype), down.to(dtype)
+
+
 class ReferenceMoE:
     """Pure-PyTorch `MoEBackend`."""
 
@@ -44,6 +60,7 @@ class ReferenceMoE:
 
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
+        self._fp4 = spec.expert_format == "fp4"
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         ids, routing = route(x, input_ids, weights, self.spec)
@@ -54,10 +71,10 @@ class ReferenceMoE:
 
     def _gathered(self, x, ids, routing, weights: MoEWeights) -> torch.Tensor:
         """Few tokens (decode): gather each assignment's expert weights and run one batched matmul."""
-        flat = ids.flatten()
-        h = torch.bmm(weights.gate_up[flat], x.repeat_interleave(ids.shape[1], dim=0)[:, :, None])
+        gate_up, down = expert_tensors(weights, ids.flatten(), x.dtype, self._fp4)
+        h = torch.bmm(gate_up, x.repeat_interleave(ids.shape[1], dim=0)[:, :, None])
         h = swiglu(h.squeeze(-1), self.spec.swiglu_limit)
-        y = torch.bmm(weights.down[flat], h[:, :, None]).squeeze(-1).view(*ids.shape, -1)
+        y = torch.bmm(down, h[:, :, None]).squeeze(-1).view(*ids.shape, -1)
         return (y * routing[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
 
     def _per_expert(self, x, ids, routing, weights: MoEWeights) -> torch.Tensor:
@@ -72,8 +89,9 @@ class ReferenceMoE:
             if count == 0:
                 continue
             tokens = token_of[offset : offset + count]
-            h = swiglu(F.linear(x[tokens], weights.gate_up[expert]), self.spec.swiglu_limit)
-            y = F.linear(h, weights.down[expert]) * scale[offset : offset + count, None].to(x.dtype)
+            gate_up, down = expert_tensors(weights, expert, x.dtype, self._fp4)
+            h = swiglu(F.linear(x[tokens], gate_up), self.spec.swiglu_limit)
+            y = F.linear(h, down) * scale[offset : offset + count, None].to(x.dtype)
             out.index_add_(0, tokens, y.to(out.dtype))
             offset += count
         return out

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.backends import AttentionBackend, MoEBackend, SamplingBackend, SamplingTensors
+from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights, SamplingBackend, SamplingTensors
 from deepinfer_core.testing.cases import (
     AttentionCase,
     index_scores,
@@ -31,7 +31,7 @@ from deepinfer_core.testing.compare import TOLERANCES, assert_close, tolerances
 from deepinfer_core.testing.layer_ops_conformance import check_layer_ops
 
 __all__ = [
-    "TOLERANCES", "check_attention", "check_indexer_selection", "check_layer_ops", "check_moe", "check_sampler",
+    "TOLERANCES", "check_attention", "check_indexer_selection", "check_layer_ops", "check_moe", "check_sampler", "fp4_moe_weights",
     "tolerances",
 ]
 
@@ -125,7 +125,9 @@ def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | No
               atol: float | None = None, rtol: float | None = None, seed: int = 0,
               num_tokens_list: tuple[int, ...] = (1, 7, 33)) -> None:
     """Check `forward` against the reference for several token counts (decode-sized and prefill-sized),
-    and, for top-k layers, once more with selection decided by `score_bias`."""
+    and, for top-k layers, once more with selection decided by `score_bias`. For FP4 experts
+    (`spec.expert_format == "fp4"`) both get the same packed weights (`fp4_moe_weights`); the reference
+    dequantises them."""
     from deepinfer_core.reference.moe import ReferenceMoE
 
     spec = backend.spec
@@ -136,6 +138,8 @@ def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | No
     for num_tokens, bias_decides in cases:
         x, input_ids, weights = random_moe_case(spec, num_tokens, seed=seed + num_tokens,
                                                 bias_decides=bias_decides)
+        if spec.expert_format == "fp4":
+            weights = fp4_moe_weights(weights)
         candidate_weights = dataclasses.replace(weights, **{
             f.name: _to(getattr(weights, f.name), device, dtype) for f in dataclasses.fields(weights)})
         reference_weights = dataclasses.replace(weights, **{
@@ -148,17 +152,32 @@ def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | No
         assert_close(actual, expected, atol, rtol, f"moe forward, {num_tokens} tokens, {routing}, {spec}")
 
 
+def fp4_moe_weights(weights: MoEWeights) -> MoEWeights:
+    """`weights` with the routed experts quantised to packed FP4 with e8m0 scales (`quant.quantize_fp4`)."""
+    from deepinfer_core.models import quant
+
+    gate_up, gate_up_scale = quant.quantize_fp4(weights.gate_up)
+    down, down_scale = quant.quantize_fp4(weights.down)
+    return dataclasses.replace(weights, gate_up=gate_up, down=down, gate_up_scale=gate_up_scale,
+                               down_scale=down_scale)
+
+
+def _keeps_dtype(tensor: torch.Tensor) -> bool:
+    """Index tables, packed FP4 codes, their e8m0 scales and the fp32 score bias keep their dtype."""
+    return not tensor.is_floating_point() or tensor.dim() == 1 or tensor.dtype == torch.float8_e8m0fnu
+
+
 def _to(tensor: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    """Weights to the candidate: index tables and the fp32 score bias keep their dtype."""
+    """Weights to the candidate, in `dtype` unless `_keeps_dtype`."""
     if tensor is None:
         return None
-    if not tensor.is_floating_point() or tensor.dim() == 1:
+    if _keeps_dtype(tensor):
         return tensor.to(device)
     return tensor.to(device=device, dtype=dtype)
 
 
 def _reference_tensor(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if tensor is None or not tensor.is_floating_point() or tensor.dim() == 1:
+    if tensor is None or _keeps_dtype(tensor):
         return tensor
     return round_to(tensor, dtype)
 

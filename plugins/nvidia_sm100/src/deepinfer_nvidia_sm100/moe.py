@@ -11,6 +11,9 @@ One step does, with no host synchronisation (so the whole forward can be capture
    writes the clamped SwiGLU activation;
 4. `down_kernel`: the same for the down projection, multiplied by the routing weight, written back at
    each row's original place; the `top_k` rows of a token are then summed in fp32.
+
+FP4 experts (`MoESpec.expert_format == "fp4"`) run the same kernels with each weight tile decoded from
+its packed codes and e8m0 scales in registers (`moe_kernels._load_weights`): a quarter of bf16's bytes.
 """
 
 from __future__ import annotations
@@ -123,6 +126,18 @@ class TritonMoE:
         self.spec = spec
         self._scoring = SCORING_CODES[spec.scoring_func]
         self._ieee = spec.dtype == torch.float32
+        self._fp4 = spec.expert_format == "fp4"
+        if self._fp4 and (spec.hidden_size % 32 or spec.intermediate_size % 32):
+            raise ValueError(f"FP4 experts need hidden and intermediate sizes divisible by 32, got {spec}")
+
+    def _scales(self, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP4 scales as uint8 exponents; for dense experts the weights themselves stand in (unread)."""
+        if not self._fp4:
+            return weights.gate_up, weights.down
+        scales = (weights.gate_up_scale, weights.down_scale)
+        if any(s is None or s.dtype != torch.float8_e8m0fnu for s in scales):
+            raise ValueError("FP4 experts need float8_e8m0fnu MoEWeights.gate_up_scale and down_scale")
+        return tuple(s.view(torch.uint8) for s in scales)
 
     def route(
         self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights
@@ -130,7 +145,7 @@ class TritonMoE:
         """Return `[T, top_k]` int32 expert ids and fp32 weights (normalised, scaled)."""
         spec = self.spec
         num_tokens = x.shape[0]
-        if x.dtype == weights.router.dtype == torch.bfloat16:
+        if x.is_cuda and x.dtype == weights.router.dtype == torch.bfloat16:
             # bf16 products are exact in fp32 and cuBLAS adds them in fp32: fp32 logits at bf16 speed
             logits = torch.mm(x, weights.router.t(), out_dtype=torch.float32)
         else:
@@ -191,8 +206,9 @@ class TritonMoE:
                              f"{down_config.block_m} differ")
         x = x.contiguous()
         gate_up, down = weights.gate_up, weights.down
-        if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
-            raise ValueError("expert weights must be contiguous in their last dimension")
+        gate_up_scale, down_scale = self._scales(weights)
+        if any(t.stride(-1) != 1 for t in (gate_up, down, gate_up_scale, down_scale)):
+            raise ValueError("expert weights and scales must be contiguous in their last dimension")
         inter = spec.intermediate_size
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
@@ -201,6 +217,7 @@ class TritonMoE:
         gate_up_kernel[grid](
             x,
             gate_up,
+            gate_up_scale,
             act,
             rows.sorted_rows,
             rows.block_expert,
@@ -211,6 +228,8 @@ class TritonMoE:
             x.stride(0),
             gate_up.stride(0),
             gate_up.stride(1),
+            gate_up_scale.stride(0),
+            gate_up_scale.stride(1),
             act.stride(0),
             TOP_K=spec.top_k,
             BLOCK_M=config.block_m,
@@ -219,6 +238,7 @@ class TritonMoE:
             HAS_LIMIT=spec.swiglu_limit > 0,
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
+            FP4=self._fp4,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -227,6 +247,7 @@ class TritonMoE:
         down_kernel[grid](
             act,
             down,
+            down_scale,
             out,
             rows.sorted_rows,
             rows.block_expert,
@@ -237,12 +258,15 @@ class TritonMoE:
             act.stride(0),
             down.stride(0),
             down.stride(1),
+            down_scale.stride(0),
+            down_scale.stride(1),
             out.stride(0),
             BLOCK_M=down_config.block_m,
             BLOCK_N=down_config.block_n,
             BLOCK_K=down_config.block_k,
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
+            FP4=self._fp4,
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )

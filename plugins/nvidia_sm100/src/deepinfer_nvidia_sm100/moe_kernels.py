@@ -3,6 +3,11 @@
 Rows are the flat `(token, k)` pairs, `row = token * top_k + k`. `sort_rows_by_expert` (in `moe.py`)
 lays them out expert by expert, each expert's run padded to a multiple of `BLOCK_M`, so one program
 block of rows belongs to one expert and reads that expert's weight tile once for all its rows.
+
+With `FP4` the expert weights are packed e2m1 codes (two a byte, low nibble = even input column) with
+one e8m0 scale per 32 input columns (passed as uint8: the scale's biased exponent); each weight tile is
+decoded to the activation dtype in registers right before its `tl.dot`, so HBM carries half a byte per
+weight plus 1/32 byte of scale (weight-only quantisation: activations stay in their dtype).
 """
 
 from __future__ import annotations
@@ -84,9 +89,37 @@ def _tile(N_FASTEST: tl.constexpr):
 
 
 @triton.jit
+def _weight_pointers(w_base, s_base, offs_n, offs_k, stride_wn, stride_sn, FP4: tl.constexpr):
+    """Pointers of a `[BLOCK_N, BLOCK_K]` weight tile (and, for FP4, of its bytes' scales)."""
+    if FP4:
+        return w_base + offs_n[:, None] * stride_wn + offs_k[None, :] // 2, \
+            s_base + offs_n[:, None] * stride_sn + offs_k[None, :] // 32
+    return w_base + offs_n[:, None] * stride_wn + offs_k[None, :], s_base
+
+
+@triton.jit
+def _load_weights(w_ptrs, s_ptrs, offs_k, mask, dtype: tl.constexpr, FP4: tl.constexpr):
+    """A weight tile in `dtype`; FP4 codes are decoded from their bits (no table): magnitude index
+    `m = e << 1 | mantissa`, value `mantissa / 2` when `e == 0`, else `(1 + mantissa / 2) * 2^(e - 1)`,
+    built as float32 bits; the e8m0 scale `b` is the float32 whose exponent field is `b`."""
+    if not FP4:
+        return tl.load(w_ptrs, mask=mask, other=0.0)
+    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
+    code = (packed >> ((offs_k[None, :] & 1) * 4)) & 0xF
+    exponent = (code >> 1) & 0x3
+    mantissa = code & 0x1
+    normal = ((exponent + 126) << 23) | (mantissa << 22)
+    bits = tl.where(exponent == 0, mantissa * 0x3F000000, normal) | ((code >> 3) << 31)
+    value = bits.to(tl.float32, bitcast=True)
+    scale_bits = tl.load(s_ptrs, mask=mask, other=0).to(tl.uint8).to(tl.int32) << 23
+    return (value * scale_bits.to(tl.float32, bitcast=True)).to(dtype)
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     act_ptr,
     sorted_rows_ptr,
     block_expert_ptr,
@@ -97,6 +130,8 @@ def gate_up_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_act,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -105,6 +140,7 @@ def gate_up_kernel(
     HAS_LIMIT: tl.constexpr,
     IEEE: tl.constexpr,
     N_FASTEST: tl.constexpr,
+    FP4: tl.constexpr,
 ):
     """act[r, n] = silu(min(g, limit)) * clamp(u, -limit, limit), with g, u = gate_up[e] @ x[token(r)]."""
     pid_m, pid_n = _tile(N_FASTEST)
@@ -119,17 +155,19 @@ def gate_up_kernel(
     n_valid = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + inter * stride_wn
+    g_ptrs, gs_ptrs = _weight_pointers(w_ptr + expert.to(tl.int64) * stride_we,
+                                       s_ptr + expert.to(tl.int64) * stride_se,
+                                       offs_n, offs_k, stride_wn, stride_sn, FP4)
+    u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
+    W_STEP: tl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_valid = (k0 + offs_k) < hidden
         x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         w_mask = n_valid[:, None] & k_valid[None, :]
-        wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        wg = _load_weights(g_ptrs, gs_ptrs, offs_k, w_mask, x_ptr.dtype.element_ty, FP4)
+        wu = _load_weights(u_ptrs, us_ptrs, offs_k, w_mask, x_ptr.dtype.element_ty, FP4)
         if IEEE:
             acc_g += tl.dot(x, tl.trans(wg), input_precision="ieee")
             acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
@@ -137,8 +175,11 @@ def gate_up_kernel(
             acc_g += tl.dot(x, tl.trans(wg))
             acc_u += tl.dot(x, tl.trans(wu))
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        g_ptrs += W_STEP
+        u_ptrs += W_STEP
+        if FP4:
+            gs_ptrs += BLOCK_K // 32
+            us_ptrs += BLOCK_K // 32
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, swiglu_limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
@@ -151,6 +192,7 @@ def gate_up_kernel(
 def down_kernel(
     act_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     sorted_rows_ptr,
     block_expert_ptr,
@@ -161,12 +203,15 @@ def down_kernel(
     stride_act,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_out,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     N_FASTEST: tl.constexpr,
+    FP4: tl.constexpr,
 ):
     """out[row, n] = weight[row] * (down[e] @ act[r])[n], written at the row's original place."""
     pid_m, pid_n = _tile(N_FASTEST)
@@ -180,18 +225,24 @@ def down_kernel(
     n_valid = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_k[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_ptrs, s_ptrs = _weight_pointers(w_ptr + expert.to(tl.int64) * stride_we,
+                                      s_ptr + expert.to(tl.int64) * stride_se,
+                                      offs_n, offs_k, stride_wn, stride_sn, FP4)
+    W_STEP: tl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_valid = (k0 + offs_k) < inter
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        w = _load_weights(w_ptrs, s_ptrs, offs_k, n_valid[:, None] & k_valid[None, :],
+                          act_ptr.dtype.element_ty, FP4)
         if IEEE:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w))
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += W_STEP
+        if FP4:
+            s_ptrs += BLOCK_K // 32
     weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
     acc = acc * weights[:, None]
     safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)

@@ -1,0 +1,85 @@
+"""FP4 routed experts in the Triton MoE: packed e2m1 weights decoded in the grouped GEMMs' inner loops.
+
+Runs on a suitable GPU, else on the CPU through Triton's interpreter (see conftest.py), against the
+reference backend, which dequantises the same packed weights per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deepinfer_core.backends import MoESpec
+from deepinfer_core.models import quant
+from deepinfer_core.testing import conformance
+from deepinfer_core.testing.cases import random_moe_case
+
+FP4_SPEC = MoESpec(
+    hidden_size=64,
+    intermediate_size=64,
+    num_experts=8,
+    top_k=2,
+    scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5,
+    swiglu_limit=7.0,
+    expert_format="fp4",
+)
+
+
+@pytest.mark.parametrize("is_hash", [False, True])
+def test_fp4_conformance(kernel_device: torch.device, is_hash: bool) -> None:
+    from deepinfer_nvidia_sm100.moe import TritonMoE
+
+    spec = dataclasses.replace(FP4_SPEC, is_hash=is_hash)
+    conformance.check_moe(TritonMoE(spec), kernel_device, num_tokens_list=(1, 5))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_fp4_bf16_conformance_on_gpu(cuda_device: torch.device, num_tokens: int) -> None:
+    """bf16 activations (Triton's interpreter multiplies bf16 tiles wrongly, dense ones too: GPU only);
+    300 tokens take the prefill tiles."""
+    from deepinfer_nvidia_sm100.moe import TritonMoE
+
+    spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=128, num_experts=16, top_k=4,
+                               dtype=torch.bfloat16)
+    conformance.check_moe(TritonMoE(spec), cuda_device, num_tokens_list=(num_tokens,))
+
+
+def test_fp4_kernel_equals_dense_kernel_on_dequantised_weights(kernel_device: torch.device) -> None:
+    """Decoding in the kernel gives the dense kernel's result on the dequantised weights (both fp32):
+    every code, sign and scale is decoded right."""
+    from deepinfer_nvidia_sm100.moe import TritonMoE
+
+    spec = dataclasses.replace(FP4_SPEC, intermediate_size=96)  # a partial 64-wide tile as well
+    x, input_ids, weights = random_moe_case(spec, 6, seed=3)
+    packed = conformance.fp4_moe_weights(weights)
+    codes = packed.gate_up.view(torch.uint8)
+    assert {int(c) for c in (codes & 0xF).unique()} | {int(c) for c in (codes >> 4).unique()} >= set(range(16)) - {8}
+    dense = dataclasses.replace(
+        packed,
+        gate_up=quant.dequantize_fp4(packed.gate_up, packed.gate_up_scale),
+        down=quant.dequantize_fp4(packed.down, packed.down_scale),
+        gate_up_scale=None,
+        down_scale=None,
+    )
+    on = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
+    packed = dataclasses.replace(packed, **{k: v.to(kernel_device) for k, v in on.items() if v is not None})
+    dense = dataclasses.replace(
+        dense, **{f.name: getattr(dense, f.name).to(kernel_device) for f in dataclasses.fields(dense)
+                  if getattr(dense, f.name) is not None})
+    x, input_ids = x.to(kernel_device), input_ids.to(kernel_device)
+    got = TritonMoE(spec).forward(x, input_ids, packed)
+    want = TritonMoE(dataclasses.replace(spec, expert_format="dense")).forward(x, input_ids, dense)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp4_needs_e8m0_scales(kernel_device: torch.device) -> None:
+    from deepinfer_nvidia_sm100.moe import TritonMoE
+
+    x, input_ids, weights = random_moe_case(FP4_SPEC, 2, seed=1)
+    packed = conformance.fp4_moe_weights(weights)
+    packed = dataclasses.replace(packed, down_scale=packed.down_scale.float())
+    with pytest.raises(ValueError, match="e8m0"):
+        TritonMoE(FP4_SPEC).forward(x.to(kernel_device), input_ids.to(kernel_device), packed)

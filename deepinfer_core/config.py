@@ -427,6 +427,13 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
+    quantized_weights: Literal["native", "dequantize"] = Field(
+        "native",
+        description='Quantised checkpoint weights: "native" keeps FP4 routed experts in their packed bytes '
+        "(the MoE backend decodes them per step; the reference dequantises per call), \"dequantize\" "
+        "expands every quantised tensor to the compute dtype at load. FP8 dense projections are "
+        "dequantised at load either way (no FP8 GEMM path yet).",
+    )
     async_scheduling: bool | None = Field(
         None,
         description="Overlap decode steps: launch the next step from the sampled tokens still on the "

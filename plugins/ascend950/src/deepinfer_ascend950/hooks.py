@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     )
 
 PLATFORM = "ascend"
-NO_NPU_KERNEL = "no NPU-specific kernel: the reference's PyTorch serves it on the NPU"
+NO_NPU_KERNEL = "no NPU-specific kernel for this family: the reference (PyTorch, on the NPU too) serves it"
 
 
 @hookimpl

@@ -36,10 +36,17 @@ class AscendLayerOps(ReferenceLayerOps):
     def __init__(self, spec: LayerOpsSpec, torch_npu: ModuleType) -> None:
         super().__init__(spec)
         self.npu = torch_npu
+        self._unit: dict[tuple[int, torch.device], torch.Tensor] = {}
+        """Unit gammas of the unweighted norms, per width and device."""
 
     def rms_norm(self, x, weight, cos=None, sin=None):
         require(x.is_floating_point(), RMS_NORM, "x", f"has dtype {x.dtype}; a floating dtype is needed")
-        gamma = weight if weight is not None else torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+        gamma = weight
+        if gamma is None:
+            key = (x.shape[-1], x.device)
+            gamma = self._unit.get(key)
+            if gamma is None:
+                gamma = self._unit[key] = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
         y, _ = self.npu.npu_rms_norm(x, gamma.to(torch.float32), epsilon=self.spec.rms_norm_eps)
         y = y.to(x.dtype)
         return y if cos is None else self.rotary(y, cos, sin)

@@ -51,16 +51,26 @@ class AscendMoE:
     def __init__(self, spec: MoESpec, device: torch.device, torch_npu: ModuleType) -> None:
         check_moe_spec(spec.num_experts, spec.top_k, spec.scoring_func, spec.is_hash, spec.dtype)
         self.spec, self.device, self.npu = spec, device, torch_npu
+        self._int32_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """`id(tid2eid)` -> (the layer's table, its int32 copy): converted once per hash layer."""
+
+    def _tid2eid(self, table: torch.Tensor) -> torch.Tensor:
+        if table.dtype == torch.int32:
+            return table
+        cached = self._int32_tables.get(id(table))
+        if cached is None or cached[0] is not table:
+            cached = self._int32_tables[id(table)] = (table, table.to(torch.int32))
+        return cached[1]
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T, top_k]` int32 expert ids and fp32 routing weights."""
         spec = self.spec
-        logits = F.linear(x.float(), weights.router.float())
+        logits = F.linear(x, weights.router).float()  # in the model's dtype, as the reference scores
         options = {}
         if spec.is_hash:
             if weights.tid2eid is None:
                 raise ValueError("hash MoE layer needs MoEWeights.tid2eid")
-            options = {"input_ids": input_ids.long(), "tid2eid": weights.tid2eid.to(torch.int32)}
+            options = {"input_ids": input_ids.long(), "tid2eid": self._tid2eid(weights.tid2eid)}
         elif weights.score_bias is not None:
             options = {"bias": weights.score_bias.float()}
         _, ids, _ = self.npu.npu_moe_gating_top_k(

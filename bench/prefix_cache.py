@@ -17,7 +17,7 @@ window 128, CSA rate 4, HCA rate 128, 64 experts top-6), random weights, vocabul
 
 Per mode, one JSON line: wall time and time saved against the cache off, prompt tokens, cache hit
 tokens and hit rate, prefill tokens computed, prefill tokens recomputed per hit (the sliding-window
-replay: at most the window for "bounded", the whole hit for "exact"), and agreement with the cache-off
+replay: at most the window for "bounded", at most layers x window for "exact"), and agreement with the cache-off
 answers on identical prompts: turns compared, the fraction of identical answer tokens, and the largest
 difference of a chosen token's logprob while the answers still agree. `ideal_hit_rate` is the best any cache of 128-token blocks could
 do on this trace (every full block of the previous turn's prompt + answer hit). A table comes last.

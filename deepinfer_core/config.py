@@ -395,6 +395,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 SwaReplay = Literal["bounded", "exact"]
 """How a prefix-cache hit rebuilds the sliding window (see DESIGN.md); the one list of the modes."""
+SWA_REPLAY_DEFAULTS: dict[str, SwaReplay] = {"deepseek_v4": "exact"}
+"""Per model family (`model_type`), the replay its prefix-cache hits use by default; others: "bounded"
+(DeepSeek-V4.1 was trained for SWA Bounded Replay; V4 was not, so V4 replays exactly)."""
 
 
 class EngineConfig(BaseModel):
@@ -422,8 +425,12 @@ class EngineConfig(BaseModel):
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of device memory to use.")
     enable_prefix_caching: bool = False
-    swa_replay: SwaReplay = Field(
-        "bounded", description="How a prefix-cache hit rebuilds the sliding window (see DESIGN.md)."
+    swa_replay: SwaReplay | None = Field(
+        None,
+        description='How a prefix-cache hit rebuilds the sliding windows: "exact" recomputes the last '
+        'num_layers x sliding_window tokens before the hit (same outputs as a cold run), "bounded" only the '
+        "last sliding_window (SWA Bounded Replay, approximate, for models built for it); None takes the "
+        "model family's default (SWA_REPLAY_DEFAULTS).",
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
@@ -476,9 +483,11 @@ class EngineConfig(BaseModel):
                 f"({model_config.max_position_embeddings}); lower max_model_len"
             )
         budget = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        replay = self.swa_replay or SWA_REPLAY_DEFAULTS.get(model_config.model_type, "bounded")
         try:
             return EngineConfig.model_validate(
-                {**self.model_dump(), "max_model_len": max_model_len, "max_num_batched_tokens": budget}
+                {**self.model_dump(), "max_model_len": max_model_len, "max_num_batched_tokens": budget,
+                 "swa_replay": replay}
             )
         except ValidationError as err:  # pragma: no cover - inputs were validated already
             raise ConfigError(str(err)) from err

@@ -199,15 +199,19 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
-    def match_prefix(self, seq: Sequence, sliding_window: int, replay: str) -> None:
+    def match_prefix(self, seq: Sequence, sliding_window: int, replay: str, num_layers: int = 1) -> None:
         """Reuse the longest run of cached full blocks that equals `seq`'s leading tokens.
 
         For a fresh sequence (no blocks, nothing computed). The hit length H is a whole number of
         blocks and leaves at least one token to compute (H <= num_tokens - 1). On a hit:
         `block_table` = the hit blocks (referenced), `num_cached_tokens = no_write_before = H`, and the
-        window is rebuilt by replay: "bounded" recomputes from `max(0, H - sliding_window)` with window
-        attention seeing only replayed positions; "exact" recomputes from 0. Either way the runner
-        must not rewrite the cached compressed entries (`no_write_before`). No-op without prefix caching.
+        window is rebuilt by replay from `S`, window attention seeing only positions >= S
+        (`replay_start`): "bounded" takes `S = max(0, H - sliding_window)` (SWA Bounded Replay,
+        approximate); "exact" takes `S = max(0, H - num_layers * sliding_window)`. Exact because a
+        layer's window keys at H depend on the layer below through one window each, so after
+        `num_layers` windows of recompute every layer's ring and compressor tail at H hold what a cold
+        run holds, while the entries of closed windows come from the cache. Either way the runner must
+        not rewrite the cached compressed entries (`no_write_before`). No-op without prefix caching.
         """
         if replay not in SWA_REPLAY_MODES:
             raise ValueError(f"swa_replay must be one of {SWA_REPLAY_MODES}, got {replay!r}")
@@ -241,8 +245,8 @@ class BlockManager:
         seq.block_table = [block.block_id for block in hits]
         hit_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.no_write_before = hit_tokens
-        start = max(0, hit_tokens - sliding_window) if replay == "bounded" else 0
-        seq.replay_start = seq.num_computed_tokens = start
+        span = sliding_window if replay == "bounded" else num_layers * sliding_window
+        seq.replay_start = seq.num_computed_tokens = max(0, hit_tokens - span)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block of `seq` whose positions are all computed (`(i+1)*block_size <= num_computed_tokens`).

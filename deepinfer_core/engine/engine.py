@@ -33,6 +33,7 @@ from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.engine.structured_output import GrammarError, StructuredOutputManager
 from deepinfer_core.models import registry
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
@@ -102,6 +103,7 @@ class Engine:
         info = self.executor.info
         self.tokenizer = load_tokenizer(self.config.model, model_config)
         self.eos_token_ids = model_config.eos_token_ids
+        self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
                                           info.cache_fingerprint)
         self.scheduler = Scheduler(
@@ -113,9 +115,11 @@ class Engine:
                 sliding_window=model_config.sliding_window,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 swa_replay=self.config.swa_replay,
+                num_layers=model_config.num_hidden_layers,
             ),
             self.block_manager,
             info.num_slots,
+            is_admissible=self.structured_output.is_ready,  # a constrained request waits for its grammar
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, _Completion] = {}
@@ -159,6 +163,7 @@ class Engine:
                               token_history=True)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer (none found); use stop_token_ids")
+        grammar = self.structured_output.submit(params.structured_outputs) if params.structured_outputs else None
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
         if params.prompt_logprobs is not None:
@@ -173,6 +178,8 @@ class Engine:
             self.scheduler.add(completion.seq)
         for seq_id, completion in zip(request.seq_ids, request.completions):
             self._seq_owner[seq_id] = completion
+            if grammar is not None:
+                self.structured_output.track(seq_id, grammar, prompt_token_ids)
         self._requests[request_id] = request
 
     def abort(self, request_id: str) -> None:
@@ -183,6 +190,7 @@ class Engine:
         for seq_id in request.seq_ids:
             self.scheduler.abort(seq_id)
             self._seq_owner.pop(seq_id, None)
+            self.structured_output.remove(seq_id)
 
     @property
     def runner(self):
@@ -195,6 +203,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the executor's workers (nothing to do in-process); the engine is unusable afterwards."""
         self.executor.shutdown()
+        self.structured_output.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -213,15 +222,20 @@ class Engine:
         if in_flight is not None and not can_overlap(self.scheduler, self.config.max_model_len):
             self._settle(in_flight, touched)
             in_flight = None
-        plan = self.scheduler.schedule()
         owner = self._seq_owner
+        if self.structured_output.has_pending:
+            self._end_failed_grammars(touched)
+        plan = self.scheduler.schedule()
         for seq in self.scheduler.pop_finished():
             request = owner[seq.request_id].request
             touched[request.request_id] = request
         if plan is None:
             if in_flight is not None:  # everything running was preempted: nothing to launch
                 self._settle(in_flight, touched)
+            elif not touched and self.structured_output.has_pending:
+                self.structured_output.wait_pending(0.05)  # only grammars compiling: no busy loop
             return [self._finish_output(request) for request in touched.values()]
+        plan = self.structured_output.fill_bitmask(plan)
         seqs = [owner[r.request_id].seq for r in plan.requests]
         self._note_scheduled(seqs)
         result = self.executor.execute(plan)
@@ -243,6 +257,14 @@ class Engine:
             sampled = seqs if len(result.sampled) == len(seqs) else [seqs[i] for i in result.sampled]
             self._append_tokens(sampled, result.output, touched)
         return [self._finish_output(request) for request in touched.values()]
+
+    def _end_failed_grammars(self, touched: dict[str, _Request]) -> None:
+        """End, with finish_reason "error", the sequences whose grammar failed to compile or timed out."""
+        for seq_id, why in self.structured_output.pop_failed():
+            completion = self._seq_owner[seq_id]
+            logger.error("request %s: %s; it ends with finish_reason 'error'", seq_id, why)
+            self.scheduler.finish(completion.seq, SequenceStatus.FINISHED_ERROR)
+            touched[completion.request.request_id] = completion.request
 
     def _note_scheduled(self, seqs: list[Sequence]) -> None:
         now, owner = time.time(), self._seq_owner
@@ -296,6 +318,13 @@ class Engine:
                 reason = "stop"
             elif reason == "stop" and token in params.stop_token_ids:
                 completion.stop_reason = token
+            if params.structured_outputs is not None and reason is None:
+                try:
+                    if self.structured_output.accept(seq.request_id, token):
+                        reason = "stop"  # the grammar is complete
+                except GrammarError as err:
+                    logger.error("request %s: %s; it ends with finish_reason 'error'", seq.request_id, err)
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
             if reason is not None:
                 self.scheduler.finish(seq, _FINISH_STATUS[reason])
             touched[request.request_id] = request
@@ -337,6 +366,7 @@ class Engine:
             self._requests.pop(request.request_id, None)
             for seq_id in request.seq_ids:
                 self._seq_owner.pop(seq_id, None)
+                self.structured_output.remove(seq_id)
         return self.make_output(request, finished)
 
     def make_output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
@@ -396,6 +426,7 @@ class Engine:
             "prefix_cache_hit_tokens": s.num_hit_tokens,
             "prefix_cache_queried_tokens": s.num_queried_tokens,
             "prefix_cache_hit_rate": s.hit_rate,
+            "prefix_cache_replay_tokens": s.num_replay_tokens,
             "num_prefill_tokens": s.num_prefill_tokens,
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,

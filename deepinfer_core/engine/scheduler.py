@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -45,7 +46,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     """Reuse cached full blocks; must equal the block manager's setting."""
     swa_replay: str = "bounded"
-    """How a prefix hit rebuilds the window: "bounded" (last `sliding_window` tokens) or "exact"."""
+    """How a prefix hit rebuilds the window: "bounded" (the last `sliding_window` tokens) or "exact"
+    (the last `num_layers * sliding_window`; see `BlockManager.match_prefix`)."""
+    num_layers: int = 1
+    """Decoder layers of the model (how far back "exact" replay reaches)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -74,6 +78,8 @@ class SchedulerStats:
     num_prefill_tokens: int = 0
     """Tokens computed in prefill chunks, replays and recomputes included."""
     num_decode_tokens: int = 0
+    num_replay_tokens: int = 0
+    """Tokens below prefix-cache hits recomputed to rebuild the windows (SWA replay)."""
 
     @property
     def hit_rate(self) -> float:
@@ -103,9 +109,12 @@ class Scheduler:
     :param config: limits and cache policy.
     :param block_manager: the block pool (its block size and prefix-caching flag must match `config`).
     :param num_slots: per-request state slots (sliding window + compressor tails) in the cache.
+    :param is_admissible: whether a waiting sequence may be admitted now (False: it is skipped this
+        step and later ones are considered; a structured-output request waits for its grammar).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_slots: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_slots: int,
+                 is_admissible: Callable[[Sequence], bool] | None = None) -> None:
         if block_manager.block_size != config.block_size:
             raise ValueError(
                 f"block manager block_size {block_manager.block_size} != scheduler block_size {config.block_size}"
@@ -126,6 +135,7 @@ class Scheduler:
         self._finished_here: list[Sequence] = []
         self._planned: set[str] = set()  # requests the runner holds state for
         self._freed: list[str] = []  # of those, released since the last plan
+        self._is_admissible = is_admissible
 
     # -- queues --------------------------------------------------------------------------------
 
@@ -285,18 +295,22 @@ class Scheduler:
         while self.waiting and self._free_slots and self._has_room(step):
             if len(self.running) >= self.config.max_num_seqs:
                 return
-            seq = self.waiting[0]
+            seq = self.waiting[0] if self._is_admissible is None else next(
+                (s for s in self.waiting if self._is_admissible(s)), None)
+            if seq is None:
+                return
             if self._exceeds_pool(seq):
                 self._finish_here(seq)
                 continue
             if self.config.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
                 # prompt logprobs need every prompt position computed, so such requests take no hit
-                self.block_manager.match_prefix(seq, self.config.sliding_window, self.config.swa_replay)
+                self.block_manager.match_prefix(seq, self.config.sliding_window, self.config.swa_replay,
+                                                self.config.num_layers)
             num_new_tokens = min(seq.num_uncomputed_tokens, step.budget)
             if not self.block_manager.can_allocate(seq, num_new_tokens):
                 self._release(seq)  # undo the prefix match; retried next step
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, num_new_tokens)
             seq.slot = self._free_slots.pop()
             seq.status = SequenceStatus.RUNNING
@@ -304,6 +318,7 @@ class Scheduler:
             if self.config.enable_prefix_caching:
                 self.stats.num_queried_tokens += seq.num_tokens
                 self.stats.num_hit_tokens += seq.num_cached_tokens
+                self.stats.num_replay_tokens += seq.num_cached_tokens - seq.num_computed_tokens
             step.add(seq, num_new_tokens)
             self.stats.num_prefill_tokens += num_new_tokens
 

@@ -27,15 +27,24 @@ from deepinfer_core.engine.plan import StepResult
 logger = logging.getLogger(__name__)
 
 
+_ACCELERATOR_BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
+"""torch.distributed backend per device type: gloo for host tensors, the vendor's library for device ones."""
+
+
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
-    """Rank `local_rank`'s device: its own GPU on CUDA, else `device` itself."""
-    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+    """Rank `local_rank`'s device: its own accelerator (GPU, NPU), else `device` itself (the CPU)."""
+    return torch.device(device.type, local_rank) if device.type in _ACCELERATOR_BACKENDS else device
 
 
 def init_group(device: torch.device, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = _ACCELERATOR_BACKENDS.get(device.type, "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def _set_device(device: torch.device) -> None:
+    if device.type in _ACCELERATOR_BACKENDS:  # torch.cuda / torch.npu (torch_npu registers the latter)
+        getattr(torch, device.type).set_device(device)
 
 
 def build_runner(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device, weights):
@@ -71,8 +80,7 @@ def worker_main(conn) -> None:
     try:
         rank, world_size, init_method, model_config, engine_config, device, weights = pickle.loads(conn.recv_bytes())
         local_device = rank_device(torch.device(device), rank)
-        if local_device.type == "cuda":
-            torch.cuda.set_device(local_device)
+        _set_device(local_device)
         init_group(local_device, rank, world_size, init_method, engine_config.worker_timeout_s)
         runner = build_runner(model_config, engine_config, local_device, weights)
         del weights
@@ -113,8 +121,7 @@ class TorchrunExecutor:
                  weights=None) -> None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_device = rank_device(device, int(os.environ["LOCAL_RANK"]))
-        if local_device.type == "cuda":
-            torch.cuda.set_device(local_device)
+        _set_device(local_device)
         init_group(local_device, rank, world_size, "env://", engine_config.worker_timeout_s)
         runner = build_runner(model_config, engine_config, local_device, weights)
         if rank != 0:

@@ -115,12 +115,13 @@ def test_hit_shares_blocks_and_sets_bounded_replay_fields():
     assert b.replay_start == b.num_computed_tokens == 8  # H - sliding_window
 
 
-def test_exact_replay_recomputes_from_zero():
+@pytest.mark.parametrize(("num_layers", "start"), [(1, 8), (2, 4), (3, 0), (40, 0)])
+def test_exact_replay_recomputes_layers_times_window(num_layers, start):
     manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq(range(13), "a"))
     b = make_seq(range(13), "b")
-    manager.match_prefix(b, sliding_window=BS, replay="exact")
-    assert (b.num_cached_tokens, b.no_write_before, b.replay_start, b.num_computed_tokens) == (12, 12, 0, 0)
+    manager.match_prefix(b, sliding_window=BS, replay="exact", num_layers=num_layers)
+    assert (b.num_cached_tokens, b.no_write_before, b.replay_start, b.num_computed_tokens) == (12, 12, start, start)
     assert len(b.block_table) == 3
 
 

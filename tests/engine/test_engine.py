@@ -223,3 +223,44 @@ def test_validate_prompt_rejects_ids_outside_the_vocabulary_and_non_integers(tmp
         with pytest.raises(ValueError, match="outside the vocabulary") as err:
             engine.validate_prompt(prompt)
         assert str(shown) in str(err.value)
+
+
+def test_exact_replay_recomputes_layers_times_window_and_equals_cold_bit_for_bit(tmp_path):
+    # chunks of one window on both sides, and the replay starts on a chunk edge (256 - 3 x 16 = 208): the
+    # steps that compute positions >= 208 have the same shapes in both runs, so any difference would be
+    # the replay's, not a matmul's rounding under another chunking
+    prompt, span = SHARED + SUFFIXES[0], CONFIG["num_hidden_layers"] * CONFIG["sliding_window"]
+    options = {"max_num_seqs": 1, "max_num_batched_tokens": CONFIG["sliding_window"], "num_kv_blocks": 8}
+    cold = run(make_engine(tmp_path, **options), [prompt], [6])["0"].outputs[0]
+    engine = make_engine(tmp_path, enable_prefix_caching=True, **options)
+    assert engine.config.swa_replay == "exact"  # V4's default
+    run(engine, [SHARED + [9, 9]], [1])
+    replayed = engine.stats()["prefix_cache_replay_tokens"]
+    warm = run(engine, [prompt], [6])["0"]
+    assert warm.num_cached_tokens == 256
+    assert engine.stats()["prefix_cache_replay_tokens"] - replayed == span  # not the whole 256-token hit
+    assert warm.outputs[0].token_ids == cold.token_ids
+    assert [e[t].logprob for e, t in zip(warm.outputs[0].logprobs, cold.token_ids)] == \
+        [e[t].logprob for e, t in zip(cold.logprobs, cold.token_ids)]
+
+
+def test_exact_replay_under_batching_gives_the_cold_tokens(tmp_path):
+    prompts = [SHARED + s for s in SUFFIXES]
+    cold = run(make_engine(tmp_path, max_num_seqs=4, max_num_batched_tokens=128, num_kv_blocks=24), prompts, [6] * 3)
+    engine = make_engine(tmp_path, max_num_seqs=4, max_num_batched_tokens=128, num_kv_blocks=24,
+                         enable_prefix_caching=True)
+    run(engine, [SHARED + [9, 9]], [1])
+    warm = run(engine, prompts, [6] * 3)
+    for i in range(3):
+        mine, theirs = warm[str(i)].outputs[0], cold[str(i)].outputs[0]
+        assert warm[str(i)].num_cached_tokens == 256 and mine.token_ids == theirs.token_ids
+        for step, theirs_step, token in zip(mine.logprobs, theirs.logprobs, mine.token_ids):
+            assert abs(step[token].logprob - theirs_step[token].logprob) < 1e-5  # chunk shapes differ
+
+
+def test_bounded_replay_is_the_opt_in_approximation(tmp_path):
+    engine = prefix_engine(tmp_path, "bounded")
+    run(engine, [SHARED + [9, 9]], [1])
+    before = engine.stats()["prefix_cache_replay_tokens"]
+    run(engine, [SHARED + SUFFIXES[0]], [2])
+    assert engine.stats()["prefix_cache_replay_tokens"] - before == CONFIG["sliding_window"]

@@ -431,9 +431,9 @@ def test_schedule_returns_none_when_idle():
 # -- prefix caching --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("replay", "start"), [("bounded", 8), ("exact", 0)])
+@pytest.mark.parametrize(("replay", "start"), [("bounded", 8), ("exact", 4)])
 def test_prefix_hit_sets_replay_fields_and_stats(replay, start):
-    scheduler = make_scheduler(prefix=True, swa_replay=replay)
+    scheduler = make_scheduler(prefix=True, swa_replay=replay, num_layers=2)
     runner = FakeRunner(scheduler)
     scheduler.add(make_seq("a", range(13), max_tokens=1))
     run_to_completion(scheduler, runner)
@@ -446,6 +446,7 @@ def test_prefix_hit_sets_replay_fields_and_stats(replay, start):
     assert (stats.num_queried_tokens, stats.num_hit_tokens) == (13 + 14, 12)
     assert stats.hit_rate == pytest.approx(12 / 27)
     assert stats.num_prefill_tokens == 13 + 14 - start
+    assert stats.num_replay_tokens == 12 - start
     done = run_to_completion(scheduler, runner)
     assert done["b"].output_token_ids == reference_output(b.prompt_token_ids, 2)
     assert done["b"].num_cached_tokens == 12  # still there for the final output

@@ -25,7 +25,7 @@ from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
-from deepinfer_core.models import registry
+from deepinfer_core.models import registry, weight_formats
 from deepinfer_core.models.interface import (
     CausalLM,
     ForwardContext,
@@ -92,7 +92,8 @@ class ModelRunner:
         self.config, self.engine_config, self.device = model_config, engine_config, device
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
-        self.plans = model_cls.layer_plan(model_config, self.dtype)
+        fmt = weight_formats.expert_format(model_config, engine_config, from_checkpoint=weights is None)
+        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -114,7 +115,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype)
         if weights is None:
-            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device)
+            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
+                                   keep_fp4=self.plans[0].moe.expert_format == "fp4")
         weights = {name: t.to(self.device) for name, t in weights.items()}
         model.load_state_dict(_match_param_dtypes(model, weights), strict=True, assign=True)
         return model.eval()

@@ -18,6 +18,7 @@ from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
 from deepinfer_core.models.layers import (
     FP32,
     ConcatenatedLinears,
+    FP4Experts,
     GroupedLinear,
     HyperConnection,
     HyperHead,
@@ -116,13 +117,18 @@ class MoE(nn.Module):
     def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(config, plan.moe.is_hash, dtype)
-        self.experts = Experts(config, dtype)
+        if plan.moe.expert_format == "fp4":
+            self.experts = FP4Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        else:
+            self.experts = Experts(config, dtype)
         self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, float(config.swiglu_limit or 0), dtype)
 
     def routed_weights(self) -> MoEWeights:
         return MoEWeights(
             router=self.gate.weight, gate_up=self.experts.gate_up_proj, down=self.experts.down_proj,
             score_bias=getattr(self.gate, "e_score_correction_bias", None), tid2eid=getattr(self.gate, "tid2eid", None),
+            gate_up_scale=getattr(self.experts, "gate_up_proj_scale", None),
+            down_scale=getattr(self.experts, "down_proj_scale", None),
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, backend: MoEBackend, weights: MoEWeights) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends.layer_ops import HyperWeights
+from deepinfer_core.models import quant
 
 FP32 = torch.float32
 """The dtype of the parameters V4 keeps in float32 whatever the compute dtype, as transformers'
@@ -72,6 +73,27 @@ class SharedExpert(nn.Module):
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return self.down_proj(F.silu(gate) * up)
+
+
+class FP4Experts(nn.Module):
+    """Routed experts kept in the checkpoint's FP4 bytes (`MoESpec.expert_format == "fp4"`): packed e2m1
+    codes (int8, two a byte, the input dim halved) and one float8_e8m0fnu scale per 32 inputs, under
+    the dense parameters' names plus `_scale` (layout: `deepinfer_core.models.quant`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        if h % quant.FP4_GROUP_SIZE or i % quant.FP4_GROUP_SIZE:
+            raise ValueError(f"FP4 experts need hidden ({h}) and moe_intermediate ({i}) sizes divisible by "
+                             f"{quant.FP4_GROUP_SIZE}; load with quantized_weights='dequantize'")
+
+        def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+
+        self.gate_up_proj = frozen(*quant.fp4_packed_shape((e, 2 * i, h)), dtype=torch.int8)
+        self.gate_up_proj_scale = frozen(*quant.fp4_scale_shape((e, 2 * i, h)), dtype=quant.FP4_SCALE_DTYPE)
+        self.down_proj = frozen(*quant.fp4_packed_shape((e, h, i)), dtype=torch.int8)
+        self.down_proj_scale = frozen(*quant.fp4_scale_shape((e, h, i)), dtype=quant.FP4_SCALE_DTYPE)
 
 
 class GroupedLinear(nn.Module):

@@ -21,6 +21,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP4_GROUP_SIZE = 32
 FP4_MAX = 6.0
+FP4_SCALE_DTYPE = torch.float8_e8m0fnu
+"""The dtype FP4 group scales are held in when the experts stay packed (`layers.FP4Experts`)."""
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu)
 

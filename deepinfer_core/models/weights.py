@@ -80,8 +80,13 @@ def load_weights(
     device: str | torch.device = "cpu",
     *,
     progress: bool | None = None,
+    keep_fp4: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint into internal names, dequantised, on `device`.
+
+    With `keep_fp4` the routed experts stay in their packed FP4 bytes instead: `<name>` holds the int8
+    codes and `<name>_scale` the float8_e8m0fnu group scales (`layers.FP4Experts`' parameters); an
+    expert stored otherwise, or with scales that are not powers of two, raises `CheckpointError`.
 
     Each tensor comes back in the dtype the model's module declares at compute dtype `dtype` (norms,
     mHC parameters and sinks stay float32; `tid2eid` is int64). Every tensor is checked before any is
@@ -90,7 +95,7 @@ def load_weights(
     (None: only for checkpoints over 512 MiB).
     """
     return _read_checkpoint(
-        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress
+        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4
     )
 
 
@@ -121,7 +126,8 @@ def match_param_dtypes(
 
 
 def _read_checkpoint(
-    model_dir: Path, config: ModelConfig, schema: dict[str, TensorSpec], device, progress: bool | None
+    model_dir: Path, config: ModelConfig, schema: dict[str, TensorSpec], device, progress: bool | None,
+    keep_fp4: bool = False,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     layout = detect_layout(list(files))
@@ -140,6 +146,10 @@ def _read_checkpoint(
         finite = _FiniteCheck()
         weights = {}
         for name, plan in tqdm(plans.items(), desc="Loading weights", unit="tensor", disable=not progress):
+            if keep_fp4 and "fp4" in plan.quantised:
+                weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device)
+                finite.add(f"{name}_scale", weights[f"{name}_scale"])
+                continue
             weights[name] = _build(plan, reader, config, schema[name].dtype, device)
             finite.add(name, weights[name])
         finite.raise_if_any(str(model_dir))
@@ -312,10 +322,37 @@ def _build(
     return plan.combine(parts)
 
 
+def _build_fp4(plan: SourcePlan, reader: SafetensorsReader, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and e8m0 scales of an FP4 expert tensor, joined like the dense tensor would be."""
+    codes, scales = [], []
+    for source in plan.sources:
+        if reader.dtype(source) not in FP4_PACKED_DTYPES:
+            raise CheckpointError(
+                f"{source} is stored as {reader.dtype(source)}, not packed FP4, though "
+                f"quantization_config.expert_dtype is 'fp4'; load with quantized_weights='dequantize'"
+            )
+        codes.append(reader.read(source).to(device).view(torch.int8))
+        scales.append(_e8m0_scale(reader.scale_name(source), reader.read(reader.scale_name(source)).to(device)))
+    return plan.combine(codes), plan.combine(scales)
+
+
+def _e8m0_scale(name: str, scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype == quant.FP4_SCALE_DTYPE:
+        return scale
+    as_e8m0 = scale.to(quant.FP4_SCALE_DTYPE)
+    if not torch.equal(as_e8m0.float(), scale.float()):
+        raise CheckpointError(
+            f"{name} ({scale.dtype}) holds FP4 scales that are not powers of two, which the packed experts "
+            f"cannot keep; load with quantized_weights='dequantize'"
+        )
+    return as_e8m0
+
+
 def _check_tid2eid(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
     for name, table in weights.items():
         if (
-            not table.is_floating_point()
+            name.endswith(".tid2eid")
+            and not table.is_floating_point()
             and table.numel()
             and not (0 <= int(table.min()) and int(table.max()) < config.n_routed_experts)
         ):

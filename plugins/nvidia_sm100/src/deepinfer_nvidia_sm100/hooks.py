@@ -66,6 +66,10 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
     problem = _spec_problem(device, spec.dtype)
     if problem is None and spec.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
         problem = f"scoring_func {spec.scoring_func!r} not supported"
+    if problem is None and spec.expert_format not in ("dense", "fp4"):
+        problem = f"expert_format {spec.expert_format!r} not supported"
+    if problem is None and spec.expert_format == "fp4" and (spec.hidden_size % 32 or spec.intermediate_size % 32):
+        problem = "FP4 experts need hidden and intermediate sizes divisible by 32"
     if problem is not None:
         decline(problem)
         return None

@@ -92,7 +92,7 @@ class ModelRunner:
         self.config, self.engine_config, self.device = model_config, engine_config, device
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
-        fmt = weight_formats.expert_format(model_config, engine_config, from_checkpoint=weights is None)
+        fmt = weight_formats.expert_format(model_config, engine_config, weights)
         self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
@@ -117,6 +117,7 @@ class ModelRunner:
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
                                    keep_fp4=self.plans[0].moe.expert_format == "fp4")
+        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
         weights = {name: t.to(self.device) for name, t in weights.items()}
         model.load_state_dict(_match_param_dtypes(model, weights), strict=True, assign=True)
         return model.eval()

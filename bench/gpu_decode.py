@@ -423,8 +423,10 @@ def build_engine(
     enforce_eager: bool = False,
     max_batched_tokens: int | None = None,
     async_scheduling: bool | None = None,
+    weights: dict | None = None,
 ):
-    """The engine on the transformers model's own tensors (no second copy of the weights)."""
+    """The engine on the transformers model's own tensors (no second copy of the weights), or on
+    `weights` (internal names) when given."""
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
 
@@ -442,7 +444,7 @@ def build_engine(
         max_num_batched_tokens=max_batched_tokens,
         async_scheduling=async_scheduling,
     )
-    weights = dict(model.state_dict())
+    weights = dict(model.state_dict()) if weights is None else weights
     start = time.perf_counter()
     try:
         engine = Engine(engine_config, weights=weights)

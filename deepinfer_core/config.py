@@ -69,6 +69,21 @@ class QuantizationConfig(BaseModel):
     )
 
 
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """`model_dir/config.json` as a dictionary; `ConfigError` naming the file if it is missing, unreadable,
+    not JSON or not a JSON object."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{config_path} not found: point the model path at a checkpoint directory")
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{config_path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{config_path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 class ModelConfig(BaseModel):
     """DeepSeek-V4 model configuration (transformers' `DeepseekV4Config` after normalisation).
 
@@ -144,14 +159,7 @@ class ModelConfig(BaseModel):
         (`unusual_values`). Raises `ConfigError` naming the file if it is missing, unreadable, not
         JSON, or does not describe a supported model."""
         config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"{config_path} not found: point the model path at a checkpoint directory")
-        try:
-            data = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ConfigError(f"{config_path} is not valid JSON: {err}") from err
-        if not isinstance(data, dict):
-            raise ConfigError(f"{config_path} must hold a JSON object, got {type(data).__name__}")
+        data = read_config_json(path)
         try:
             config = cls.from_dict(data)
         except ValidationError as err:

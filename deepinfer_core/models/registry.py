@@ -8,12 +8,11 @@ satisfies `deepinfer_core.models.interface.CausalLM`.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deepinfer_core.config import ConfigError
+from deepinfer_core.config import ConfigError, read_config_json
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,7 @@ def find_model(config: dict[str, Any]) -> ModelEntry:
 
 def load_model_config(model_dir: str | Path):
     """Read `model_dir/config.json` with its family's config class."""
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read it as JSON: {err}") from err
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return import_object(find_model(raw).config_class).from_dir(model_dir)
+    return import_object(find_model(read_config_json(model_dir)).config_class).from_dir(model_dir)
 
 
 def model_class(config) -> type:

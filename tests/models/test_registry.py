@@ -31,7 +31,7 @@ def test_an_unknown_family_is_an_error_naming_the_known_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"'llama'.*known: deepseek_v4 \(DeepseekV4ForCausalLM\).*register_models"):
         registry.load_model_config(tmp_path)
     (tmp_path / "config.json").write_bytes(b"\xff\xfe not json")
-    with pytest.raises(ConfigError, match="config.json: cannot read it as JSON"):
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
         registry.load_model_config(tmp_path)
 
 

@@ -402,7 +402,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 SwaReplay = Literal["bounded", "exact"]
-"""How a prefix-cache hit rebuilds the sliding window (see DESIGN.md); the one list of the modes."""
+"""How a prefix-cache hit rebuilds the sliding window (docs/structures.md); the one list of the modes."""
 SWA_REPLAY_DEFAULTS: dict[str, SwaReplay] = {"deepseek_v4": "exact"}
 """Per model family (`model_type`), the replay its prefix-cache hits use by default; others: "bounded"
 (DeepSeek-V4.1 was trained for SWA Bounded Replay; V4 was not, so V4 replays exactly)."""

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from deepinfer_core.sampling_params import SamplingParams
 
 RESPONSE_ID_PREFIXES: dict[Api, str] = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
+
+class ModelOutputError(RuntimeError):
+    """The engine ended the request with finish_reason "error" (the model's logits were not finite)."""
+
+    MESSAGE = ("the model's output for this request is not finite (NaN or infinite logits); no further "
+               "tokens were generated")
+
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a client that left before the answer (nobody reads it)."""
 
@@ -55,19 +63,23 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
     try:
         # Wait for the first frame before answering, so a request the engine rejects gets its status.
         first = await anext(frames, "")
-    except (ValueError, EngineDeadError) as err:
-        return error_response(400 if isinstance(err, ValueError) else 503, str(err), api)
-    body = _prepend(first, frames)
+    except (ValueError, EngineDeadError, ModelOutputError) as err:
+        status = 400 if isinstance(err, ValueError) else 503 if isinstance(err, EngineDeadError) else 500
+        return error_response(status, str(err), api)
+    body = _prepend(first, frames, api)
     # On a disconnect Starlette cancels the send and drops the body unclosed; closing it aborts the request.
     return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(body.aclose))
 
 
-async def _prepend(first: str, rest: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+async def _prepend(first: str, rest: AsyncGenerator[str, None], api: Api) -> AsyncIterator[str]:
     try:
         if first:
             yield first
         async for frame in rest:
             yield frame
+    except ModelOutputError as err:  # the stream ends with the API's error event, not a made-up answer
+        body = ApiError.from_message(500, str(err), api).body
+        yield (f"event: error\ndata: {body}\n\n" if api == "messages" else f"data: {body}\n\n")
     finally:
         await rest.aclose()
 
@@ -122,6 +134,9 @@ class _Generation:
         try:
             async for output in outputs:
                 self._observe(output)
+                if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+                    outcome = "error"
+                    raise ModelOutputError(ModelOutputError.MESSAGE)
                 for frame in self.stream.push(output):
                     yield frame
                 if self.stream.finished:
@@ -148,6 +163,8 @@ class _Generation:
             return error_response(400, str(err), self.api)
         except EngineDeadError as err:
             return error_response(503, str(err), self.api)
+        except ModelOutputError as err:
+            return error_response(500, str(err), self.api)
         return Response(self.stream.response_json(), media_type="application/json")
 
     async def _drain(self) -> None:
@@ -165,5 +182,5 @@ class _Generation:
                                           self.last_output, self.arrival)
 
 
-__all__ = ["CLIENT_CLOSED_REQUEST", "RESPONSE_ID_PREFIXES", "handle_generation", "until_done_or_disconnect",
+__all__ = ["CLIENT_CLOSED_REQUEST", "RESPONSE_ID_PREFIXES", "ModelOutputError", "handle_generation", "until_done_or_disconnect",
            "wait_for_disconnect"]

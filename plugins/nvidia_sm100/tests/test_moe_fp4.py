@@ -81,5 +81,7 @@ def test_fp4_needs_e8m0_scales(kernel_device: torch.device) -> None:
     x, input_ids, weights = random_moe_case(FP4_SPEC, 2, seed=1)
     packed = conformance.fp4_moe_weights(weights)
     packed = dataclasses.replace(packed, down_scale=packed.down_scale.float())
+    packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(kernel_device)
+                                            for f in dataclasses.fields(packed) if getattr(packed, f.name) is not None})
     with pytest.raises(ValueError, match="e8m0"):
         TritonMoE(FP4_SPEC).forward(x.to(kernel_device), input_ids.to(kernel_device), packed)

@@ -92,9 +92,12 @@ def _tile(N_FASTEST: tl.constexpr):
 def _weight_pointers(w_base, s_base, offs_n, offs_k, stride_wn, stride_sn, FP4: tl.constexpr):
     """Pointers of a `[BLOCK_N, BLOCK_K]` weight tile (and, for FP4, of its bytes' scales)."""
     if FP4:
-        return w_base + offs_n[:, None] * stride_wn + offs_k[None, :] // 2, \
-            s_base + offs_n[:, None] * stride_sn + offs_k[None, :] // 32
-    return w_base + offs_n[:, None] * stride_wn + offs_k[None, :], s_base
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] // 2
+        s_ptrs = s_base + offs_n[:, None] * stride_sn + offs_k[None, :] // 32
+    else:
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
+        s_ptrs = s_base
+    return w_ptrs, s_ptrs
 
 
 @triton.jit
@@ -102,17 +105,19 @@ def _load_weights(w_ptrs, s_ptrs, offs_k, mask, dtype: tl.constexpr, FP4: tl.con
     """A weight tile in `dtype`; FP4 codes are decoded from their bits (no table): magnitude index
     `m = e << 1 | mantissa`, value `mantissa / 2` when `e == 0`, else `(1 + mantissa / 2) * 2^(e - 1)`,
     built as float32 bits; the e8m0 scale `b` is the float32 whose exponent field is `b`."""
-    if not FP4:
-        return tl.load(w_ptrs, mask=mask, other=0.0)
-    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
-    code = (packed >> ((offs_k[None, :] & 1) * 4)) & 0xF
-    exponent = (code >> 1) & 0x3
-    mantissa = code & 0x1
-    normal = ((exponent + 126) << 23) | (mantissa << 22)
-    bits = tl.where(exponent == 0, mantissa * 0x3F000000, normal) | ((code >> 3) << 31)
-    value = bits.to(tl.float32, bitcast=True)
-    scale_bits = tl.load(s_ptrs, mask=mask, other=0).to(tl.uint8).to(tl.int32) << 23
-    return (value * scale_bits.to(tl.float32, bitcast=True)).to(dtype)
+    if FP4:
+        packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
+        code = (packed >> ((offs_k[None, :] & 1) * 4)) & 0xF
+        exponent = (code >> 1) & 0x3
+        mantissa = code & 0x1
+        normal = ((exponent + 126) << 23) | (mantissa << 22)
+        bits = tl.where(exponent == 0, mantissa * 0x3F000000, normal) | ((code >> 3) << 31)
+        value = bits.to(tl.float32, bitcast=True)
+        scale_bits = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32) << 23
+        w = (value * scale_bits.to(tl.float32, bitcast=True)).to(dtype)
+    else:
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+    return w
 
 
 @triton.jit

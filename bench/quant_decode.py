@@ -10,15 +10,18 @@ decode floor is computed from the bytes that engine's step actually reads (its o
 `decode_of_floor` of the two rows are fractions of different floors; `step_floor_bytes` says which.
 """
 
+# Timing lambdas are called within the loop iteration that defines them.
+# ruff: noqa: B023
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
 
+import gpu_decode as base
 import torch
 
-import gpu_decode as base
 from deepinfer_core.models import quant
 
 EXPERT_NAMES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

@@ -33,6 +33,16 @@ def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
     assert engine["max_num_batched_tokens"] == 8192 and engine["async_scheduling"] is False  # CPU defaults
 
 
+def test_quant_decode_tiny_runs_fp4_experts_packed_with_their_smaller_floor():
+    rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--new-tokens", "3"))
+    engines = {r["engine"]: r for r in rows if "engine" in r}
+    assert engines["fp4"]["expert_format"] == ["fp4"] and engines["bf16"]["expert_format"] == ["dense"]
+    assert engines["fp4"]["weight_gib"] < engines["bf16"]["weight_gib"]
+    assert next(r for r in rows if "greedy_tokens_equal_bs1_8" in r)["greedy_tokens_equal_bs1_8"]
+    floors = {r["side"]: r["step_floor_bytes"] for r in rows if "step_floor_bytes" in r}
+    assert floors["deepinfer-fp4"] < floors["deepinfer-bf16"]
+
+
 def test_host_overhead_reports_every_mode_and_batch():
     table = run_script("bench/host_overhead.py", "--batch", "1,4", "--steps", "4")
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith(("| eager", "| graph"))]

@@ -68,9 +68,16 @@ class MoEWeights:
     """`[num_experts, hidden_size, intermediate_size / 32]` FP4 group scales (fp4 format only)."""
 
 
+EXPERT_FORMATS = ("dense", "fp4")
+"""Every `MoESpec.expert_format`."""
+
+
 @runtime_checkable
 class MoEBackend(GraphCapturable, Protocol):
-    """Routes flat tokens to experts and returns the weighted sum of their outputs."""
+    """Routes flat tokens to experts and returns the weighted sum of their outputs.
+
+    A backend that reads other expert formats than "dense" says so with an `expert_formats` attribute
+    (a tuple of `EXPERT_FORMATS`); one without it reads dense experts only (`check_expert_format`)."""
 
     spec: MoESpec
 
@@ -88,3 +95,19 @@ class MoEBackend(GraphCapturable, Protocol):
         :returns: `[num_tokens, hidden_size]` in `x`'s dtype.
         """
         ...
+
+
+def check_expert_format(backend: object, spec: MoESpec) -> None:
+    """Raise unless `backend` (built for `spec`) declares it reads `spec.expert_format` experts.
+
+    Guards against a plugin that predates a format and returned a backend for a spec it would misread.
+
+    :raises ValueError: naming the backend, the format and the option that dequantises at load instead.
+    """
+    formats = getattr(backend, "expert_formats", ("dense",))
+    if spec.expert_format not in formats:
+        raise ValueError(
+            f"{type(backend).__qualname__} was built for {spec.expert_format!r} experts but reads only "
+            f"{list(formats)}; its plugin should decline such specs. Load with "
+            f"quantized_weights='dequantize' to run it on dequantised experts"
+        )

@@ -20,6 +20,7 @@ import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cuda_graphs
+from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
@@ -129,6 +130,7 @@ class ModelRunner:
                 attention[plan.attention] = plugins.make_attention(plan.attention, self.device)
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
+                check_expert_format(moe[plan.moe], plan.moe)
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)

@@ -57,6 +57,7 @@ class ReferenceMoE:
     """Pure-PyTorch `MoEBackend`."""
 
     supports_cuda_graphs = False  # the grouped path sizes expert batches from bincount(...).tolist()
+    expert_formats = ("dense", "fp4")
 
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         self.spec, self.device = spec, device

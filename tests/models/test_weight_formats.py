@@ -140,3 +140,19 @@ def test_given_packed_weights_run_as_the_mode_says(fp4_dir, mode):
                 tokens = list(output.outputs[0].token_ids)
     want = reference.generate({"prompt_token_ids": list(range(3, 30))}, params, use_tqdm=False)
     assert tokens == list(want[0].outputs[0].token_ids)
+
+
+def test_a_backend_that_does_not_declare_fp4_is_refused_for_fp4_specs():
+    from deepinfer_core.backends.moe import check_expert_format
+
+    spec = MoESpec(hidden_size=64, intermediate_size=32, num_experts=8, top_k=2, scoring_func="sigmoid",
+                   routed_scaling_factor=1.0, swiglu_limit=0.0)
+
+    class DenseOnly:
+        supports_cuda_graphs = False
+
+    check_expert_format(DenseOnly(), spec)
+    with pytest.raises(ValueError, match=r"DenseOnly was built for 'fp4' experts.*dequantize"):
+        check_expert_format(DenseOnly(), dataclasses.replace(spec, expert_format="fp4"))
+    check_expert_format(reference_moe.ReferenceMoE(dataclasses.replace(spec, expert_format="fp4"), "cpu"),
+                        dataclasses.replace(spec, expert_format="fp4"))

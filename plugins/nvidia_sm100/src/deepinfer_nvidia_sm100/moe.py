@@ -121,6 +121,7 @@ class TritonMoE:
 
     supports_cuda_graphs = True
     """Every launch and buffer is sized from the token count alone; no value is read back."""
+    expert_formats = ("dense", "fp4")
 
     def __init__(self, spec: MoESpec) -> None:
         self.spec = spec

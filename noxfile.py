@@ -46,6 +46,15 @@ def demo(session: nox.Session) -> None:
     session.run("python", "examples/offline_inference.py", *session.posargs)
 
 
+@nox.session(venv_params=["--system-site-packages"])
+def npu(session: nox.Session) -> None:
+    """On an Ascend 950 (CANN, torch-npu and cann_ops_transformer installed in the system Python): the
+    plugin's doctor, which runs the conformance suite and the whole-model parity on the NPU and says which
+    ops took the primary path and which fell back. The venv reuses the system's torch and torch_npu."""
+    session.install("--no-deps", *EDITABLE_PACKAGES)
+    session.run("deepinfer-ascend950", "doctor", *session.posargs)
+
+
 @nox.session
 def gpu(session: nox.Session) -> None:
     """The NVIDIA plugin's tests, conformance included (run on a GPU machine)."""

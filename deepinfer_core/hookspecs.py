@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         AttentionSpec,
         EplbBackend,
         EplbSpec,
+        GraphApi,
         LayerOps,
         LayerOpsSpec,
         MoEBackend,
@@ -139,6 +140,21 @@ def make_verifier(spec: VerifySpec, device: torch.device, decline: Callable[[str
     :param device: the device the model runs on.
     :param decline: call with a reason when returning `None`.
     :returns: an object satisfying `VerifyBackend`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def graph_api(device: torch.device, decline: Callable[[str], None]) -> GraphApi | None:
+    """Offer the graph-capture API for `device`, with which decode steps are captured once and replayed.
+
+    Called once while the engine is built, when every backend declares `supports_cuda_graphs`. This is
+    a first-result hook: the first non-None answer is used. Return None (calling `decline` with a
+    reason) for a device you do not serve; when every plugin declines, decode runs eagerly. The
+    reference plugin answers torch.cuda's API for CUDA devices.
+
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning None.
+    :returns: a `deepinfer_core.backends.GraphApi`, or None.
     """
 
 

@@ -39,6 +39,7 @@ from deepinfer_core.backends import (
     AttentionSpec,
     EplbBackend,
     EplbSpec,
+    GraphApi,
     LayerOps,
     LayerOpsSpec,
     MoEBackend,
@@ -66,7 +67,7 @@ FACTORY_PROTOCOLS: dict[str, type] = {
 }
 """Every factory hook and the Protocol its result must satisfy."""
 # Hooks whose answer is credited to the plugin that returned it (a wrapper could replace it unseen).
-_UNWRAPPED_HOOKS = ("platforms", "detect_device", *FACTORY_PROTOCOLS)
+_UNWRAPPED_HOOKS = ("platforms", "detect_device", "graph_api", *FACTORY_PROTOCOLS)
 
 
 class PluginError(RuntimeError):
@@ -381,6 +382,15 @@ def make_sampler(spec: SamplingSpec, device: torch.device) -> SamplingBackend:
 def make_verifier(spec: VerifySpec, device: torch.device) -> VerifyBackend:
     """Build the speculative verifier for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_verifier", spec, device)
+
+
+def graph_api(device: torch.device) -> GraphApi | None:
+    """The graph-capture API for `device` (the `graph_api` hook), or None when no plugin offers one."""
+    outcome = ask("graph_api", device=device)
+    if outcome.winner is not None and not isinstance(outcome.result, GraphApi):
+        raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from graph_api, "
+                          "which is not a deepinfer_core.backends.GraphApi")
+    return outcome.result
 
 
 def tokenizer_loaders() -> list[TokenizerLoader]:

@@ -454,3 +454,36 @@ def test_trace_prints_each_call_and_its_answer(monkeypatch, capsys):
     assert "ChipAttention object" in err and "ReferenceAttention object" in err
     assert "make_attention answered by chip; declined: none [hook]" in err
     assert "make_attention answered by reference; declined: chip: only sliding_window=4 is supported [hook]" in err
+
+
+def test_graph_api_comes_from_a_plugin_for_its_device_and_the_reference_serves_cuda(isolated_plugin_manager):
+    from deepinfer_core.backends import GraphApi
+
+    mine = GraphApi(Graph=object, graph=None, Stream=object, stream=None, current_stream=None, synchronize=None)
+
+    class Chip:
+        @hookimpl
+        def graph_api(self, device, decline):
+            if device.type != "meta":
+                decline("only meta graphs here")
+                return None
+            return mine
+
+    isolated_plugin_manager.register(Chip(), name="chip")
+    assert plugins.graph_api(torch.device("meta")) is mine
+    assert plugins.graph_api(torch.device("cpu")) is None  # everyone declines: decode runs eagerly
+    outcome = plugins.ask("graph_api", device=torch.device("cpu"))
+    assert outcome.declines == {"chip": "only meta graphs here",
+                                "reference": "the reference captures graphs only on CUDA devices, not 'cpu'"}
+    assert plugins.graph_api(torch.device("cuda")).Graph is torch.cuda.CUDAGraph
+
+
+def test_graph_api_must_be_a_graph_api(isolated_plugin_manager):
+    class Broken:
+        @hookimpl
+        def graph_api(self, device, decline):
+            return "a string"
+
+    isolated_plugin_manager.register(Broken(), name="broken")
+    with pytest.raises(plugins.PluginError, match="'broken' returned str from graph_api"):
+        plugins.graph_api(torch.device("cpu"))

@@ -6,6 +6,8 @@ layer ops) declares `supports_cuda_graphs = True`; one that declares False makes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 
@@ -32,3 +34,22 @@ def supports_cuda_graphs(backend: object) -> bool:
         raise TypeError(f"{type(backend).__qualname__} does not declare supports_cuda_graphs; backends "
                         "built by make_attention, make_moe and make_layer_ops must (see GraphCapturable)")
     return backend.supports_cuda_graphs is True
+
+
+@dataclass(frozen=True)
+class GraphApi:
+    """A device's graph-capture API in CUDA's names, which `DecodeGraphs` calls (the `graph_api` hook
+    returns one: torch.cuda's on CUDA, torch_npu's `NPUGraph` family on Ascend)."""
+
+    Graph: type
+    """The graph class: `Graph()`, then `.replay()` and `.pool()`."""
+    graph: Callable
+    """Capture context manager: `with graph(g, pool=pool): ...`."""
+    Stream: type
+    """Side-stream class used for the warm-up runs before a capture."""
+    stream: Callable
+    """Stream context manager."""
+    current_stream: Callable
+    """The current stream (`.wait_stream(other)`)."""
+    synchronize: Callable
+    """Wait for the device."""

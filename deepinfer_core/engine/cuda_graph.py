@@ -74,8 +74,11 @@ class SlotBlockTables:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, max_blocks: int, max_seq_len: int) -> None:
-        self.runner, self.max_seq_len = runner, max_seq_len
+    """Captured decode steps for a ladder of batch sizes, through a device's `GraphApi` (None: the same
+    padded steps run eagerly, which the CPU tests use)."""
+
+    def __init__(self, runner, max_batch: int, max_blocks: int, max_seq_len: int, api=None) -> None:
+        self.runner, self.max_seq_len, self.api = runner, max_seq_len, api
         self.sizes = batch_ladder(max_batch)
         dev, n = runner.device, max_batch
 
@@ -88,24 +91,24 @@ class DecodeGraphs:
         self.block_tables, self.rows = buffer(n, max_blocks), torch.arange(n + 1, device=dev)
         cache = runner.kv_cache
         self.slot_tables = SlotBlockTables(cache.scratch_slot, max_blocks, cache.scratch_block, dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
 
     def capture(self) -> None:
-        pool = None
+        api, pool = self.api, None
         for size in reversed(self.sizes):
             self._pad(0, size)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            stream = api.Stream()
+            stream.wait_stream(api.current_stream())
+            with api.stream(stream):
                 for _ in range(2):
                     self._forward(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            api.current_stream().wait_stream(stream)
+            graph = api.Graph()
+            with api.graph(graph, pool=pool):
                 logits = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+        api.synchronize()
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]

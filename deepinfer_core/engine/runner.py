@@ -26,6 +26,7 @@ from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, weight_formats
 from deepinfer_core.models.interface import (
     CausalLM,
@@ -142,8 +143,8 @@ class ModelRunner:
         per_slot = bytes_per_slot(self.plans, self.dtype)
         if cfg.num_kv_blocks is not None:
             blocks = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+        elif self.device.type != "cpu":  # torch.cuda, or the vendor's module (torch.npu) of the same shape
+            free, _ = getattr(torch, self.device.type).mem_get_info(self.device)
             budget = free * cfg.gpu_memory_utilization - per_slot * self.num_slots
             blocks = int(budget // per_block)
         else:  # host memory: enough for every slot at full length, capped by the utilisation fraction
@@ -160,13 +161,17 @@ class ModelRunner:
         return blocks
 
     def _capture_graphs(self) -> DecodeGraphs | None:
-        if self.device.type != "cuda" or self.engine_config.enforce_eager:
+        if self.device.type == "cpu" or self.engine_config.enforce_eager:
             return None
         if not all(supports_cuda_graphs(b) for b in self.model.backends()):
             logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
             return None
+        api = plugins.graph_api(self.device)
+        if api is None:
+            logger.info("decode runs eagerly: no plugin offers graph capture on %s", self.device)
+            return None
         max_len = self.engine_config.max_model_len
-        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len)
+        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api)
         graphs.capture()
         logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
         return graphs
@@ -228,10 +233,13 @@ class ModelRunner:
                 prompt_logits: dict) -> StepResult:
         if not sampled:
             return StepResult([], None, prompt_logits)
+        is_finite = logits.isfinite().all(dim=-1)  # before the grammar mask writes -inf
+        if plan.grammar_bitmask is not None:
+            apply_bitmask(logits, plan, sampled)  # structured output: disallowed tokens to -inf
         output = self.sampler.sample(logits, tensors)
         self._carried = CarriedTokens(output.token_ids, [plan.requests[i].request_id for i in sampled])
         # a row with NaN or infinite logits gets no made-up token (the carried copy stays a valid id)
-        token_ids = torch.where(logits.isfinite().all(dim=-1), output.token_ids, NONFINITE_TOKEN)
+        token_ids = torch.where(is_finite, output.token_ids, NONFINITE_TOKEN)
         return StepResult(sampled, replace(output, token_ids=token_ids), prompt_logits)
 
     def _is_graph_step(self, plan: StepPlan) -> bool:

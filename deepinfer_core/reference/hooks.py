@@ -62,3 +62,15 @@ def make_verifier(spec: VerifySpec, device: torch.device):
     from deepinfer_core.reference.verify import ReferenceVerifier
 
     return ReferenceVerifier(spec, device)
+
+
+@hookimpl(trylast=True)
+def graph_api(device: torch.device, decline):
+    if device.type != "cuda":
+        decline(f"the reference captures graphs only on CUDA devices, not {device.type!r}")
+        return None
+    from deepinfer_core.backends import GraphApi
+
+    return GraphApi(Graph=torch.cuda.CUDAGraph, graph=torch.cuda.graph, Stream=torch.cuda.Stream,
+                    stream=torch.cuda.stream, current_stream=torch.cuda.current_stream,
+                    synchronize=torch.cuda.synchronize)

@@ -121,3 +121,43 @@ def test_graph_inputs_hold_the_real_rows_then_padding(tmp_path):
     assert graphs.no_write_before[:4].tolist() == [2, 0, 0, NO_WRITE]
     assert graphs.window_starts[:4].tolist() == [1, 0, 0, 0]
     assert graphs.block_tables[:4].tolist() == [[2, 0, 0], [0, 1, 0], [4, 0, 0], [cache.scratch_block] * 3]
+
+
+def test_capture_and_replay_go_through_the_devices_graph_api(tmp_path):
+    from contextlib import nullcontext
+
+    from deepinfer_core.backends import GraphApi
+
+    calls = []
+
+    class Graph:
+        def __init__(self):
+            self.replays = 0
+
+        def pool(self):
+            return ("pool", id(self))
+
+        def replay(self):
+            self.replays += 1
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append("wait")
+
+    def graph(g, pool=None):
+        calls.append(("capture", pool))
+        return nullcontext()
+
+    api = GraphApi(Graph=Graph, graph=graph, Stream=Stream, stream=lambda s: nullcontext(),
+                   current_stream=Stream, synchronize=lambda: calls.append("sync"))
+    runner = make_runner(tmp_path, CONFIG, WEIGHTS)
+    graphs = DecodeGraphs(runner, max_batch=3, max_blocks=2, max_seq_len=256, api=api)
+    graphs.capture()
+    assert sorted(graphs.graphs) == graphs.sizes == [1, 2, 3] and calls[-1] == "sync"
+    pools = [c[1] for c in calls if isinstance(c, tuple)]
+    assert pools[0] is None and pools[1] == graphs.graphs[3][0].pool()  # the largest first, then its pool
+    seqs = [FakeSeq([3, 4], slot=0, block_table=[0], num_computed_tokens=1),
+            FakeSeq([5], slot=1, block_table=[1])]
+    plan = step_plan(runner, seqs, [1, 1])
+    logits = graphs.run(plan.requests, runner.update_states(plan))
+    assert graphs.graphs[2][0].replays == 1 and logits.shape[0] == 2  # replayed the size-2 graph

@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 
 def test_every_check_passes_over_the_doubles(doubles):
-    results = check.run_checks(CPU, doubles.torch_npu_module(), doubles.cann_ops_module(), graphs=False)
+    results = check.run_checks(CPU, doubles.torch_npu_module(), doubles.cann_ops_module(), graphs=False, parity=False)
     assert [(r.name, r.detail) for r in results if not r.passed and not r.informational] == []
     by_name = {r.name: r for r in results}
     assert by_name["attention hca: every call on sparse_flash_mla"].detail == "3/3 calls on sparse_flash_mla"
@@ -29,7 +29,7 @@ def test_every_check_passes_over_the_doubles(doubles):
 def test_a_broken_op_is_reported_not_raised(doubles):
     broken = doubles.cann_ops_module()
     broken.sparse_flash_mla = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("EZ9999 aicore error"))
-    results = check.run_checks(CPU, doubles.torch_npu_module(), broken, graphs=False)
+    results = check.run_checks(CPU, doubles.torch_npu_module(), broken, graphs=False, parity=False)
     failed = {r.name: r.detail for r in results if not r.passed}
     assert failed["attention swa: conformance suite"] == "RuntimeError: EZ9999 aicore error"
     assert "moe sqrtsoftplus: conformance suite" not in failed
@@ -73,3 +73,9 @@ def test_capture_warms_up_on_a_side_stream_then_records_once():
     assert isinstance(graph, Graph)
     assert calls == ["wait", "enter stream", "forward", "forward", "exit stream", "wait", "enter graph", "forward",
                      "exit graph"]
+
+
+def test_model_parity_compares_greedy_tokens_and_names_the_backends():
+    detail = check.check_model_parity(CPU, num_tokens=3)  # CPU against CPU: the plumbing, not the chip
+    assert detail.startswith("4 requests x 3 tokens equal; backends [") and "ReferenceAttention" in detail
+    assert detail.endswith("decode graphs eager")

@@ -125,3 +125,18 @@ def test_ascend_accelerator_needs_torch_npu(isolated_plugin_manager, monkeypatch
     else:
         with pytest.raises(plugins.PluginError, match="cannot run 'npu' devices: .*No module named 'torch_npu'"):
             plugins.select_device()
+
+
+def test_graph_api_is_torch_npus_on_a_950_and_declined_elsewhere(monkeypatch, doubles):
+    graph, reasons = ask(hooks.graph_api, CPU)
+    assert graph is None and reasons == ["device cpu is not an NPU"]
+    module = doubles.torch_npu_module()
+    names = ("NPUGraph", "graph", "Stream", "stream", "current_stream", "synchronize")
+    for name in names:
+        setattr(module.npu, name, object())
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    api, reasons = ask(hooks.graph_api, NPU)
+    assert reasons == [] and api.Graph is module.npu.NPUGraph and api.synchronize is module.npu.synchronize
+    delattr(module.npu, "NPUGraph")
+    api, reasons = ask(hooks.graph_api, NPU)
+    assert api is None and "torch_npu.npu has no NPUGraph" in reasons[0]

@@ -5,7 +5,8 @@ environment (torch, torch_npu, SoC, cann_ops_transformer), which backend each fa
 DeepSeek-V4-Flash-shaped specs (the plugin's op path, or the reference with the decline reason), the
 core's conformance suite for each plugin backend, attention again with block ids that exclude 0 (so
 every call takes `sparse_flash_mla`), whether the chip accepts block id 0 (informational), whether
-seeded draws stay on the device, and an `NPUGraph` capture and replay. Exit status 0 when every check
+seeded draws stay on the device, an `NPUGraph` capture and replay, and the whole embedded tiny model's
+greedy tokens against the CPU reference (naming the backends it ran on). Exit status 0 when every check
 passed, 1 otherwise, 2 when there is no usable NPU.
 
 `run_checks` takes the device and the two modules, so the same code runs in the plugin's CPU tests
@@ -126,8 +127,38 @@ def check_graph_capture(torch_npu: ModuleType, device: torch.device) -> str:
     return "NPUGraph captured a matmul and replayed it on new input"
 
 
+def check_model_parity(device: torch.device, num_tokens: int = 8) -> str:
+    """The embedded tiny V4 model (head_dim 512, all three attention kinds) on `device` through whatever
+    the plugins build there, against the reference engine on the CPU: greedy tokens must be equal. The
+    detail names the backends and whether decode ran as graphs, so a fallback is visible."""
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
+
+    prompts = [[5 + i, 17, 230 + 3 * i, 99] * (3 + 20 * i) for i in range(4)]  # 12 to 252 tokens
+    outputs = {}
+    for where in (CPU, device):
+        engine = Engine(EngineConfig(model=str(embedded_tiny_model_dir()), device=str(where), dtype="float16",
+                                     max_model_len=512, max_num_seqs=4, num_kv_blocks=16))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        outputs[where.type] = done
+        runner = engine.runner
+    backends = sorted({type(b).__name__ for b in runner.model.backends()})
+    diverged = [i for i in outputs["cpu"] if outputs["cpu"][i] != outputs[device.type][i]]
+    if diverged:
+        raise AssertionError(f"greedy tokens differ from the CPU reference for requests {diverged}; "
+                             f"backends {backends}")
+    graphs = runner.graphs.sizes if runner.graphs is not None else "eager"
+    return f"{len(prompts)} requests x {num_tokens} tokens equal; backends {backends}; decode graphs {graphs}"
+
+
 def run_checks(device: torch.device, torch_npu: ModuleType, cann_ops: ModuleType | None,
-               graphs: bool = True) -> list[CheckResult]:
+               graphs: bool = True, parity: bool = True) -> list[CheckResult]:
     """Every check, in order; a failing check is recorded with its error and the rest still run."""
     from deepinfer_ascend950.attention import AscendAttention
     from deepinfer_ascend950.layer_ops import AscendLayerOps
@@ -168,6 +199,8 @@ def run_checks(device: torch.device, torch_npu: ModuleType, cann_ops: ModuleType
         lambda: None if sampler.draws_on_device else sampler.host_draw_reason(), True)
     if graphs:
         run("decode graphs: NPUGraph capture and replay", lambda: check_graph_capture(torch_npu, device))
+    if parity:
+        run("whole model: greedy tokens equal the CPU reference", lambda: check_model_parity(device))
     return results
 
 
@@ -195,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer-ascend950", description=__doc__.splitlines()[0])
     parser.add_argument("command", nargs="?", default="doctor", choices=["doctor"])
     parser.add_argument("--no-graphs", action="store_true", help="skip the NPUGraph capture check")
+    parser.add_argument("--no-parity", action="store_true", help="skip the whole-model parity run")
     args = parser.parse_args(argv)
     from deepinfer_ascend950.platform import (
         AscendUnavailableError,
@@ -213,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except AscendUnavailableError:
         cann_ops = None
     device = torch.device("npu", torch_npu.npu.current_device() if hasattr(torch_npu.npu, "current_device") else 0)
-    results = run_checks(device, torch_npu, cann_ops, graphs=not args.no_graphs)
+    results = run_checks(device, torch_npu, cann_ops, graphs=not args.no_graphs, parity=not args.no_parity)
     print(format_report(environment(torch_npu), results))
     return 0 if all(r.passed or r.informational for r in results) else 1
 

@@ -1,43 +1,19 @@
 """Decode graphs on the NPU: `torch.npu.NPUGraph` behind the seam CUDA graphs use.
 
-The engine's `DecodeGraphs` (deepinfer_core/engine/cuda_graph.py) calls CUDA's graph API by name:
-`torch.cuda.CUDAGraph`, `torch.cuda.graph(g, pool=...)`, `torch.cuda.Stream`, `torch.cuda.stream`,
-`torch.cuda.current_stream`, `torch.cuda.synchronize`, and `graph.pool()` / `graph.replay()`. torch_npu
-offers the same API under `torch.npu` (vllm-ascend's `compilation/acl_graph.py` captures with
-`torch.npu.NPUGraph()` inside `torch.npu.graph(g, pool=...)`). `GraphApi` names those six entry points
-once; `npu_graph_api` fills it from torch_npu. The core change that would use it (owned by the engine)
-is described in the plugin README ("Decode graphs").
+The engine's `DecodeGraphs` (deepinfer_core/engine/cuda_graph.py) captures through the `GraphApi` the
+`graph_api` hook returns (`deepinfer_core.backends.GraphApi`, in CUDA's names). torch_npu offers the same
+API under `torch.npu` (vllm-ascend's `compilation/acl_graph.py` captures with `torch.npu.NPUGraph()`
+inside `torch.npu.graph(g, pool=...)`); `npu_graph_api` fills a `GraphApi` from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-
-@dataclass(frozen=True)
-class GraphApi:
-    """A device's graph capture API, in CUDA's names."""
-
-    Graph: type
-    """Graph class: `Graph()`, then `.replay()` and `.pool()`."""
-    graph: Callable
-    """Capture context manager: `with graph(g, pool=pool): ...`."""
-    Stream: type
-    stream: Callable
-    """Stream context manager."""
-    current_stream: Callable
-    synchronize: Callable
-
-
-def cuda_graph_api() -> GraphApi:
-    """CUDA's API, what `DecodeGraphs` calls today."""
-    return GraphApi(Graph=torch.cuda.CUDAGraph, graph=torch.cuda.graph, Stream=torch.cuda.Stream,
-                    stream=torch.cuda.stream, current_stream=torch.cuda.current_stream,
-                    synchronize=torch.cuda.synchronize)
+from deepinfer_core.backends import GraphApi
 
 
 def npu_graph_api(torch_npu: ModuleType) -> GraphApi:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         AttentionBackend,
         AttentionSpec,
         EplbSpec,
+        GraphApi,
         LayerOps,
         LayerOpsSpec,
         MoEBackend,
@@ -113,3 +114,18 @@ def make_eplb(spec: EplbSpec, device: torch.device, decline: Callable[[str], Non
 @hookimpl
 def make_verifier(spec: VerifySpec, device: torch.device, decline: Callable[[str], None]) -> None:
     decline(NO_NPU_KERNEL)
+
+
+@hookimpl
+def graph_api(device: torch.device, decline: Callable[[str], None]) -> GraphApi | None:
+    problem = npu_problem(device)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_ascend950.graphs import npu_graph_api
+
+    try:
+        return npu_graph_api(load_torch_npu())
+    except AttributeError as err:
+        decline(f"{err}; decode runs eagerly")
+        return None

@@ -70,6 +70,8 @@ class PreparedRequest:
     seed: int | None = None
     logprobs: int | None = None
     """Number of top alternatives to return per token, or `None` for no logprobs."""
+    structured_outputs: Any = None
+    """The `StructuredOutputsParams` the answer must follow (`response_format`), or `None`."""
     state: Any = field(default=None, repr=False)
     """The encoding's own conversion result; opaque to the core."""
 

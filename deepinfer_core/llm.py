@@ -83,6 +83,7 @@ class LLM:
             engine.validate_prompt(ids)
             check_sampling_params(p, engine.model_config.vocab_size, engine.tokenizer, engine.eos_token_ids,
                                   token_history=True)
+        engine.structured_output.wait_all([p.structured_outputs for p in params])  # bad grammars: ValueError
         ids_in_order = []
         for (text, ids), p in zip(requests, params):
             request_id = str(self._counter)

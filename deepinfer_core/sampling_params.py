@@ -2,12 +2,15 @@
 
 DeepInfer 0.1's spellings are accepted too, so its users switch without edits: `seq_seed` (alias of
 `seed`), `top_logprobs` (sets `logprobs`), `logprobs=True/False` and `prompt_logprobs=True/False`, and
-`first_n_token_no_eos` (raises `min_tokens` to at least that count).
+`first_n_token_no_eos` (raises `min_tokens` to at least that count). Structured output is vLLM's
+`structured_outputs=StructuredOutputsParams(...)` (its older `guided_decoding=GuidedDecodingParams(...)`
+is the same thing).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -36,6 +39,79 @@ MAX_SEED = 2**64 - 1
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (argmax), as in vLLM; DeepInfer 0.1 clamped them to this value."""
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+"""The constraints `StructuredOutputsParams` offers; a request names exactly one."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's `StructuredOutputsParams`; set exactly one).
+
+    The engine compiles it with xgrammar off the step loop and masks every disallowed token before
+    sampling; the output ends (finish reason "stop") when the grammar is complete. In thinking mode
+    (a prompt ending inside `<think>`) the reasoning is free and the grammar starts after `</think>`.
+    An invalid schema, pattern or grammar raises `ValueError` with xgrammar's message.
+    """
+
+    json: str | dict | None = None
+    """A JSON Schema (a dict, or its JSON text): the output is one JSON value that validates."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF style, rule `root` first) the output is a sentence of."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    json_object: bool | None = None
+    """True: the output is any JSON object (OpenAI's `json_object`)."""
+    disable_any_whitespace: bool = False
+    """JSON only: no free whitespace between tokens (compact `", "`/`": "` separators)."""
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if _is_set(getattr(self, kind))]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as err:
+                raise ValueError(f"structured outputs json is not valid JSON text: {err}") from None
+            self.json = parsed
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured outputs json must be a JSON Schema (a dict or its JSON text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured outputs {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured outputs choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured outputs json_object must be True (or None), got {self.json_object!r}")
+        _check_bool("disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of `STRUCTURED_OUTPUT_KINDS`."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if _is_set(getattr(self, kind)))
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint, equal for equal constraints (the compile cache's key)."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True, separators=(",", ":"))
+
+
+def _is_set(value: object) -> bool:
+    return value is not None and value is not False
+
+
+GuidedDecodingParams = StructuredOutputsParams
+"""vLLM's older name of `StructuredOutputsParams`."""
 
 
 @dataclass
@@ -98,6 +174,11 @@ class SamplingParams:
     """Leave special tokens out of the text."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last k tokens (k >= 1); -1 keeps as many as `max_model_len` allows."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON Schema, regex, EBNF grammar or list of choices (see
+    `StructuredOutputsParams`; a dict of its fields is accepted too)."""
+    guided_decoding: StructuredOutputsParams | None = None
+    """vLLM's older name of `structured_outputs`; kept equal to it."""
 
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences; set when the request reaches the engine, which has the
@@ -120,6 +201,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_token_sets()
         self._validate_output_options()
+        self._validate_structured_outputs()
 
     @property
     def is_greedy(self) -> bool:
@@ -239,6 +321,25 @@ class SamplingParams:
             self.truncate_prompt_tokens = _check_int(
                 "truncate_prompt_tokens", self.truncate_prompt_tokens, low=1,
                 hint=" (-1 keeps what max_model_len allows, None keeps the whole prompt)")
+
+    def _validate_structured_outputs(self) -> None:
+        given = [_structured(name, getattr(self, name)) for name in ("structured_outputs", "guided_decoding")]
+        given = [g for g in given if g is not None]
+        if len(given) == 2 and given[0] != given[1]:
+            raise ValueError("structured_outputs and guided_decoding disagree; guided_decoding is an alias of "
+                             "structured_outputs, give one")
+        self.structured_outputs = self.guided_decoding = given[0] if given else None
+
+
+def _structured(name: str, value: object) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as err:
+            raise ValueError(f"{name}: {err}") from None
+    raise ValueError(f"{name} must be a StructuredOutputsParams (or a dict of its fields), got {value!r}")
 
 
 def _is_int(value: object) -> bool:

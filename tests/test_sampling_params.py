@@ -1,5 +1,6 @@
 """SamplingParams: vLLM defaults, DeepInfer 0.1 spellings, validation and clone; whatever it accepts runs."""
 
+import json
 import math
 
 import numpy
@@ -279,3 +280,30 @@ def test_whatever_is_accepted_runs_through_the_engine(embedded_llm, kwargs):
             if params.allowed_token_ids:
                 assert set(completion.token_ids) <= set(params.allowed_token_ids)
     assert not engine.has_unfinished_requests()
+
+
+# -- structured outputs ----------------------------------------------------------------------------
+
+
+def test_structured_outputs_take_exactly_one_kind_and_vllms_old_spelling() -> None:
+    from deepinfer_core.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=json.dumps(schema)))
+    assert params.structured_outputs == params.guided_decoding == StructuredOutputsParams(json=schema)
+    assert params.structured_outputs.kind == "json"
+    assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs.choice == ["a", "b"]
+    assert StructuredOutputsParams(regex="a+").key != StructuredOutputsParams(grammar="a+").key
+    for fields in ({}, {"json": schema, "regex": "a"}, {"json_object": True, "choice": ["x"]}):
+        with pytest.raises(ValueError, match="exactly one of"):
+            StructuredOutputsParams(**fields)
+    for fields in ({"json": 5}, {"json": "{nope"}, {"regex": ""}, {"grammar": 3}, {"choice": "ab"},
+                   {"choice": []}, {"choice": ["a", 1]}, {"json_object": 1}, {"regex": "a", "disable_any_whitespace": 1}):
+        with pytest.raises(ValueError):
+            StructuredOutputsParams(**fields)
+    for value in (5, "json", {"unknown": 1}):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            SamplingParams(structured_outputs=value)
+    with pytest.raises(ValueError, match="disagree"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
+                       guided_decoding=StructuredOutputsParams(regex="b"))

@@ -103,7 +103,8 @@ class Engine:
         info = self.executor.info
         self.tokenizer = load_tokenizer(self.config.model, model_config)
         self.eos_token_ids = model_config.eos_token_ids
-        self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
+                                                         self.eos_token_ids)
         self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
                                           info.cache_fingerprint)
         self.scheduler = Scheduler(
@@ -295,6 +296,15 @@ class Engine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
                 touched[owner[seq.request_id].request.request_id] = owner[seq.request_id].request
                 continue
+            is_grammar_complete = False
+            if seq.sampling_params.structured_outputs is not None:
+                try:  # before the token is added: a rejected one is never shown
+                    is_grammar_complete = self.structured_output.accept(seq.request_id, token)
+                except GrammarError as err:
+                    logger.error("request %s: %s; it ends with finish_reason 'error'", seq.request_id, err)
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+                    touched[owner[seq.request_id].request.request_id] = owner[seq.request_id].request
+                    continue
             if pending:
                 seq.resolve_pending(token)
             else:
@@ -318,13 +328,8 @@ class Engine:
                 reason = "stop"
             elif reason == "stop" and token in params.stop_token_ids:
                 completion.stop_reason = token
-            if params.structured_outputs is not None and reason is None:
-                try:
-                    if self.structured_output.accept(seq.request_id, token):
-                        reason = "stop"  # the grammar is complete
-                except GrammarError as err:
-                    logger.error("request %s: %s; it ends with finish_reason 'error'", seq.request_id, err)
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            if is_grammar_complete and reason is None:
+                reason = "stop"
             if reason is not None:
                 self.scheduler.finish(seq, _FINISH_STATUS[reason])
             touched[request.request_id] = request

@@ -118,7 +118,7 @@ def sampling_params_for(prepared: PreparedRequest, sampling_params: SamplingPara
 
     if sampling_params is None:
         return SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
-                              top_p=prepared.top_p, seed=prepared.seed)
+                              top_p=prepared.top_p, seed=prepared.seed, structured_outputs=prepared.structured_outputs)
     params = sampling_params.clone()
     if params.max_tokens is None or params.max_tokens > prepared.max_tokens:
         params.max_tokens = prepared.max_tokens

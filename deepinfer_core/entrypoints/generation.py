@@ -48,6 +48,8 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
         body = await read_body(request, state.limits, api)
         prepared = await run_in_threadpool(state.encoding.prepare, api, body, state.context_limit)
         params = _sampling_params(prepared, api)
+        if params.structured_outputs is not None:
+            await _compile_grammar(state, params, api)
     except ApiError as err:
         state.metrics.count_request(api, "error")
         return api_error_response(err)
@@ -89,8 +91,18 @@ def _sampling_params(prepared: PreparedRequest, api: Api) -> SamplingParams:
 
     try:
         return SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
-                              top_p=prepared.top_p, seed=prepared.seed, logprobs=prepared.logprobs)
+                              top_p=prepared.top_p, seed=prepared.seed, logprobs=prepared.logprobs,
+                              structured_outputs=prepared.structured_outputs)
     except (ValueError, NotImplementedError) as err:
+        raise ApiError.from_message(400, str(err), api) from err
+
+
+async def _compile_grammar(state: ServerState, params: SamplingParams, api: Api) -> None:
+    """Compile the request's grammar on the engine's grammar pool, off the event loop and the engine
+    loop; an invalid grammar, or one that compiles too slowly, is a 400 with xgrammar's message."""
+    try:
+        await run_in_threadpool(state.engine.engine.structured_output.wait, params.structured_outputs)
+    except ValueError as err:
         raise ApiError.from_message(400, str(err), api) from err
 
 

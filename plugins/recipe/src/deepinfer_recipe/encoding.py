@@ -9,6 +9,7 @@ from typing import Any
 import deepseek_recipe as dr
 
 from deepinfer_core.chat_contract import Api, ApiError, PreparedRequest, error_body
+from deepinfer_core.sampling_params import StructuredOutputsParams
 from deepinfer_recipe.stream import PROTOCOLS, RecipeOutputStream
 from deepinfer_recipe.tokenizer import V41_MODEL_TYPE, DeepseekTokenizer
 
@@ -18,8 +19,6 @@ DEFAULT_MODEL_NAMES = {
     "deepseek_v4": ["DeepSeek-V4-Flash", "DeepSeek-V4-Pro"],
     "deepseek_v41": ["DeepSeek-V4.1-Flash"],
 }
-# Formats whose promise (the output matches a schema or pattern) only constrained decoding can keep.
-UNENFORCED_FORMATS = ("json_schema", "regex")
 # Prompts (and bodies) longer than this many characters per token of context are counted (cheaply)
 # before the exact encoding; a smaller body is encoded at once, which costs little.
 PRECOUNT_CHARS_PER_TOKEN = 8
@@ -90,6 +89,7 @@ class RecipeChatEncoding:
                 self._reject_too_long(conversation_request.conversation, context_limit, api)
             prompt_token_ids = self.encode(conversation_request.conversation)
             max_tokens = conversation_request.resolve_max_tokens(len(prompt_token_ids), context_limit)
+            structured_outputs = _structured_outputs(conversation_request.inference_options.output_constraint)
         except dr.ConversionError as exc:
             raise ApiError(exc.status_code, _reshape_error_body(exc.status_code, exc.body, api)) from exc
         except ValueError as exc:
@@ -106,6 +106,7 @@ class RecipeChatEncoding:
             top_p=1.0 if options.top_p is None else options.top_p,
             seed=options.seed,
             logprobs=(options.top_logprobs or 0) if options.logprobs else None,
+            structured_outputs=structured_outputs,
             state=state,
         )
 
@@ -140,10 +141,22 @@ class RecipeChatEncoding:
     def _reject_unsupported(conversation: dr.Conversation, api: Api) -> None:
         if any(message.image_sources for message in conversation.messages):
             raise ApiError.from_message(400, "Image inputs are not supported by this server yet.", api)
-        if conversation.response_format in UNENFORCED_FORMATS:
-            raise ApiError.from_message(
-                400, f"response_format {conversation.response_format!r} needs constrained decoding, which this "
-                "server does not do yet; use json_object or text.", api)
+
+
+def _structured_outputs(constraint: dr.OutputConstraint | None) -> StructuredOutputsParams | None:
+    """The engine's constraint for recipe's `response_format` (json_schema, json_object, regex); recipe
+    has already put the schema into the prompt as DeepSeek's API does. JSON is compact (`", "` and
+    `": "` between tokens, no free whitespace): a model can never loop on whitespace, and the answer
+    parses the same. Tool-call constraints stay unenforced, as before (recipe parses the calls)."""
+    if constraint is None:
+        return None
+    if constraint.kind == "json":  # an empty schema is json_object: any object
+        if not constraint.schema:
+            return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+        return StructuredOutputsParams(json=constraint.schema, disable_any_whitespace=True)
+    if constraint.kind == "regex":
+        return StructuredOutputsParams(regex=constraint.schema)
+    return None
 
 
 def _reshape_error_body(status_code: int, body: str, api: Api) -> str:

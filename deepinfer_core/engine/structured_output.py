@@ -1,0 +1,326 @@
+"""Structured output: grammars compiled with xgrammar off the step loop, one matcher per sequence.
+
+`StructuredOutputManager.submit` parses a request's `StructuredOutputsParams` at once (an invalid
+schema, pattern or grammar is a `GrammarError`, a `ValueError`, with xgrammar's message) and compiles
+it against the vocabulary on a small thread pool, cached by the constraint's key under a byte cap. The
+engine then drives it each step:
+
+- `pop_failed` before scheduling: sequences whose compile failed or ran past `compile_timeout_s`;
+  the others start matching once compiled, and `is_ready` (the scheduler's admission predicate)
+  keeps a sequence waiting until then;
+- `fill_bitmask` after scheduling: one packed row (`[rows, ceil(vocab / 32)]` int32) per sampled
+  constrained request, named by its `ScheduledRequest.grammar_row`; the runner applies it to the
+  logits on the device (`apply_bitmask`) before sampling;
+- `accept` with each appended token: the matcher advances; True once the grammar is complete.
+
+In thinking mode (the prompt's last `<think>` comes after its last `</think>`) the reasoning is free:
+the matcher starts with the first token after the model's `</think>`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer_core.engine.plan import StepPlan
+    from deepinfer_core.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 30.0
+"""Longest a grammar may take to compile (from its submission) before its request is refused."""
+CACHE_LIMIT_BYTES = 256 * 2**20
+"""Compiled grammars kept for reuse, least recently used evicted first."""
+NUM_COMPILE_THREADS = 2
+"""Grammars compiled at once (each compile also spreads its mask precomputation over threads)."""
+BATCH_FILL_ROWS = 8
+"""From this many constrained rows on, bitmasks are filled in parallel (xgrammar's batch matcher)."""
+THINK_START, THINK_END = "<think>", "</think>"
+
+_LOG_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?\S+:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (invalid, or too slow), or a token its matcher rejects."""
+
+
+def _xgrammar() -> Any:
+    import xgrammar  # imported on first use: it pulls in transformers
+
+    return xgrammar
+
+
+def _message(err: BaseException) -> str:
+    """xgrammar's message without its log prefix (`[12:00:00] /project/cpp/x.cc:42: `)."""
+    return _LOG_PREFIX.sub("", str(err)).strip()
+
+
+def parse_grammar(spec: StructuredOutputsParams) -> Any:
+    """The xgrammar `Grammar` of `spec` (no vocabulary needed: fast); `GrammarError` if invalid."""
+    xgr, kind = _xgrammar(), spec.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(json.dumps(spec.json), any_whitespace=not spec.disable_any_whitespace)
+        if kind == "json_object":  # any object (OpenAI's json_object)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace,
+                                                strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise GrammarError(f"invalid structured outputs {kind}: {_message(err)}") from None
+
+
+def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> None:
+    """Mask, in place, the disallowed tokens of the constrained rows of `logits` (row k samples
+    `plan.requests[sampled[k]]`); the other rows are not touched."""
+    rows, source = [], []
+    for row, index in enumerate(sampled):
+        grammar_row = plan.requests[index].grammar_row
+        if grammar_row is not None:
+            rows.append(row)
+            source.append(grammar_row)
+    if not rows:
+        return
+    bitmask = plan.grammar_bitmask
+    if rows != source:  # xgrammar reads bitmask row i for logits row i
+        full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
+        full[rows] = bitmask[source]
+        bitmask = full
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+@dataclass
+class _SeqGrammar:
+    compiled: Future
+    submitted_at: float
+    is_reasoning: bool
+    """Still thinking: no mask until the model's `</think>`."""
+    matcher: Any = None
+
+
+class StructuredOutputManager:
+    """Compiles constraints and keeps one matcher per constrained sequence (see the module docstring).
+
+    :param tokenizer: the checkpoint's tokenizer (its `hf` is a `tokenizers.Tokenizer`), or None.
+    :param vocab_size: the model's vocabulary (the logits' width; the mask covers it all).
+    :param stop_token_ids: end-of-sequence ids: the only tokens allowed once a grammar is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S, cache_limit_bytes: int = CACHE_LIMIT_BYTES,
+                 num_threads: int = NUM_COMPILE_THREADS) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.compile_timeout_s, self.cache_limit_bytes = compile_timeout_s, cache_limit_bytes
+        self._num_threads = num_threads
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._cache_bytes: dict[str, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        self._seqs: dict[str, _SeqGrammar] = {}
+        self._pending: set[str] = set()
+        """Sequences whose grammar is not compiled yet (or not yet checked since it was)."""
+        self._batch_matcher: Any = None
+        self._think: tuple[int | None, int | None] | None = None
+
+    # -- compiling (any thread) ---------------------------------------------------------------
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The compile of `spec` (a cached one, or a new one on the pool); `GrammarError` if invalid."""
+        if self.tokenizer is None or not hasattr(self.tokenizer, "hf"):
+            raise GrammarError("structured outputs need the checkpoint's tokenizer.json (none was loaded)")
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+        grammar = parse_grammar(spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="deepinfer-grammar")
+                future = self._cache[key] = self._pool.submit(self._compile, key, spec.kind, grammar)
+            return future
+
+    def wait(self, spec: StructuredOutputsParams) -> Any:
+        """Block until `spec` is compiled (at most `compile_timeout_s`); `GrammarError` if it fails."""
+        try:
+            return self.submit(spec).result(timeout=self.compile_timeout_s)
+        except FutureTimeoutError:
+            raise GrammarError(self._timeout_message(spec.kind)) from None
+
+    def wait_all(self, specs: list[StructuredOutputsParams | None]) -> None:
+        """Compile every constraint in `specs` (None entries skipped) in parallel and wait for all;
+        the first failure raises `GrammarError`."""
+        specs = [spec for spec in specs if spec is not None]
+        for spec in specs:
+            self.submit(spec)
+        for spec in specs:
+            self.wait(spec)
+
+    def _timeout_message(self, kind: str) -> str:
+        return (f"compiling the structured outputs {kind} took longer than {self.compile_timeout_s:g} s; "
+                "simplify it")
+
+    def _compile(self, key: str, kind: str, grammar: Any) -> Any:
+        try:
+            compiled = self._get_compiler().compile_grammar(grammar)
+        except Exception as err:  # noqa: BLE001 - any compile failure is this request's error
+            with self._lock:
+                self._cache.pop(key, None)  # not kept: a later request tries again
+            raise GrammarError(f"cannot compile the structured outputs {kind}: {_message(err)}") from None
+        with self._lock:
+            self._cache_bytes[key] = compiled.memory_size_bytes
+            self._evict()
+        return compiled
+
+    def _evict(self) -> None:
+        while sum(self._cache_bytes.values()) > self.cache_limit_bytes and len(self._cache_bytes) > 1:
+            key = next(k for k in self._cache if k in self._cache_bytes)
+            del self._cache[key], self._cache_bytes[key]  # sequences using it keep their own reference
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                from transformers import PreTrainedTokenizerFast
+
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.hf), vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                                                     cache_enabled=False)
+            return self._compiler
+
+    # -- sequences (the engine's thread) ------------------------------------------------------
+
+    def track(self, seq_id: str, compiled: Future, prompt_token_ids: list[int]) -> None:
+        """Constrain sequence `seq_id` by the grammar `compiled` will hold (from `submit`)."""
+        self._seqs[seq_id] = _SeqGrammar(compiled, time.monotonic(), self._is_thinking(prompt_token_ids))
+        self._pending.add(seq_id)
+
+    def remove(self, seq_id: str) -> None:
+        """Forget a finished or aborted sequence (unknown ids are ignored)."""
+        self._seqs.pop(seq_id, None)
+        self._pending.discard(seq_id)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def has_pending(self) -> bool:
+        """Some sequence waits for its grammar."""
+        return bool(self._pending)
+
+    def is_ready(self, seq: Any) -> bool:
+        """Whether `seq` may be admitted: unconstrained, or its grammar compiled (see `pop_failed`)."""
+        return seq.request_id not in self._pending
+
+    def pop_failed(self) -> list[tuple[str, str]]:
+        """`(seq_id, why)` of sequences whose compile failed or timed out (forgotten here); start the
+        matchers of those whose compile finished."""
+        failed = []
+        now = time.monotonic()
+        for seq_id in list(self._pending):
+            state = self._seqs[seq_id]
+            if state.compiled.done():
+                error = state.compiled.exception()
+                if error is None:
+                    state.matcher = _xgrammar().GrammarMatcher(state.compiled.result())
+                    self._pending.discard(seq_id)
+                    continue
+                failed.append((seq_id, str(error)))
+            elif now - state.submitted_at > self.compile_timeout_s:
+                failed.append((seq_id, self._timeout_message("grammar")))
+            else:
+                continue
+            self.remove(seq_id)
+        return failed
+
+    def wait_pending(self, timeout_s: float) -> None:
+        """Block until some pending grammar is compiled, or `timeout_s` (a step with nothing to run)."""
+        futures = {self._seqs[seq_id].compiled for seq_id in self._pending}
+        if futures:
+            wait_futures(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def fill_bitmask(self, plan: StepPlan) -> StepPlan:
+        """`plan` with a bitmask row for each sampled constrained request (itself if there are none)."""
+        if not self._seqs:
+            return plan
+        rows, matchers = [], []
+        for index, request in enumerate(plan.requests):
+            state = self._seqs.get(request.request_id)
+            if state is None or state.matcher is None or state.is_reasoning or not request.is_sampled:
+                continue
+            if request.num_draft_tokens:
+                raise NotImplementedError("structured outputs with speculative decoding (a mask per draft)")
+            rows.append(index)
+            matchers.append(state.matcher)
+        if not rows:
+            return plan
+        xgr = _xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        if len(rows) >= BATCH_FILL_ROWS:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        else:
+            for row, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(bitmask, row)
+        requests = list(plan.requests)
+        for row, index in enumerate(rows):
+            requests[index] = replace(requests[index], grammar_row=row)
+        return replace(plan, requests=tuple(requests), grammar_bitmask=bitmask)
+
+    def accept(self, seq_id: str, token_id: int) -> bool:
+        """Advance `seq_id`'s matcher by its sampled token; True once the grammar is complete.
+
+        :raises GrammarError: the matcher rejects the token.
+        """
+        state = self._seqs[seq_id]
+        if state.is_reasoning:
+            state.is_reasoning = token_id != self._think_ids()[1]
+            return False
+        if not state.matcher.accept_token(token_id):
+            raise GrammarError(f"token {token_id} does not continue the grammar")
+        return state.matcher.is_terminated()
+
+    def _think_ids(self) -> tuple[int | None, int | None]:
+        if self._think is None:
+            self._think = self.tokenizer.hf.token_to_id(THINK_START), self.tokenizer.hf.token_to_id(THINK_END)
+        return self._think
+
+    def _is_thinking(self, prompt_token_ids: list[int]) -> bool:
+        start, end = self._think_ids()
+        if start is None or end is None:
+            return False
+        for token in reversed(prompt_token_ids):
+            if token == end:
+                return False
+            if token == start:
+                return True
+        return False
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (a compile under way finishes in the background)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

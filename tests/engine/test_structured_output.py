@@ -1,0 +1,196 @@
+"""Structured output on the embedded tiny model (random weights, the real V4 tokenizer): every sampled
+answer follows its grammar and ends by itself; unconstrained batch-mates are untouched; thinking is free;
+bad grammars, slow compiles and matcher errors end cleanly."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import threading
+from dataclasses import replace
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.engine import Engine
+from deepinfer_core.engine.structured_output import GrammarError, StructuredOutputManager
+from deepinfer_core.sampling_params import StructuredOutputsParams
+from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
+
+jsonschema = pytest.importorskip("jsonschema")
+
+NUM_SAMPLES = 50
+SCHEMA = {  # nested objects, an array, enums, bounded integer and number, required and optional fields
+    "type": "object",
+    "properties": {
+        "k": {"enum": ["cat", "dog"]},
+        "p": {"type": "object", "required": ["x"], "properties": {
+            "x": {"type": "integer", "minimum": -9, "maximum": 9},
+            "n": {"type": "number", "minimum": -1, "maximum": 1}}},
+        "t": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["k", "p", "t"],
+}
+REGEX = r"[a-z]{2,4}-[0-9]{2}"
+EBNF = 'root ::= "(" num (("+" | "*") num)? ")"\nnum ::= [0-9] | [1-9] [0-9]'
+CHOICES = ["red", "green", "blue"]
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "ebnf": StructuredOutputsParams(grammar=EBNF),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """One engine for the module (its vocabulary is indexed for xgrammar once); decode overlapped, as on CUDA."""
+    return LLM(str(embedded_tiny_model_dir()), max_model_len=256, max_num_seqs=256, num_kv_blocks=260, device="cpu",
+               async_scheduling=True)
+
+
+@pytest.fixture(scope="module")
+def answers(llm: LLM) -> dict[str, list]:
+    """NUM_SAMPLES answers per constraint, sampled at temperature 1 (one seed and prompt each), in one batch."""
+    prompts, params = [], []
+    for k, constraint in enumerate(CONSTRAINTS.values()):
+        for i in range(NUM_SAMPLES):
+            prompts.append({"prompt_token_ids": [0, 1000 + NUM_SAMPLES * k + i]})
+            params.append(SamplingParams(max_tokens=80, seed=i, structured_outputs=constraint))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return {name: [o.outputs[0] for o in outputs[NUM_SAMPLES * k : NUM_SAMPLES * (k + 1)]]
+            for k, name in enumerate(CONSTRAINTS)}
+
+
+def completed_texts(outputs: list) -> list[str]:
+    assert [o.finish_reason for o in outputs] == ["stop"] * NUM_SAMPLES  # each ended by its grammar
+    return [o.text for o in outputs]
+
+
+def test_json_schema_answers_validate(answers) -> None:
+    texts = completed_texts(answers["json"])
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1
+
+
+def test_regex_answers_fully_match(answers) -> None:
+    assert all(re.fullmatch(REGEX, text) for text in completed_texts(answers["regex"]))
+
+
+def test_ebnf_answers_parse(answers) -> None:
+    for text in completed_texts(answers["ebnf"]):
+        tree = ast.parse(text, mode="eval").body
+        numbers = [tree.left, tree.right] if isinstance(tree, ast.BinOp) else [tree]
+        assert isinstance(tree, ast.BinOp | ast.Constant) and re.fullmatch(r"\(.*\)", text)
+        assert all(isinstance(n, ast.Constant) and 0 <= n.value <= 99 for n in numbers)
+
+
+def test_choice_answers_are_choices(answers) -> None:
+    assert set(completed_texts(answers["choice"])) <= set(CHOICES)
+
+
+def test_bad_constraints_are_value_errors_with_xgrammars_message(llm: LLM) -> None:
+    bad = {"Unclosed '['": StructuredOutputsParams(regex="[a-"),
+           'Rule "foo" is not defined': StructuredOutputsParams(grammar="root ::= foo"),
+           "Type should be a string": StructuredOutputsParams(json={"type": 5})}
+    for message, constraint in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate([{"prompt_token_ids": [0, 5]}], SamplingParams(structured_outputs=constraint))
+        with pytest.raises(GrammarError, match=re.escape(message)):
+            llm.engine.add_request("bad", [0, 5], SamplingParams(structured_outputs=constraint))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def run_engine(engine: Engine, requests: dict[str, SamplingParams], prompt=(0, 7)) -> dict:
+    for request_id, params in requests.items():
+        engine.add_request(request_id, list(prompt) + [len(request_id)], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    return done
+
+
+@pytest.fixture(scope="module")
+def overlapped_engine(llm: LLM) -> Engine:
+    return llm.engine
+
+
+def free(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=8, seed=seed, ignore_eos=True, logprobs=2)
+
+
+def test_unconstrained_rows_are_identical_with_constrained_batch_mates(overlapped_engine: Engine) -> None:
+    alone = run_engine(overlapped_engine, {f"free{i}": free(i) for i in range(3)})
+    mixed = {f"free{i}": free(i) for i in range(3)}
+    mixed |= {f"re{i}": SamplingParams(max_tokens=16, seed=i, structured_outputs=CONSTRAINTS["regex"]) for i in range(3)}
+    together = run_engine(overlapped_engine, dict(sorted(mixed.items(), key=lambda item: item[0][-1])))
+    for i in range(3):
+        assert together[f"free{i}"].token_ids == alone[f"free{i}"].token_ids
+        assert together[f"free{i}"].logprobs == alone[f"free{i}"].logprobs
+        assert together[f"re{i}"].finish_reason == "stop" and re.fullmatch(REGEX, together[f"re{i}"].text)
+
+
+def test_thinking_is_free_and_the_grammar_constrains_the_answer(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    think, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    # the bias makes the model end its thinking at once: possible only while the grammar is off
+    params = SamplingParams(max_tokens=12, seed=3, logit_bias={end: 100.0}, structured_outputs=CONSTRAINTS["choice"])
+    thinking, closed, plain = (o.outputs[0] for o in llm.generate(
+        [{"prompt_token_ids": ids} for ids in ([0, 5, think], [0, 5, think, 7, end], [0, 5])], params, use_tqdm=False))
+    assert thinking.token_ids[0] == end and tokenizer.decode(thinking.token_ids[1:], skip_special_tokens=True) in CHOICES
+    for answer in (closed, plain):  # thinking over (or off): constrained from the first token
+        assert end not in answer.token_ids and answer.text in CHOICES
+    assert thinking.finish_reason == closed.finish_reason == plain.finish_reason == "stop"
+
+
+def test_a_matcher_error_ends_that_request_alone(overlapped_engine: Engine, monkeypatch) -> None:
+    manager = overlapped_engine.structured_output
+    fill = manager.fill_bitmask
+
+    def unmask_bad(plan):  # the request "bad" samples without its mask: the matcher rejects the token
+        plan = fill(plan)
+        return replace(plan, requests=tuple(replace(r, grammar_row=None) if r.request_id == "bad" else r
+                                            for r in plan.requests))
+
+    monkeypatch.setattr(manager, "fill_bitmask", unmask_bad)
+    choice = CONSTRAINTS["choice"]
+    done = run_engine(overlapped_engine, {"bad": SamplingParams(max_tokens=8, seed=1, structured_outputs=choice),
+                                          "good": SamplingParams(max_tokens=8, seed=1, structured_outputs=choice),
+                                          "free": free(0)})
+    assert done["bad"].finish_reason == "error" and done["bad"].token_ids == []
+    assert done["good"].finish_reason == "stop" and done["good"].text in CHOICES
+    assert done["free"].finish_reason == "length" and len(done["free"].token_ids) == 8
+
+
+@pytest.fixture
+def stalled_compiler(overlapped_engine: Engine, monkeypatch):
+    """The engine's grammar compiles block until the test ends; the timeout is 0.1 s."""
+    manager = overlapped_engine.structured_output
+    release = threading.Event()
+    compiler = manager._get_compiler()
+    monkeypatch.setattr(manager, "compile_timeout_s", 0.1)
+    monkeypatch.setattr(manager, "_get_compiler", lambda: release.wait() and compiler)
+    yield manager
+    release.set()
+
+
+def test_a_compile_timeout_ends_the_request_with_an_error(overlapped_engine: Engine, stalled_compiler) -> None:
+    with pytest.raises(GrammarError, match="took longer than 0.1 s"):
+        stalled_compiler.wait(StructuredOutputsParams(regex="[0-9]{3}"))
+    slow = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}"))
+    done = run_engine(overlapped_engine, {"slow": slow, "free": free(0)})
+    assert done["slow"].finish_reason == "error" and done["slow"].token_ids == []
+    assert done["free"].finish_reason == "length"
+
+
+def test_compiles_are_cached_by_key_under_a_byte_cap(llm: LLM) -> None:
+    manager = StructuredOutputManager(llm.get_tokenizer(), llm.engine.model_config.vocab_size, [1],
+                                      cache_limit_bytes=1)
+    first = manager.submit(StructuredOutputsParams(choice=["a", "b"]))
+    assert manager.submit(StructuredOutputsParams(choice=["a", "b"])) is first  # while it is the newest
+    first.result()
+    manager.wait(StructuredOutputsParams(choice=["c"]))
+    assert manager.submit(StructuredOutputsParams(choice=["a", "b"])) is not first  # evicted: over the cap
+    manager.shutdown()

@@ -5,6 +5,9 @@
   408 and its connection closed, so a client that stops sending mid-body holds nothing for long.
 - uvicorn caps the connections and tasks it serves at once (`limit_concurrency`, answered 503 beyond)
   and closes idle keep-alive connections after `timeout_keep_alive_s`.
+- A connection whose request headers do not arrive whole within `header_read_timeout_s` (of the
+  connection's start, or of the last response on it) is closed: uvicorn has no such timeout, so its h11
+  protocol is served with one (`BoundedHeadersH11`), and a client trickling headers holds nothing long.
 - A prompt whose text is longer in bytes than the context could hold is rejected before it is
   tokenized (`max_prompt_bytes`): no token of the vocabulary is longer than its longest entry.
 """
@@ -24,6 +27,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 DEFAULT_LIMIT_CONCURRENCY = 1024
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+DEFAULT_HEADER_READ_TIMEOUT_S = 10.0
 
 
 class ClientGone(Exception):
@@ -42,16 +46,62 @@ class HttpLimits:
     """Most connections and tasks served at once (uvicorn answers 503 beyond); None: no cap."""
     timeout_keep_alive_s: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     """Seconds an idle keep-alive connection stays open."""
+    header_read_timeout_s: float = DEFAULT_HEADER_READ_TIMEOUT_S
+    """Seconds a request's headers may take to arrive whole; then the connection is closed."""
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.body_read_timeout_s <= 0 or self.timeout_keep_alive_s <= 0:
+        if (self.max_body_bytes <= 0 or self.body_read_timeout_s <= 0 or self.timeout_keep_alive_s <= 0
+                or self.header_read_timeout_s <= 0):
             raise ValueError(f"HTTP limits must be positive, got {self}")
         if self.limit_concurrency is not None and self.limit_concurrency <= 0:
             raise ValueError(f"limit_concurrency must be positive or None, got {self.limit_concurrency}")
 
     def uvicorn_options(self) -> dict[str, Any]:
         """Keyword arguments for `uvicorn.Config`."""
-        return {"limit_concurrency": self.limit_concurrency, "timeout_keep_alive": self.timeout_keep_alive_s}
+        return {"limit_concurrency": self.limit_concurrency, "timeout_keep_alive": self.timeout_keep_alive_s,
+                "http": bounded_headers_protocol(self.header_read_timeout_s)}
+
+
+def bounded_headers_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `timeout_s`."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedHeadersH11(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # this request's headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request on this connection gets its own deadline
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return BoundedHeadersH11
 
 
 async def read_body(request: Request, limits: HttpLimits, api: Api) -> bytes:

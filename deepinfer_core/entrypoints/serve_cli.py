@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from deepinfer_core.entrypoints.auth import API_KEY_ENV
 from deepinfer_core.entrypoints.limits import (
     DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_HEADER_READ_TIMEOUT_S,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
@@ -67,6 +68,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
     http.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
                       help=f"seconds a request body may take to arrive, then 408 (default {DEFAULT_BODY_READ_TIMEOUT_S:g})")
+    http.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S,
+                      help="seconds a request's headers may take to arrive, then the connection is closed "
+                           f"(default {DEFAULT_HEADER_READ_TIMEOUT_S:g})")
     http.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
                       help=f"most connections served at once, 503 beyond (default {DEFAULT_LIMIT_CONCURRENCY})")
     http.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
@@ -86,7 +90,8 @@ def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:
 def http_limits_of(args: argparse.Namespace) -> HttpLimits:
     """The HTTP limits the parsed options ask for."""
     return HttpLimits(max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout,
-                      limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive)
+                      limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive,
+                      header_read_timeout_s=args.header_read_timeout)
 
 
 @contextmanager

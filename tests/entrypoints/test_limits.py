@@ -43,6 +43,26 @@ def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(live_serv
     assert b'"type": "error"' in body and b"did not arrive within 0.3 s" in body
 
 
+def test_headers_that_stop_arriving_close_the_connection_and_others_are_served() -> None:
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping() -> dict:
+        return {"ok": True}
+
+    with running_server(app, limits=HttpLimits(header_read_timeout_s=0.5)) as base_url:
+        with connect(base_url) as slow, connect(base_url) as kept:
+            slow.sendall(b"GET /ping HTTP/1.1\r\nhost: x\r\n")  # the headers never end
+            kept.sendall(b"GET /ping HTTP/1.1\r\nhost: x\r\n\r\n")  # keep-alive: a second request follows
+            first = b""
+            while not first.endswith(b'{"ok":true}'):
+                first += kept.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200")
+            kept.sendall(b"GET /ping HTTP/1.1\r\nhost: x\r\n")  # ... but its headers stop too
+            assert read_all(slow) == b"" and read_all(kept) == b""  # both closed, well before the 10 s socket timeout
+        assert httpx.get(f"{base_url}/ping").json() == {"ok": True}
+
+
 def test_connections_beyond_the_cap_are_refused() -> None:
     app = FastAPI()
 
@@ -64,8 +84,9 @@ def test_connections_beyond_the_cap_are_refused() -> None:
 
 
 def test_limits_reach_uvicorn() -> None:
-    assert HttpLimits(limit_concurrency=7, timeout_keep_alive_s=3).uvicorn_options() == {
-        "limit_concurrency": 7, "timeout_keep_alive": 3}
+    options = HttpLimits(limit_concurrency=7, timeout_keep_alive_s=3).uvicorn_options()
+    assert options.pop("http").__name__ == "BoundedHeadersH11"
+    assert options == {"limit_concurrency": 7, "timeout_keep_alive": 3}
     with pytest.raises(ValueError, match="positive"):
         HttpLimits(body_read_timeout_s=0)
 

@@ -10,16 +10,24 @@
   protocol is served with one (`BoundedHeadersH11`), and a client trickling headers holds nothing long.
 - A prompt whose text is longer in bytes than the context could hold is rejected before it is
   tokenized (`max_prompt_bytes`): no token of the vocabulary is longer than its longest entry.
+- After a request whose body was large (`TRIM_AFTER_BYTES`), the C heap is trimmed (glibc's
+  `malloc_trim`), so memory a burst of large bodies took returns to the system instead of staying in
+  the allocator's per-thread arenas.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer_core.chat_contract import Api, ApiError
 
@@ -28,6 +36,9 @@ DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 DEFAULT_LIMIT_CONCURRENCY = 1024
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
 DEFAULT_HEADER_READ_TIMEOUT_S = 10.0
+
+
+TRIM_AFTER_BYTES = 1024 * 1024
 
 
 class ClientGone(Exception):
@@ -168,3 +179,38 @@ __all__ = [
     "DEFAULT_BODY_READ_TIMEOUT_S", "DEFAULT_LIMIT_CONCURRENCY", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_TIMEOUT_KEEP_ALIVE_S",
     "ClientGone", "HttpLimits", "check_prompt_bytes", "max_prompt_bytes", "max_token_bytes_of", "read_body",
 ]
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+class TrimHeapAfterLargeBodies:
+    """ASGI middleware: once a request with a body over `TRIM_AFTER_BYTES` is answered, trim the heap."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            trim = _malloc_trim()
+            if received > TRIM_AFTER_BYTES and trim is not None:
+                await run_in_threadpool(trim, 0)

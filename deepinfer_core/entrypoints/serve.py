@@ -32,7 +32,13 @@ from deepinfer_core.entrypoints.chat import load_chat_encoding
 from deepinfer_core.entrypoints.completions import handle_completions
 from deepinfer_core.entrypoints.errors import add_error_handlers, api_error_response, error_response
 from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, handle_generation
-from deepinfer_core.entrypoints.limits import ClientGone, HttpLimits, max_token_bytes_of, read_body
+from deepinfer_core.entrypoints.limits import (
+    ClientGone,
+    HttpLimits,
+    TrimHeapAfterLargeBodies,
+    max_token_bytes_of,
+    read_body,
+)
 from deepinfer_core.entrypoints.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -104,6 +110,7 @@ def build_app(
     app.state.server = state
     add_error_handlers(app)
     _add_routes(app, state)
+    app.add_middleware(TrimHeapAfterLargeBodies)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app

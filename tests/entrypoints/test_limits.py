@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import socket
+import time
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.entrypoints.limits import HttpLimits, check_prompt_bytes, max_prompt_bytes
@@ -167,3 +168,28 @@ def test_the_byte_bound() -> None:
     with pytest.raises(ApiError) as err:
         check_prompt_bytes("é" * 101, context_limit=100, max_token_bytes=2, api="messages")
     assert err.value.status_code == 400 and '"type": "error"' in err.value.body
+
+
+def test_the_heap_is_trimmed_after_a_large_body_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer_core.entrypoints import limits
+
+    assert limits._malloc_trim() is not None  # glibc here: the real one is found
+    trims = []
+    monkeypatch.setattr(limits, "_malloc_trim", lambda: trims.append)
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        return {"bytes": len(await request.body())}
+
+    app.add_middleware(limits.TrimHeapAfterLargeBodies)
+    with running_server(app, limits=HttpLimits()) as base_url:
+        assert httpx.post(f"{base_url}/echo", content=b"x" * 1000).json() == {"bytes": 1000}
+        assert trims == []
+        big = limits.TRIM_AFTER_BYTES + 1
+        assert httpx.post(f"{base_url}/echo", content=b"x" * big).json() == {"bytes": big}
+        for _ in range(100):  # the trim runs once the answer is sent
+            if trims:
+                break
+            time.sleep(0.02)
+        assert trims == [0]

@@ -566,3 +566,19 @@ def test_a_preempted_request_comes_back_as_a_new_request_with_its_whole_table():
     readmitted = [n for p in plans if p is not None for n in p.new_requests if n.request_id == "new"]
     assert len(readmitted) >= 2 and readmitted[-1].block_ids  # readmitted with a fresh full table
     assert finished["new"].output_token_ids == reference_output(list(range(1, 8)), 6)
+
+
+def test_a_waiting_sequence_that_is_not_admissible_is_skipped_not_blocking() -> None:
+    ready: set[str] = {"b"}
+    manager = BlockManager(64, BS)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=BS,
+                             sliding_window=BS)
+    scheduler = Scheduler(config, manager, 8, is_admissible=lambda seq: seq.request_id in ready)
+    for request_id in ("a", "b"):
+        scheduler.add(make_seq(request_id, [1, 2, 3]))
+    plan = scheduler.schedule()
+    assert [r.request_id for r in plan.requests] == ["b"] and [s.request_id for s in scheduler.waiting] == ["a"]
+    ready.add("a")
+    scheduler.postprocess(plan)
+    scheduler.running[0].append_token(7)
+    assert sorted(r.request_id for r in scheduler.schedule().requests) == ["a", "b"]

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -39,6 +38,7 @@ DEFAULT_HEADER_READ_TIMEOUT_S = 10.0
 
 
 TRIM_AFTER_BYTES = 1024 * 1024
+TRIM_DELAY_S = 0.2
 
 
 class ClientGone(Exception):
@@ -213,4 +213,6 @@ class TrimHeapAfterLargeBodies:
         finally:
             trim = _malloc_trim()
             if received > TRIM_AFTER_BYTES and trim is not None:
-                await run_in_threadpool(trim, 0)
+                # a little later: the request's objects are freed only once this call has unwound
+                loop = asyncio.get_running_loop()
+                loop.call_later(TRIM_DELAY_S, loop.run_in_executor, None, trim, 0)

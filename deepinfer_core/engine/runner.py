@@ -28,6 +28,7 @@ from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan,
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, weight_formats
+from deepinfer_core.models.checkpoint_layout import tensor_schema
 from deepinfer_core.models.interface import (
     CausalLM,
     ForwardContext,
@@ -36,7 +37,7 @@ from deepinfer_core.models.interface import (
     tensors_identity,
 )
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
-from deepinfer_core.models.weights import load_weights
+from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,9 @@ class ModelRunner:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
                                    keep_fp4=self.plans[0].moe.expert_format == "fp4")
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
-        weights = {name: t.to(self.device) for name, t in weights.items()}
-        model.load_state_dict(_match_param_dtypes(model, weights), strict=True, assign=True)
+        # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
+        weights = match_param_dtypes(weights, tensor_schema(model), self.device)
+        model.load_state_dict(weights, strict=True, assign=True)
         return model.eval()
 
     def _bind_backends(self) -> None:
@@ -332,12 +334,6 @@ def _flat_block_tables(states: list[RequestState], width: int, fill: int) -> lis
         flat += state.block_table
         flat += [fill] * (width - len(state.block_table))
     return flat
-
-
-def _match_param_dtypes(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Cast each loaded tensor to the dtype the model declares for it (norms, hc and biases stay fp32)."""
-    declared = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    return {name: t.to(declared[name].dtype) if name in declared else t for name, t in weights.items()}
 
 
 def _host_memory() -> int:

@@ -34,13 +34,22 @@ def run(engine, prompts):
 def test_nonfinite_logits_end_that_request_alone_with_an_error(tmp_path, async_scheduling):
     generator = torch.Generator().manual_seed(3)
     clean = [torch.randint(POISON + 1, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in (20, 9)]
-    poisoned = dict(WEIGHTS)
-    poisoned["model.embed_tokens.weight"] = WEIGHTS["model.embed_tokens.weight"].clone()
-    poisoned["model.embed_tokens.weight"][POISON] = float("inf")
+    engine = engine_with(tmp_path, WEIGHTS, async_scheduling=async_scheduling)
+    embedding = engine.runner.model.model.embed_tokens.weight
+    embedding.data = embedding.data.clone()  # its storage is WEIGHTS' (loaded by assignment): poison a copy
+    embedding.data[POISON] = float("inf")  # after loading, which refuses non-finite weights
     mid_answer = clean[0][:5] + [POISON]  # poisoned from its first token on
-    done = run(engine_with(tmp_path, poisoned, async_scheduling=async_scheduling), [mid_answer, *clean])
+    done = run(engine, [mid_answer, *clean])
     assert done["0"].finish_reason == "error" and done["0"].token_ids == [] and done["0"].logprobs == []
     reference = run(engine_with(tmp_path, WEIGHTS), clean)
     for i in (1, 2):
         assert done[str(i)].finish_reason == "length"
         assert done[str(i)].token_ids == reference[str(i - 1)].token_ids
+
+
+def test_given_weights_are_checked_like_a_checkpoints(tmp_path):
+    poisoned = dict(WEIGHTS)
+    poisoned["lm_head.weight"] = WEIGHTS["lm_head.weight"].clone()
+    poisoned["lm_head.weight"][3, 1] = float("nan")
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine_with(tmp_path, poisoned)

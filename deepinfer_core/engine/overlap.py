@@ -53,14 +53,14 @@ def can_leave_in_flight(plan: StepPlan, result: StepResult) -> bool:
 
 def can_overlap(scheduler: Scheduler, max_model_len: int) -> bool:
     """Whether the next plan will be all decodes (nothing waiting, every running sequence decoding), so it
-    may launch before the step in flight is settled; not when every running sequence's pending token ends
-    it by length (that step would compute nothing anybody reads), nor when a sequence's sampling reads its
-    generated ids (penalties: the runner needs the last one on the host) or is constrained by a grammar
-    (its matcher needs the last one before the next mask)."""
-    if scheduler.waiting or any(seq.is_prefill or seq.needs_token_history
-                                or seq.sampling_params.structured_outputs is not None for seq in scheduler.running):
+    may launch before the step in flight is settled. Sequences whose next step needs their last token on
+    the host (`Sequence.needs_host_token`: penalties, a grammar) sit that step out (`waits_for_host`), so
+    it launches only if some other sequence would decode in it, not by length alone (a step whose every
+    token ends its sequence by length would compute nothing anybody reads)."""
+    if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):
         return False
-    return not all(
-        ends_by_length(seq.sampling_params, seq.num_output_tokens, seq.num_tokens >= max_model_len)
+    return any(
+        not seq.needs_host_token
+        and not ends_by_length(seq.sampling_params, seq.num_output_tokens, seq.num_tokens >= max_model_len)
         for seq in scheduler.running
     )

@@ -252,8 +252,8 @@ class Scheduler:
 
     def _schedule_decodes(self, step: _Step) -> None:
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill:
-                continue  # preempted by an older sequence this step, or prefilling
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefill or seq.waits_for_host:
+                continue  # preempted by an older sequence this step, prefilling, or its token is in flight
             if seq.num_uncomputed_tokens < 1:
                 raise RuntimeError(
                     f"{seq!r} has no uncomputed token: append the sampled token (or finish the sequence) "
@@ -272,7 +272,7 @@ class Scheduler:
         if len(step.seqs) == len(self.running):
             return  # every running sequence is decoding this step
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled:
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled or seq.waits_for_host:
                 continue
             if not self._has_room(step):
                 return

@@ -80,7 +80,11 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.needs_token_history = needs_token_history(sampling_params)
-        """Its sampling reads its own ids (penalties): the runner is sent them, and it never overlaps."""
+        """Its sampling reads its own ids (penalties): the runner is sent them."""
+        self.needs_host_token = (self.needs_token_history
+                                 or getattr(sampling_params, "structured_outputs", None) is not None)
+        """Its next step needs its last token on the host (penalties, a grammar's mask): with overlapped
+        decode it sits out the step launched while that token is still on the device."""
         if seed is None:
             seed = getattr(sampling_params, "seed", None)
         self.seed = seed if seed is not None else secrets.randbits(_SEED_BITS)
@@ -139,6 +143,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waits_for_host(self) -> bool:
+        """Its last token is still on the device and its next step needs it on the host (see
+        `needs_host_token`): it is not scheduled until the step in flight is settled."""
+        return self.needs_host_token and self.token_ids[-1] == PENDING_TOKEN
 
     @property
     def is_prefill(self) -> bool:

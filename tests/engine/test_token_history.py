@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
+from deepinfer_core.engine.plan import PENDING_TOKEN
 from tests.engine.test_engine import CONFIG, make_engine, random_prompts
 from tests.oracle import hf_model, random_state_dict
 
@@ -43,10 +44,16 @@ def test_penalised_greedy_equals_the_oracle_under_chunking_and_preemption(tmp_pa
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                 **{names[k]: v for k, v in pen.items()})
         engine.add_request(str(i), prompt, params)
+    plans, execute = [], engine.executor.execute
+    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert engine.stats()["num_preemptions"] > 0, "the pool was meant to force a readmission"
+    pending = [r for plan in plans for r in plan.requests if PENDING_TOKEN in r.token_ids]
+    assert all(r.request_id == "3" for r in pending)  # a penalised request's input is never left on the device
+    if async_scheduling:  # ... but the plain request beside them still decodes overlapped
+        assert len(pending) >= 3
     for i, (prompt, pen) in enumerate(zip(prompts, penalties)):
         assert done[str(i)].outputs[0].token_ids == penalised_greedy(oracle, prompt, 12, **pen), i
     plain = penalised_greedy(oracle, prompts[0], 12)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.plan import StepPlan, StepResult
 
@@ -57,8 +58,6 @@ class Executor(Protocol):
 
 
 def runner_info(runner) -> ModelSideInfo:
-    from deepinfer_core.models.layer_plan import BLOCK_SIZE
-
     return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device)
 
 

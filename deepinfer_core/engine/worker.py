@@ -15,6 +15,7 @@ import os
 import pickle
 import sys
 import traceback
+from dataclasses import fields, replace
 from datetime import timedelta
 
 import torch
@@ -61,8 +62,6 @@ def build_runner(model_config: ModelConfig, engine_config: EngineConfig, device:
 def host_result(result: StepResult) -> StepResult:
     """`result` with every tensor on the host (what crosses a process boundary)."""
     if result.output is not None:
-        from dataclasses import fields, replace
-
         values = {f.name: getattr(result.output, f.name) for f in fields(result.output)}
         result.output = replace(result.output, **{name: value.cpu() for name, value in values.items()
                                                   if isinstance(value, torch.Tensor)})

@@ -80,11 +80,6 @@ class ScheduledRequest:
         """Tokens in the cache once this step ran."""
         return self.start + len(self.token_ids)
 
-    @property
-    def num_logits_rows(self) -> int:
-        """Rows sampled or verified for this request: the last token's plus one per draft."""
-        return 1 + self.num_draft_tokens if self.is_sampled else 0
-
 
 @dataclass(frozen=True)
 class CacheOp:

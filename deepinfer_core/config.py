@@ -440,6 +440,20 @@ class EngineConfig(BaseModel):
         "last sliding_window (SWA Bounded Replay, approximate, for models built for it); None takes the "
         "model family's default (SWA_REPLAY_DEFAULTS).",
     )
+    host_cache_gib: float = Field(
+        0.0, ge=0, description="GiB of (pinned, with CUDA) host memory holding prefix-cache blocks behind the "
+        "device cache, least recently used out; 0: no host tier. Needs enable_prefix_caching.")
+    prefix_store_path: str | None = Field(
+        None, description="Directory (any POSIX path, shared by several engines; a 3FS mount in production) or "
+        "plugin URL (scheme://...) of the prefix store: computed blocks are written there and found again by "
+        "any engine of the same model, across restarts. Needs enable_prefix_caching.")
+    prefix_store_gib: float | None = Field(
+        None, gt=0, description="Capacity of the prefix store in GiB (the blocks expiring first go beyond it); "
+        "None: unlimited.")
+    prefix_store_ttl_s: dict[str, float] | None = Field(
+        None, description="Seconds a stored block lives after its last use, per traffic class "
+        "(SamplingParams.traffic_class); None: agent 3 days, chat 7 days.")
+    default_traffic_class: str = Field("chat", description="Traffic class of requests that name none.")
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
     quantized_weights: Literal["native", "dequantize"] = Field(
@@ -470,6 +484,13 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model!r} is not a checkpoint directory (no config.json in it)")
+        if (self.host_cache_gib or self.prefix_store_path) and not self.enable_prefix_caching:
+            raise ValueError("host_cache_gib and prefix_store_path extend the prefix cache: set "
+                             "enable_prefix_caching=True too")
+        if self.prefix_store_path:
+            from deepinfer_core.engine.prefix_store import DEFAULT_TRAFFIC_TTL_S, check_traffic_classes
+
+            check_traffic_classes(self.prefix_store_ttl_s or DEFAULT_TRAFFIC_TTL_S, self.default_traffic_class)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -202,4 +202,17 @@ def register_models(register: Callable[..., None]) -> None:
     """
 
 
+
+@hookspec
+def register_prefix_stores(register: Callable[..., None]) -> None:
+    """Offer prefix-store backends for `prefix_store_path` locations of the form `scheme://...` (3FS's
+    native USRBIO client, Mooncake Store, ...); a plain directory path always uses POSIX files.
+
+    Call `register(scheme, factory)` where `factory(location: str)` returns an object satisfying
+    `deepinfer_core.engine.store_backends.StoreBackend` (named objects written atomically: `put`, `get`,
+    `contains`, `delete`, `touch`, `scan`). When two plugins register one scheme, the first asked wins.
+
+    :param register: the registration callback.
+    """
+
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]

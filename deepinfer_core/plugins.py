@@ -416,6 +416,17 @@ def chat_encodings() -> dict[str, Callable[..., Any]]:
     return encodings
 
 
+def prefix_store_backends() -> dict[str, Callable[[str], Any]]:
+    """Prefix-store backend factories by URL scheme (`register_prefix_stores`); the first asked wins a scheme."""
+    backends: dict[str, Callable[[str], Any]] = {}
+
+    def register(scheme: str, factory: Callable[[str], Any]) -> None:
+        backends.setdefault(scheme, factory)
+
+    get_plugin_manager().hook.register_prefix_stores(register=register)
+    return backends
+
+
 def model_entries() -> list:
     """Model families registered by plugins (`register_models`), as `ModelEntry`s in call order."""
     from deepinfer_core.models.registry import ModelEntry

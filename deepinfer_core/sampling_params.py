@@ -179,6 +179,9 @@ class SamplingParams:
     `StructuredOutputsParams`; a dict of its fields is accepted too)."""
     guided_decoding: StructuredOutputsParams | None = None
     """vLLM's older name of `structured_outputs`; kept equal to it."""
+    traffic_class: str | None = None
+    """Retention class of the prompt's blocks in the prefix store ("agent", "chat", or another class the
+    engine's `prefix_store_ttl_s` names); None: the engine's `default_traffic_class`."""
 
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences; set when the request reaches the engine, which has the
@@ -202,6 +205,8 @@ class SamplingParams:
         self._validate_token_sets()
         self._validate_output_options()
         self._validate_structured_outputs()
+        if self.traffic_class is not None and not (isinstance(self.traffic_class, str) and self.traffic_class):
+            raise ValueError(f"traffic_class must be a non-empty string (e.g. 'agent', 'chat'), got {self.traffic_class!r}")
 
     @property
     def is_greedy(self) -> bool:

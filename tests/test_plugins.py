@@ -344,6 +344,20 @@ def test_model_entries_come_from_register_models(isolated_plugin_manager):
         "my_model", ("MyForCausalLM",), "my_pkg.model:MyForCausalLM", "deepinfer_core.config:ModelConfig")
 
 
+def test_prefix_store_backends_come_from_register_prefix_stores(isolated_plugin_manager, tmp_path):
+    from deepinfer_core.engine.store_backends import PosixBackend, open_backend
+
+    class Usrbio:
+        @hookimpl
+        def register_prefix_stores(self, register):
+            register("3fs", lambda location: PosixBackend(tmp_path / location.removeprefix("3fs://")))
+
+    isolated_plugin_manager.register(Usrbio(), name="usrbio")
+    assert set(plugins.prefix_store_backends()) == {"3fs"}
+    backend = open_backend("3fs://cluster/kv")
+    assert isinstance(backend, PosixBackend) and backend.root == tmp_path / "cluster" / "kv"
+
+
 # ------------------------------------------------------------------------------------------------ loading
 
 

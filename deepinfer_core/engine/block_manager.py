@@ -13,6 +13,11 @@ stored parent is exactly the block matched just before it, so a hash collision c
 wrong block. Every registration gets a fresh id, and a child remembers its parent's id, so a parent
 evicted and re-registered with other content never revives stale children.
 
+Tiers below the device (`prefix_tiers.PrefixTiers`, optional): a block this manager registers is
+queued to be saved to the host tier and the store; a match that runs past the device's blocks takes
+the next ones from the host tier or from what the store's loader staged for the request, into fresh
+device blocks registered at once (their bytes arrive by a "load" cache op before the step's forward).
+
 Free-pool invariant: `num_free_blocks` counts never-cached free blocks plus cached blocks no request
 references (those stay reusable by a prefix hit until evicted, least recently released first).
 Allocating and then freeing a request leaves `num_free_blocks` and every reference count as they were;
@@ -31,12 +36,15 @@ from itertools import count
 from typing import get_args
 
 from deepinfer_core.config import SwaReplay
+from deepinfer_core.engine.plan import CacheOp
+from deepinfer_core.engine.prefix_tiers import BlockRef, PrefixTiers
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
 
 _ROOT_REGISTRATION = 0
 """Parent registration id of a request's first block."""
 SWA_REPLAY_MODES: tuple[str, ...] = get_args(SwaReplay)
+HIT_TIERS = ("device", "host", "store")
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -87,10 +95,11 @@ class BlockManager:
     :param enable_prefix_caching: register full blocks and serve them to later requests.
     :param cache_fingerprint: root of every key chain: what the cached content depends on besides the
         tokens (the model, its weights, the dtype and the cache layout).
+    :param tiers: the host tier and store behind this cache (None: the device only).
     """
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_prefix_caching: bool = False,
-                 cache_fingerprint: bytes = b"") -> None:
+                 cache_fingerprint: bytes = b"", tiers: PrefixTiers | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the cache more memory")
         if block_size < 1:
@@ -105,6 +114,12 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._chains: dict[str, _Chain] = {}
         self._registrations = count(_ROOT_REGISTRATION + 1)
+        if tiers is not None and not enable_prefix_caching:
+            raise ValueError("a host cache or prefix store needs enable_prefix_caching=True")
+        self.tiers = tiers
+        self.hit_tokens = dict.fromkeys(HIT_TIERS, 0)
+        """Prefix-hit tokens of admitted requests, by the tier each block came from."""
+        self._match_tiers: dict[str, dict[str, int]] = {}
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -183,6 +198,9 @@ class BlockManager:
                 self._free_uncached.append(block_id)
         seq.block_table = []
         self._chains.pop(seq.request_id, None)
+        self._match_tiers.pop(seq.request_id, None)
+        if self.tiers is not None:
+            self.tiers.forget(seq.request_id)
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -223,30 +241,77 @@ class BlockManager:
             return
         chain = _Chain()
         parent_hash = self.cache_fingerprint
-        hits: list[_Block] = []
+        tiers: dict[str, int] = dict.fromkeys(HIT_TIERS, 0)
+        hit_refs: list[BlockRef] = []
         for index in range((seq.num_tokens - 1) // self.block_size):
             tokens = self._block_tokens(seq, index)
             block_hash = block_key(parent_hash, tokens)
             parent = chain.registrations[-1] if chain.registrations else _ROOT_REGISTRATION
-            block = self._lookup(block_hash, parent, tokens)
+            block, tier = self._lookup(block_hash, parent, tokens), "device"
+            if block is None:
+                block, tier = self._load_from_tiers(seq, BlockRef(block_hash, parent_hash, tokens), parent)
             if block is None:
                 break
-            hits.append(block)
+            if block.ref_count == 0:  # held from here on: a load below cannot evict it
+                self._evictable.pop(block.block_id, None)  # (a block just loaded was never evictable)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            tiers[tier] += self.block_size
+            hit_refs.append(BlockRef(block_hash, parent_hash, tokens))
             chain.hashes.append(block_hash)
             chain.registrations.append(block.registration)
             parent_hash = block_hash
         self._chains[seq.request_id] = chain
-        if not hits:
+        if self.tiers is not None:
+            self.tiers.finish_match(seq.request_id)
+            self.tiers.note_hits(hit_refs, getattr(seq.sampling_params, "traffic_class", None))
+        if not hit_refs:
             return
-        for block in hits:
-            if block.ref_count == 0:
-                del self._evictable[block.block_id]
-            block.ref_count += 1
-        seq.block_table = [block.block_id for block in hits]
-        hit_tokens = len(hits) * self.block_size
+        self._match_tiers[seq.request_id] = tiers
+        hit_tokens = len(hit_refs) * self.block_size
         seq.num_cached_tokens = seq.no_write_before = hit_tokens
         span = sliding_window if replay == "bounded" else num_layers * sliding_window
         seq.replay_start = seq.num_computed_tokens = max(0, hit_tokens - span)
+
+    def _load_from_tiers(self, seq: Sequence, ref: BlockRef, parent: int) -> tuple[_Block | None, str]:
+        """A block the device lacks, from the host tier or the request's staged store reads, into a
+        fresh device block registered now (its bytes follow by a "load" cache op); (None, "") if none."""
+        if self.tiers is None or not self.num_free_blocks or not self._release_hash(ref.key):
+            return None, ""
+        found = self.tiers.take(seq.request_id, ref)
+        if found is None:
+            return None, ""
+        tier, data = found
+        block = self._register(self._take_free_block(), ref.key, parent, ref.tokens)
+        self.tiers.queue_load(block.block_id, ref.key, data, tier)
+        return block, tier
+
+    def record_hit(self, seq: Sequence) -> None:
+        """Count an admitted request's prefix hit by tier (its latest `match_prefix`)."""
+        for tier, tokens in self._match_tiers.pop(seq.request_id, {}).items():
+            self.hit_tokens[tier] += tokens
+
+    def is_prefix_ready(self, seq: Sequence) -> bool:
+        """False while the request's prefix blocks are being read from the store (it is "loading");
+        True at once without a store. See `PrefixTiers.is_ready`."""
+        if self.tiers is None or seq.sampling_params.prompt_logprobs is not None:
+            return True
+        is_ready = self.tiers.is_ready(seq.request_id, lambda: self._block_refs(seq), self._hash_to_block.__contains__)
+        seq.is_loading = not is_ready
+        return is_ready
+
+    def _block_refs(self, seq: Sequence) -> list[BlockRef]:
+        refs, parent = [], self.cache_fingerprint
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            tokens = self._block_tokens(seq, index)
+            key = block_key(parent, tokens)
+            refs.append(BlockRef(key, parent, tokens))
+            parent = key
+        return refs
+
+    def take_cache_ops(self) -> tuple[CacheOp, ...]:
+        """Transfers to and from the tiers queued since the last call, for the next plan."""
+        return self.tiers.take_cache_ops() if self.tiers is not None else ()
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block of `seq` whose positions are all computed (`(i+1)*block_size <= num_computed_tokens`).
@@ -274,6 +339,9 @@ class BlockManager:
                 break
             if existing is None:
                 existing = self._register(self._blocks[seq.block_table[index]], block_hash, parent, tokens)
+                if self.tiers is not None:
+                    self.tiers.queue_save(existing.block_id, BlockRef(block_hash, parent_hash, tokens),
+                                          getattr(seq.sampling_params, "traffic_class", None))
             chain.hashes.append(block_hash)
             chain.registrations.append(existing.registration)
 

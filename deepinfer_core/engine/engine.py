@@ -29,7 +29,9 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.executor import make_executor
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
-from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN
+from deepinfer_core.engine.kv_blocks import layout_bytes
+from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan
+from deepinfer_core.engine.prefix_tiers import make_prefix_tiers
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
@@ -105,8 +107,10 @@ class Engine:
         self.eos_token_ids = model_config.eos_token_ids
         self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
                                                          self.eos_token_ids)
+        self.prefix_tiers = make_prefix_tiers(self.config, info.cache_fingerprint, info.block_layout,
+                                              layout_bytes(info.block_layout))
         self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
-                                          info.cache_fingerprint)
+                                          info.cache_fingerprint, self.prefix_tiers)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
@@ -120,7 +124,8 @@ class Engine:
             ),
             self.block_manager,
             info.num_slots,
-            is_admissible=self.structured_output.is_ready,  # a constrained request waits for its grammar
+            # a constrained request waits for its grammar, one whose prefix is read from the store for it
+            is_admissible=self._is_admissible,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, _Completion] = {}
@@ -132,6 +137,9 @@ class Engine:
         """Single-token decodes (special tokens kept), for logprobs."""
         self._plain_token_texts: dict[int, str] = {}
         """Single-token decodes (special tokens skipped), shared by every incremental detokenizer."""
+
+    def _is_admissible(self, seq: Sequence) -> bool:
+        return self.structured_output.is_ready(seq) and self.block_manager.is_prefix_ready(seq)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -164,6 +172,9 @@ class Engine:
                               token_history=True)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer (none found); use stop_token_ids")
+        store = self.prefix_tiers.store if self.prefix_tiers is not None else None
+        if store is not None and params.traffic_class is not None and params.traffic_class not in store.ttl_s:
+            raise ValueError(f"traffic_class {params.traffic_class!r} is not configured; classes: {sorted(store.ttl_s)}")
         grammar = self.structured_output.submit(params.structured_outputs) if params.structured_outputs else None
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
@@ -203,6 +214,9 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (nothing to do in-process); the engine is unusable afterwards."""
+        self._flush_cache_ops()
+        if self.prefix_tiers is not None:
+            self.prefix_tiers.close()
         self.executor.shutdown()
         self.structured_output.shutdown()
 
@@ -217,7 +231,22 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that progressed or finished.
 
-        With overlapped decode a decode step's tokens are reported by the step after it."""
+        With overlapped decode a decode step's tokens are reported by the step after it. Once nothing is
+        left to run, blocks still queued for the prefix tiers are saved (so they outlive the process)."""
+        outputs = self._step()
+        if self.prefix_tiers is not None and self._in_flight is None and not self.scheduler.has_unfinished():
+            self._flush_cache_ops()
+        return outputs
+
+    def _flush_cache_ops(self) -> None:
+        """Run the queued prefix-tier transfers in a plan of their own (no tokens)."""
+        if self.prefix_tiers is None or not self.prefix_tiers.has_cache_ops:
+            return
+        ops = self.block_manager.take_cache_ops()
+        result = self.executor.execute(StepPlan((), cache_ops=ops))
+        self.prefix_tiers.accept_saved(ops, result.saved)
+
+    def _step(self) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not can_overlap(self.scheduler, self.config.max_model_len):
@@ -231,15 +260,20 @@ class Engine:
             request = owner[seq.request_id].request
             touched[request.request_id] = request
         if plan is None:
+            self._flush_cache_ops()  # loads and saves queued by an admission that did not fit
             if in_flight is not None:  # everything running was preempted: nothing to launch
                 self._settle(in_flight, touched)
             elif not touched and self.structured_output.has_pending:
                 self.structured_output.wait_pending(0.05)  # only grammars compiling: no busy loop
+            elif not touched and self.prefix_tiers is not None:
+                self.prefix_tiers.wait_loading(0.05)  # only prefixes loading from the store: no busy loop
             return [self._finish_output(request) for request in touched.values()]
         plan = self.structured_output.fill_bitmask(plan)
         seqs = [owner[r.request_id].seq for r in plan.requests]
         self._note_scheduled(seqs)
         result = self.executor.execute(plan)
+        if plan.cache_ops:
+            self.prefix_tiers.accept_saved(plan.cache_ops, result.saved)
         launched = launch_copy(seqs, result.output) if self._overlap and can_leave_in_flight(plan, result) else None
         if in_flight is not None:  # read only now: the device already runs this step
             self._settle(in_flight, touched)
@@ -435,6 +469,9 @@ class Engine:
             "num_prefill_tokens": s.num_prefill_tokens,
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
+            "num_loading": sum(seq.is_loading for seq in self.scheduler.waiting),
+            **{f"prefix_cache_hit_tokens_{tier}": n for tier, n in self.block_manager.hit_tokens.items()},
+            **(self.prefix_tiers.stats() if self.prefix_tiers is not None else {}),
         }
 
 

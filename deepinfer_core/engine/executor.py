@@ -43,6 +43,8 @@ class ModelSideInfo:
     block_size: int
     cache_fingerprint: bytes
     device: torch.device
+    block_layout: tuple = ()
+    """`kv_blocks.block_layout` of the model: what a cache block's bytes are (the prefix tiers' unit)."""
 
 
 class Executor(Protocol):
@@ -58,7 +60,8 @@ class Executor(Protocol):
 
 
 def runner_info(runner) -> ModelSideInfo:
-    return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device)
+    return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device,
+                         runner.block_layout)
 
 
 class UniExecutor:

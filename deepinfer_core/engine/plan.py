@@ -89,6 +89,9 @@ class CacheOp:
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
     """The blocks' content keys (`deepinfer_core.engine.block_manager.block_key`)."""
+    data: Any = None
+    """"load": the blocks' bytes, `[len(block_ids), block_bytes]` uint8 on the host (layout:
+    `deepinfer_core.engine.kv_blocks`); None for "save" (the step result brings the bytes back)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class StepPlan:
     grammar_bitmask: Any = None
     """Packed allowed-token bits `[rows, ceil(vocab / 32)]` int32, or None."""
     cache_ops: tuple[CacheOp, ...] = ()
+    """Prefix-tier transfers, run in order before the step's tokens (a block saved here may be
+    rewritten by this step). A plan may hold only cache ops (no requests)."""
 
     @property
     def num_tokens(self) -> int:
@@ -127,3 +132,5 @@ class StepResult:
     token predicted, fp32 logits `[count, vocab]` predicting the prompt tokens from there on)."""
     num_accepted: list[int] | None = None
     """Per sampled request, how many drafts were accepted (None without speculation)."""
+    saved: tuple[Any, ...] = ()
+    """Per "save" op of `plan.cache_ops`, in order, the blocks' bytes `[n, block_bytes]` uint8 on the host."""

@@ -23,6 +23,7 @@ from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cu
 from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
+from deepinfer_core.engine.kv_blocks import BlockIO, block_layout
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
@@ -108,6 +109,8 @@ class ModelRunner:
         if agree_num_blocks is not None:
             self.num_blocks = agree_num_blocks(self.num_blocks)
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
+        self.block_layout = block_layout(self.plans, self.dtype)
+        self.block_io = BlockIO(self.block_layout, self.kv_cache.layers)  # the plan's cache ops
         self.requests: dict[str, RequestState] = {}
         self._carried: CarriedTokens | None = None
         self.graphs = self._capture_graphs()
@@ -202,6 +205,8 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan: compute every scheduled token, sample the requests it marks."""
+        if plan.cache_ops:  # prefix-tier transfers first: a block saved here may be rewritten below
+            return self._execute_with_cache_ops(plan)
         states = self.update_states(plan)
         if self._is_graph_step(plan):
             sampled = list(range(len(states)))
@@ -216,6 +221,12 @@ class ModelRunner:
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
         return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
+
+    def _execute_with_cache_ops(self, plan: StepPlan) -> StepResult:
+        saved = self.block_io.apply(plan.cache_ops)
+        result = self.execute(replace(plan, cache_ops=())) if plan.requests else StepResult([], None)
+        result.saved = saved
+        return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
         if not sampled:

@@ -234,7 +234,7 @@ class Scheduler:
                 new_blocks, seq.replay_start, seq.no_write_before,
             ))
         freed, self._freed = tuple(self._freed), []
-        return StepPlan(tuple(requests), tuple(new_requests), freed)
+        return StepPlan(tuple(requests), tuple(new_requests), freed, cache_ops=self.block_manager.take_cache_ops())
 
     def postprocess(self, plan: StepPlan) -> None:
         """Record that the plan ran: advance each sequence and cache its newly full blocks."""
@@ -319,6 +319,7 @@ class Scheduler:
                 self.stats.num_queried_tokens += seq.num_tokens
                 self.stats.num_hit_tokens += seq.num_cached_tokens
                 self.stats.num_replay_tokens += seq.num_cached_tokens - seq.num_computed_tokens
+                self.block_manager.record_hit(seq)
             step.add(seq, num_new_tokens)
             self.stats.num_prefill_tokens += num_new_tokens
 

@@ -105,6 +105,8 @@ class Sequence:
         self.no_write_before = 0
         """Compressed entries of windows ending at or before this position are already cached (shared
         with other requests): the runner must not write them (0 normally)."""
+        self.is_loading = False
+        """Waiting while its prefix blocks are read from the prefix store (`BlockManager.is_prefix_ready`)."""
 
     # -- token counts ------------------------------------------------------------------------
 

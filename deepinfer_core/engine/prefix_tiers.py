@@ -1,0 +1,313 @@
+"""The prefix cache below the device: pinned host memory, then the store, and the moves between them.
+
+Blocks move by content key. A block is saved as soon as it is computed and registered on the device
+(a "save" `CacheOp` in the next plan copies it out before anything can overwrite it); the step result
+brings its bytes back, the host tier keeps a copy (LRU) and a writer thread writes it to the store, so
+another process, or this one after a restart, finds it there. A device eviction then loses nothing:
+the block lives on in host memory and in the store.
+
+A request's prefix is looked up device -> host -> store. Before admission (`is_ready`), the blocks
+past what the device and the host hold are read from the store by a loader thread while the request
+waits ("loading") and other requests run; once read they are staged for it. At admission the block
+manager takes each missing block from the staging area or the host tier (`take`) into a free device
+block and queues a "load" `CacheOp` that the runner applies before the step's forward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.engine.host_cache import GIB, HostCache
+from deepinfer_core.engine.kv_blocks import LOAD, SAVE
+from deepinfer_core.engine.plan import CacheOp
+from deepinfer_core.engine.prefix_store import PrefixStore
+
+logger = logging.getLogger(__name__)
+
+GC_INTERVAL_S = 300.0
+"""How often the writer thread collects the store's garbage (and once at start)."""
+TOUCH_INTERVAL_S = 600.0
+"""A block hit again within this long is not touched in the store again."""
+_MAX_TOUCHED = 1 << 16
+_READY = "ready"
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """What identifies one full block of a request: its chained key, its parent's key and its tokens."""
+
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+class PrefixTiers:
+    """Host tier + store behind the device cache (see the module docstring).
+
+    :param host: the host tier (None: off).
+    :param store: the store (None: off).
+    :param default_class: traffic class of requests that name none.
+    :param gc_interval_s: seconds between the store's garbage collections.
+    """
+
+    def __init__(self, host: HostCache | None, store: PrefixStore | None, default_class: str = "chat",
+                 gc_interval_s: float = GC_INTERVAL_S) -> None:
+        self.host, self.store, self.default_class = host, store, default_class
+        self._ops: list[tuple[str, int, bytes, torch.Tensor | None]] = []
+        self._save_meta: dict[bytes, tuple[BlockRef, str]] = {}
+        self._loads: dict[str, object] = {}  # request id -> _READY or (future, start time)
+        self._staged: dict[str, dict[bytes, tuple[BlockRef, torch.Tensor]]] = {}
+        self._touched: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key -> (ttl, time)
+        self.num_loaded = {"host": 0, "store": 0}
+        self.load_seconds_total = self.load_seconds_max = 0.0
+        self.num_store_loads = 0
+        self._gc_interval_s, self._last_gc = gc_interval_s, time.monotonic()
+        self._writer = self._loader = None
+        if store is not None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-store-write")
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-store-load")
+            self._writer.submit(self._collect_garbage)
+            atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- cache ops --------------------------------------------------------------------------------
+
+    def queue_save(self, block_id: int, ref: BlockRef, traffic_class: str | None) -> None:
+        """A block just computed and registered on the device: copy it out in the next plan."""
+        self._save_meta[ref.key] = (ref, traffic_class or self.default_class)
+        self._ops.append((SAVE, block_id, ref.key, None))
+
+    def take(self, request_id: str, ref: BlockRef) -> tuple[str, torch.Tensor] | None:
+        """A block missing on the device, from the request's staged store reads or the host tier:
+        `(tier, bytes)`, or None."""
+        staged = self._staged.get(request_id)
+        entry = staged.pop(ref.key, None) if staged else None
+        if entry is not None and entry[0] == ref:
+            if self.host is not None:
+                self.host.put(ref.key, ref.parent, ref.tokens, entry[1])
+            return "store", entry[1]
+        data = self.host.get(ref.key, ref.parent, ref.tokens) if self.host is not None else None
+        return None if data is None else ("host", data)
+
+    def queue_load(self, block_id: int, key: bytes, data: torch.Tensor, tier: str) -> None:
+        """Write `data` into device block `block_id` before the next plan's forward."""
+        self._ops.append((LOAD, block_id, key, data))
+        self.num_loaded[tier] += 1
+
+    @property
+    def has_cache_ops(self) -> bool:
+        return bool(self._ops)
+
+    def take_cache_ops(self) -> tuple[CacheOp, ...]:
+        """The queued transfers as plan `CacheOp`s, in queue order (consecutive ones of a kind merged)."""
+        ops, groups = self._ops, []
+        self._ops = []
+        for kind, block_id, key, data in ops:
+            if not groups or groups[-1][0] != kind:
+                groups.append((kind, [], [], []))
+            groups[-1][1].append(block_id)
+            groups[-1][2].append(key)
+            groups[-1][3].append(data)
+        return tuple(CacheOp(kind, tuple(ids), tuple(keys), torch.stack(datas) if kind == LOAD else None)
+                     for kind, ids, keys, datas in groups)
+
+    def accept_saved(self, ops: tuple[CacheOp, ...], saved: tuple[torch.Tensor, ...]) -> None:
+        """The bytes a plan's "save" ops brought back: into the host tier, and written to the store."""
+        saves = [op for op in ops if op.kind == SAVE]
+        if len(saves) != len(saved):
+            raise RuntimeError(f"the step ran {len(saves)} save ops but returned {len(saved)} results")
+        for op, data in zip(saves, saved):
+            for key, row in zip(op.keys, data):
+                meta = self._save_meta.pop(key, None)
+                if meta is None:
+                    continue
+                ref, cls = meta
+                if self.host is not None:
+                    self.host.put(key, ref.parent, ref.tokens, row)
+                if self._writer is not None:
+                    self._writer.submit(self._write, ref, row, cls)
+        self._maybe_collect_garbage()
+
+    # -- loading from the store -------------------------------------------------------------------
+
+    def is_ready(self, request_id: str, refs: Callable[[], list[BlockRef]], device_has: Callable[[bytes], bool]) -> bool:
+        """Whether the request may be admitted: False while its store blocks are being read.
+
+        The first call looks its blocks up (`refs()`, in order): if one is neither on the device nor
+        in the host tier, the loader reads it and the ones after it from the store.
+        """
+        if self.store is None:
+            return True
+        state = self._loads.get(request_id)
+        if state is None:
+            chain = refs()
+            first = next((i for i, ref in enumerate(chain)
+                          if not device_has(ref.key) and not (self.host is not None and ref.key in self.host)), None)
+            if first is None or not self.store.contains(chain[first].key):  # nothing to read: no wait
+                self._loads[request_id] = _READY
+                return True
+            self._loads[request_id] = (self._loader.submit(self._fetch, chain[first:]), time.monotonic())
+            return False
+        if state is _READY:
+            return True
+        future, started = state
+        if not future.done():
+            return False
+        self._loads[request_id] = _READY
+        self._staged[request_id] = self._fetched(future)
+        elapsed = time.monotonic() - started  # how long the request waited "loading"
+        self.load_seconds_total += elapsed
+        self.load_seconds_max = max(self.load_seconds_max, elapsed)
+        self.num_store_loads += 1
+        return True
+
+    def wait_loading(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until some store read finishes (the engine has nothing else to run)."""
+        pending = [state[0] for state in self._loads.values() if isinstance(state, tuple) and not state[0].done()]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def _fetched(self, future: Future) -> dict[bytes, tuple[BlockRef, torch.Tensor]]:
+        try:
+            blocks = future.result()
+        except OSError as err:
+            logger.warning("reading prefix blocks from the store failed (%s); the prefix is recomputed", err)
+            return {}
+        return {ref.key: (ref, data) for ref, data in blocks}
+
+    def _fetch(self, chain: list[BlockRef]) -> list[tuple[BlockRef, torch.Tensor]]:
+        """Loader thread: the chain's blocks from the store, up to the first one missing or corrupt."""
+        blocks = []
+        for ref in chain:
+            payload = self.store.get(ref.key, ref.parent, ref.tokens)
+            if payload is None:
+                break
+            blocks.append((ref, torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
+        return blocks
+
+    def finish_match(self, request_id: str) -> None:
+        """After a prefix match: staged blocks it did not take go to the host tier."""
+        staged = self._staged.pop(request_id, None)
+        if staged and self.host is not None:
+            for ref, data in staged.values():
+                self.host.put(ref.key, ref.parent, ref.tokens, data)
+
+    def forget(self, request_id: str) -> None:
+        """The request released its cache state (finished, aborted, preempted): drop its load state."""
+        state = self._loads.pop(request_id, None)
+        if isinstance(state, tuple):
+            state[0].cancel()
+        self.finish_match(request_id)
+
+    def note_hits(self, refs: list[BlockRef], traffic_class: str | None) -> None:
+        """Blocks a request hit (any tier): refresh their age in the store, for its traffic class."""
+        if self._writer is None or not refs:
+            return
+        cls = traffic_class or self.default_class
+        ttl, now = self.store.ttl_s.get(cls, 0.0), time.monotonic()
+        keys = []
+        for ref in refs:
+            last = self._touched.get(ref.key)
+            if last is not None and last[0] >= ttl and now - last[1] < TOUCH_INTERVAL_S:
+                continue
+            self._touched[ref.key] = (ttl, now)
+            self._touched.move_to_end(ref.key)
+            keys.append(ref.key)
+        while len(self._touched) > _MAX_TOUCHED:
+            self._touched.popitem(last=False)
+        if keys:
+            self._writer.submit(self._touch, keys, cls)
+
+    # -- writer thread ----------------------------------------------------------------------------
+
+    def _write(self, ref: BlockRef, row: torch.Tensor, cls: str) -> None:
+        try:
+            self.store.put(ref.key, ref.parent, ref.tokens, memoryview(row.numpy()), cls)
+        except OSError as err:
+            logger.warning("writing a prefix block to the store failed: %s", err)
+
+    def _touch(self, keys: list[bytes], cls: str) -> None:
+        for key in keys:
+            try:
+                self.store.touch(key, cls)
+            except OSError as err:
+                logger.warning("refreshing a prefix block in the store failed: %s", err)
+
+    def _collect_garbage(self) -> None:
+        try:
+            self.store.collect_garbage()
+        except OSError as err:
+            logger.warning("prefix store garbage collection failed: %s", err)
+
+    def _maybe_collect_garbage(self) -> None:
+        if self._writer is not None and time.monotonic() - self._last_gc > self._gc_interval_s:
+            self._last_gc = time.monotonic()
+            self._writer.submit(self._collect_garbage)
+
+    def flush(self) -> None:
+        """Wait until every queued store write has been done (tests, shutdown)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the threads (idempotent)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._loader.shutdown(wait=False, cancel_futures=True)
+            self._writer = None
+
+    # -- observability ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters of the host tier and the store (see `Engine.stats`)."""
+        out: dict[str, float] = {"prefix_loaded_blocks_host": self.num_loaded["host"],
+                                 "prefix_loaded_blocks_store": self.num_loaded["store"]}
+        if self.host is not None:
+            h = self.host.stats
+            out.update(host_cache_blocks=len(self.host), host_cache_bytes=self.host.num_bytes,
+                       host_cache_capacity_bytes=self.host.num_slots * self.host.block_bytes,
+                       host_cache_evictions=h.num_evicted, host_cache_bytes_in=h.bytes_in,
+                       host_cache_bytes_out=h.bytes_out)
+        if self.store is not None:
+            s = self.store.stats
+            out.update(prefix_store_hits=s.num_hits, prefix_store_misses=s.num_misses,
+                       prefix_store_bytes_read=s.bytes_read, prefix_store_bytes_written=s.bytes_written,
+                       prefix_store_blocks_written=s.num_written, prefix_store_size_bytes=s.size_bytes,
+                       prefix_store_blocks=s.num_blocks, prefix_store_evictions_ttl=s.num_evicted_ttl,
+                       prefix_store_evictions_capacity=s.num_evicted_capacity, prefix_store_gc_runs=s.num_gc_runs,
+                       prefix_store_corrupt_blocks=sum(s.num_corrupt.values()),
+                       prefix_store_load_seconds_total=self.load_seconds_total,
+                       prefix_store_load_seconds_max=self.load_seconds_max, prefix_store_loads=self.num_store_loads,
+                       **{f"prefix_store_corrupt_{reason}": n for reason, n in s.num_corrupt.items()})
+        return out
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    tiers = ref()
+    if tiers is not None:
+        tiers.close()
+
+
+def make_prefix_tiers(config, fingerprint: bytes, layout, block_bytes: int) -> PrefixTiers | None:
+    """The tiers an `EngineConfig` asks for (`host_cache_gib`, `prefix_store_path`, ...), or None."""
+    from deepinfer_core.engine.kv_blocks import describe_layout
+    from deepinfer_core.engine.store_backends import open_backend
+
+    host_gib, path = config.host_cache_gib or 0.0, config.prefix_store_path
+    if not host_gib and not path:
+        return None
+    host = HostCache(int(host_gib * GIB), block_bytes) if host_gib else None
+    store = None
+    if path:
+        capacity = None if config.prefix_store_gib is None else int(config.prefix_store_gib * GIB)
+        store = PrefixStore(open_backend(path), fingerprint, describe_layout(layout), config.prefix_store_ttl_s,
+                            capacity)
+    return PrefixTiers(host, store, config.default_traffic_class)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from deepinfer_core.sampling_params import SamplingParams
 
 RESPONSE_ID_PREFIXES: dict[Api, str] = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+TRAFFIC_CLASS_HEADER = "x-deepinfer-traffic-class"
+"""Request header naming the prefix-store retention class ("agent", "chat", ...) of the request's blocks."""
 
 
 class ModelOutputError(RuntimeError):
@@ -47,7 +49,7 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
     try:
         body = await read_body(request, state.limits, api)
         prepared = await run_in_threadpool(state.encoding.prepare, api, body, state.context_limit)
-        params = _sampling_params(prepared, api)
+        params = _sampling_params(prepared, api, traffic_class_of(request))
         if params.structured_outputs is not None:
             await _compile_grammar(state, params, api)
     except ApiError as err:
@@ -86,13 +88,18 @@ async def _prepend(first: str, rest: AsyncGenerator[str, None], api: Api) -> Asy
         await rest.aclose()
 
 
-def _sampling_params(prepared: PreparedRequest, api: Api) -> SamplingParams:
+def traffic_class_of(request: Request) -> str | None:
+    """The prefix-store traffic class the request's `TRAFFIC_CLASS_HEADER` names (None: the default)."""
+    return request.headers.get(TRAFFIC_CLASS_HEADER) or None
+
+
+def _sampling_params(prepared: PreparedRequest, api: Api, traffic_class: str | None = None) -> SamplingParams:
     from deepinfer_core.sampling_params import SamplingParams
 
     try:
         return SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
                               top_p=prepared.top_p, seed=prepared.seed, logprobs=prepared.logprobs,
-                              structured_outputs=prepared.structured_outputs)
+                              structured_outputs=prepared.structured_outputs, traffic_class=traffic_class)
     except (ValueError, NotImplementedError) as err:
         raise ApiError.from_message(400, str(err), api) from err
 
@@ -194,5 +201,5 @@ class _Generation:
                                           self.last_output, self.arrival)
 
 
-__all__ = ["CLIENT_CLOSED_REQUEST", "RESPONSE_ID_PREFIXES", "ModelOutputError", "handle_generation", "until_done_or_disconnect",
+__all__ = ["CLIENT_CLOSED_REQUEST", "RESPONSE_ID_PREFIXES", "TRAFFIC_CLASS_HEADER", "traffic_class_of", "ModelOutputError", "handle_generation", "until_done_or_disconnect",
            "wait_for_disconnect"]

@@ -86,6 +86,7 @@ class ServerMetrics:
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {value}"]
         for name, value, text in self._gauges(engine_stats):
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"]
+        lines += prefix_tier_lines(engine_stats)
         for name, histogram, text in (
             ("time_to_first_token_seconds", self.time_to_first_token, "Seconds from arrival to the first token."),
             ("e2e_request_latency_seconds", self.e2e_latency, "Seconds from arrival to the last token."),
@@ -104,3 +105,52 @@ class ServerMetrics:
             ("prefix_cache_hit_rate", hits / queries if queries else 0.0,
              "Prompt tokens found in the prefix cache / prompt tokens looked up, since start."),
         ]
+
+
+_TIERS = ("device", "host", "store")
+# (metric, type, help, [(labels, engine stats key)])
+_TIER_METRICS = (
+    ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache, by the tier each block came from.",
+     [(f'tier="{t}"', f"prefix_cache_hit_tokens_{t}") for t in _TIERS]),
+    ("prefix_cache_bytes_moved_total", "counter", "Bytes of cache blocks moved between the prefix tiers.",
+     [('path="device_to_host"', "host_cache_bytes_in"), ('path="host_to_device"', "host_cache_bytes_out"),
+      ('path="store_read"', "prefix_store_bytes_read"), ('path="store_write"', "prefix_store_bytes_written")]),
+    ("prefix_cache_loaded_blocks_total", "counter", "Blocks loaded into the device cache, by source tier.",
+     [('tier="host"', "prefix_loaded_blocks_host"), ('tier="store"', "prefix_loaded_blocks_store")]),
+    ("host_cache_evictions_total", "counter", "Blocks the host tier dropped (least recently used).",
+     [("", "host_cache_evictions")]),
+    ("host_cache_bytes", "gauge", "Bytes of blocks held in the host tier.", [("", "host_cache_bytes")]),
+    ("prefix_store_size_bytes", "gauge", "Bytes in the prefix store (last garbage collection + writes since).",
+     [("", "prefix_store_size_bytes")]),
+    ("prefix_store_blocks", "gauge", "Block files in the prefix store.", [("", "prefix_store_blocks")]),
+    ("prefix_store_evictions_total", "counter", "Block files the garbage collector deleted, by reason.",
+     [('reason="ttl"', "prefix_store_evictions_ttl"), ('reason="capacity"', "prefix_store_evictions_capacity")]),
+    ("prefix_store_corrupt_blocks_total", "counter", "Store files refused on read (deleted, recomputed), by reason.",
+     [(f'reason="{r}"', f"prefix_store_corrupt_{r}") for r in
+      ("truncated", "format", "checksum", "fingerprint", "layout", "identity")]),
+    ("prefix_store_load_seconds_total", "counter", "Seconds requests waited loading their prefix from the store.",
+     [("", "prefix_store_load_seconds_total")]),
+    ("prefix_store_loads_total", "counter", "Store loads requests waited for.", [("", "prefix_store_loads")]),
+    ("prefix_store_load_seconds_max", "gauge", "Longest wait for a store load.", [("", "prefix_store_load_seconds_max")]),
+    ("num_requests_loading", "gauge", "Requests waiting for their prefix to load from the store.", [("", "num_loading")]),
+)
+
+
+def prefix_tier_lines(stats: dict[str, Any]) -> list[str]:
+    """Exposition lines of the prefix tiers: per-tier hits and hit rates, bytes moved, store size,
+    evictions, refused files and load latency (only the metrics whose stats the engine reports)."""
+    lines = []
+    queried = stats.get("prefix_cache_queried_tokens", 0) or 0
+    if "prefix_cache_hit_tokens_device" in stats:
+        lines += [f"# HELP {PREFIX}_prefix_cache_tier_hit_rate Prompt tokens served by a tier / prompt tokens looked up.",
+                  f"# TYPE {PREFIX}_prefix_cache_tier_hit_rate gauge"]
+        lines += [f'{PREFIX}_prefix_cache_tier_hit_rate{{tier="{t}"}} '
+                  f'{stats[f"prefix_cache_hit_tokens_{t}"] / queried if queried else 0.0}' for t in _TIERS]
+    for name, kind, text, samples in _TIER_METRICS:
+        present = [(labels, stats[key]) for labels, key in samples if key in stats]
+        if not present:
+            continue
+        lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}"]
+        lines += [f"{PREFIX}_{name}{{{labels}}} {value}" if labels else f"{PREFIX}_{name} {value}"
+                  for labels, value in present]
+    return lines

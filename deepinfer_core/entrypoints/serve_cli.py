@@ -29,7 +29,8 @@ from deepinfer_core.entrypoints.serve import build_app
 
 # `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "enable_prefix_caching")
+                  "enforce_eager", "enable_prefix_caching", "host_cache_gib", "prefix_store_path", "prefix_store_gib",
+                  "prefix_store_ttl_s", "default_traffic_class")
 
 
 def _dtype_choices() -> list[str]:
@@ -63,6 +64,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
+    tiers = parser.add_argument_group("prefix tiers (need --enable-prefix-caching)")
+    tiers.add_argument("--host-cache-gib", type=float, default=None,
+                       help="GiB of pinned host memory holding prefix blocks behind the device cache")
+    tiers.add_argument("--prefix-store-path", default=None,
+                       help="directory (shared by several servers; a 3FS mount in production) or plugin URL of the "
+                            "prefix store; its blocks outlive the process")
+    tiers.add_argument("--prefix-store-gib", type=float, default=None, help="capacity of the prefix store in GiB")
+    tiers.add_argument("--prefix-store-ttl", dest="prefix_store_ttl_s", action="append", type=_class_ttl, default=None,
+                       metavar="CLASS=SECONDS", help="retention of a traffic class after its last use (repeatable; "
+                       "default agent=259200 chat=604800); requests name theirs in the x-deepinfer-traffic-class header")
+    tiers.add_argument("--default-traffic-class", default=None, help="class of requests that name none (default chat)")
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
@@ -79,11 +91,21 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _class_ttl(text: str) -> tuple[str, float]:
+    name, sep, seconds = text.partition("=")
+    try:
+        return name, float(seconds) if sep else float("nan")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS (e.g. agent=259200), got {text!r}") from None
+
+
 def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:
     """The `EngineConfig` the parsed options ask for (options left unset keep its defaults)."""
     from deepinfer_core.config import EngineConfig
 
     chosen = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    if "prefix_store_ttl_s" in chosen:
+        chosen["prefix_store_ttl_s"] = dict(chosen["prefix_store_ttl_s"])
     return EngineConfig(model=model_dir, **chosen)
 
 

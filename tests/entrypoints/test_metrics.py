@@ -24,3 +24,21 @@ def test_render_reports_counters_and_engine_gauges() -> None:
     assert samples["deepinfer_num_requests_running"] == "3" and samples["deepinfer_num_requests_waiting"] == "1"
     assert samples["deepinfer_prefix_cache_hit_rate"] == "0.25"
     assert "# TYPE deepinfer_time_to_first_token_seconds histogram" in text
+
+
+def test_render_reports_the_prefix_tiers() -> None:
+    stats = {"prefix_cache_queried_tokens": 1000, "prefix_cache_hit_tokens_device": 100,
+             "prefix_cache_hit_tokens_host": 200, "prefix_cache_hit_tokens_store": 500, "host_cache_bytes_in": 7,
+             "prefix_store_bytes_read": 9, "prefix_store_evictions_ttl": 2, "prefix_store_corrupt_checksum": 1,
+             "prefix_store_load_seconds_total": 0.5, "prefix_store_size_bytes": 4096, "num_loading": 1}
+    text = ServerMetrics().render(stats)
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples['deepinfer_prefix_cache_tier_hit_rate{tier="store"}'] == "0.5"
+    assert samples['deepinfer_prefix_cache_tier_hit_rate{tier="host"}'] == "0.2"
+    assert samples['deepinfer_prefix_cache_hit_tokens_total{tier="device"}'] == "100"
+    assert samples['deepinfer_prefix_cache_bytes_moved_total{path="store_read"}'] == "9"
+    assert samples['deepinfer_prefix_store_evictions_total{reason="ttl"}'] == "2"
+    assert samples['deepinfer_prefix_store_corrupt_blocks_total{reason="checksum"}'] == "1"
+    assert samples["deepinfer_prefix_store_size_bytes"] == "4096" and samples["deepinfer_num_requests_loading"] == "1"
+    assert "# TYPE deepinfer_prefix_store_load_seconds_total counter" in text
+    assert "host_cache_evictions" not in text  # the engine reported no host tier

@@ -76,3 +76,17 @@ def test_without_the_recipe_plugin_serve_says_what_to_install_before_loading(
     monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
     assert cli.main(["serve", "--port", "8000"]) == 1
     assert 'pip install "deepinfer[recipe]"' in capsys.readouterr().err
+
+
+def test_prefix_tier_options_reach_the_engine_config(tmp_path) -> None:
+    from deepinfer_core.entrypoints.serve_cli import engine_config_of
+
+    args = parse(["serve", "--enable-prefix-caching", "--host-cache-gib", "2", "--prefix-store-path", str(tmp_path),
+                  "--prefix-store-gib", "100", "--prefix-store-ttl", "agent=60", "--prefix-store-ttl", "chat=120",
+                  "--default-traffic-class", "agent"])
+    config = engine_config_of(args, str(embedded_tiny_model_dir()))
+    assert (config.host_cache_gib, config.prefix_store_path, config.prefix_store_gib) == (2.0, str(tmp_path), 100.0)
+    assert config.prefix_store_ttl_s == {"agent": 60.0, "chat": 120.0} and config.default_traffic_class == "agent"
+    with pytest.raises(ValueError, match="TTL > 0"):
+        engine_config_of(parse(["serve", "--enable-prefix-caching", "--prefix-store-path", str(tmp_path),
+                                "--prefix-store-ttl", "agent"]), str(embedded_tiny_model_dir()))

@@ -1,6 +1,10 @@
 """Prefix caching on an agent trace: cache off, `swa_replay="bounded"` and `swa_replay="exact"`.
 
     python bench/prefix_cache.py [--sessions 20] [--turns 8] [--dtype float32] [--threads 1] [--quick]
+    python bench/prefix_cache.py --store DIR [--scale 0.1] [--device cuda]   # the prefix tiers, agent trace
+
+With `--store`, the agent trace of `bench/agent_trace.py` runs instead (device cache, host tier and
+store, across a restart); its docstring describes it.
 
 The trace (seeded, reproducible; token ids drawn uniformly from the vocabulary): one agent's system
 prompt of 200-400 tokens shared by `--sessions` sessions of `--turns` turns. Each turn sends the whole
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import agent_trace
 from cpu_throughput import git_commit, workload_config
 
 from deepinfer_core import LLM, SamplingParams
@@ -85,9 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch CPU threads (default: torch's; 1 under --quick). On a machine shared with busy "
                              "processes more threads spin in OpenMP barriers: use 1 or OMP_WAIT_POLICY=PASSIVE")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 sessions of 3 turns, 1 thread")
+    agent_trace.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions, args.turns = 4, 3
+        args.agent_sessions, args.agent_turns, args.scale, args.concurrency = 4, 6, 0.05, 2
         args.threads = args.threads or 1
     if args.sessions < 1 or args.turns < 1:
         parser.error("--sessions and --turns must be >= 1")
@@ -203,6 +210,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.store:
+        agent_trace.main_agent(args, workload_config, write_checkpoint, git_commit)
+        return
     trace = make_trace(args.sessions, args.turns, args.vocab, args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="deepinfer-prefix-bench-"))
     write_checkpoint(workdir, workload_config(args.vocab))

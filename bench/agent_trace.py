@@ -1,0 +1,201 @@
+"""The prefix tiers on an agent trace (`bench/prefix_cache.py --store DIR` runs this).
+
+The trace (seeded): `--sessions` agent sessions share one system prompt; each turn resends the whole
+history plus a tool result of 300-1000 tokens, and the greedy answer (32-64 tokens) joins the history,
+so by the last of `--turns` turns a history is past 16K tokens. Sessions interleave: each round serves
+turn t of every session, `--concurrency` at a time, so the device cache (`--device-blocks`, sized to
+hold a few histories) evicts blocks that come back from the host tier (`--host-gib`) or the store.
+`--scale` shrinks every length (0.1 for a CPU run).
+
+Modes, one JSON line each: "off" (no prefix cache), "device" (the device cache only), "tiers" (device
++ host + store in `DIR`, wiped first), and "restart": the tiers again, where the engine is rebuilt
+halfway (an empty device and host; the store as the first half left it). Per mode: prompt tokens, hit
+tokens and input-token hit rate per tier (device / host / store), prefill tokens computed against the
+"off" run, wall time and effective prefill throughput (prompt tokens per second), bytes moved, load
+waits, and whether every answer equals the "off" run's (exact replay). "restart" also reports the second
+half's hit rate alone: what a restarted engine serves from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
+
+TIERS = ("device", "host", "store")
+COUNTERS = ("prefix_cache_hit_tokens", "num_prefill_tokens", *(f"prefix_cache_hit_tokens_{t}" for t in TIERS),
+            "prefix_store_bytes_read", "prefix_store_bytes_written", "host_cache_bytes_out",
+            "prefix_store_load_seconds_total", "prefix_store_loads", "prefix_store_corrupt_blocks",
+            "host_cache_evictions")
+
+
+@dataclass
+class AgentTrace:
+    system: list[int]
+    tools: list[list[list[int]]]
+    """tools[session][turn]: the tool result sent with that turn."""
+    answer_tokens: list[list[int]]
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("agent trace (with --store)")
+    group.add_argument("--store", default=None, help="prefix store directory (wiped): runs the agent trace")
+    group.add_argument("--agent-sessions", type=int, default=16)
+    group.add_argument("--agent-turns", type=int, default=24)
+    group.add_argument("--concurrency", type=int, default=4, help="sessions served at once")
+    group.add_argument("--scale", type=float, default=1.0, help="multiply every length (0.1 for CPU)")
+    group.add_argument("--device-blocks", type=int, default=None,
+                       help="device cache blocks (default: room for `concurrency` + 1 full histories)")
+    group.add_argument("--host-gib", type=float, default=None,
+                       help="host tier GiB (default: a quarter of the trace's blocks)")
+    group.add_argument("--device", default="cpu", help='torch device ("cuda" on a GPU)')
+    group.add_argument("--model", default=None, help="checkpoint directory (default: the bench's random tiny model)")
+
+
+def make_agent_trace(args, vocab: int) -> AgentTrace:
+    rng = random.Random(args.seed)
+
+    def tokens(low: float, high: float) -> list[int]:
+        n = rng.randint(max(1, int(low * args.scale)), max(1, int(high * args.scale)))
+        return [rng.randrange(2, vocab) for _ in range(n)]
+
+    system = tokens(1500, 2500)
+    tools = [[tokens(300, 1000) for _ in range(args.agent_turns)] for _ in range(args.agent_sessions)]
+    answers = [[rng.randint(max(1, int(32 * args.scale)), max(1, int(64 * args.scale))) for _ in range(args.agent_turns)]
+               for _ in range(args.agent_sessions)]
+    return AgentTrace(system, tools, answers)
+
+
+def longest_history(trace: AgentTrace) -> int:
+    return len(trace.system) + max(sum(len(t) for t in tools) + sum(a) for tools, a in zip(trace.tools, trace.answer_tokens))
+
+
+def serve_turns(llm: LLM, trace: AgentTrace, histories: list[list[int]], answers: list[list[list[int]]],
+                turns: range, concurrency: int) -> None:
+    """Turns `turns` of every session, interleaved, `concurrency` sessions per batch."""
+    sessions = range(len(trace.tools))
+    for t in turns:
+        for start in range(0, len(sessions), concurrency):
+            batch = list(sessions[start : start + concurrency])
+            prompts = [{"prompt_token_ids": histories[s] + trace.tools[s][t]} for s in batch]
+            params = [SamplingParams(temperature=0, max_tokens=trace.answer_tokens[s][t], ignore_eos=True,
+                                     traffic_class="agent") for s in batch]
+            for s, prompt, out in zip(batch, prompts, llm.generate(prompts, params, use_tqdm=False)):
+                answers[s][t] = list(out.outputs[0].token_ids)
+                histories[s] = prompt["prompt_token_ids"] + answers[s][t]
+
+
+def counters(llm: LLM) -> dict[str, float]:
+    stats = llm.engine.stats()
+    return {k: stats.get(k, 0) for k in COUNTERS}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def run_mode(mode: str, trace: AgentTrace, args, options: dict) -> tuple[dict, list]:
+    tiers = {}
+    if mode != "off":
+        tiers["enable_prefix_caching"] = True
+    if mode in ("tiers", "restart"):
+        shutil.rmtree(args.store, ignore_errors=True)
+        tiers |= {"host_cache_gib": options.pop("host_cache_gib"), "prefix_store_path": args.store}
+    else:
+        options.pop("host_cache_gib")
+    histories = [list(trace.system) for _ in trace.tools]
+    answers = [[[] for _ in range(args.agent_turns)] for _ in trace.tools]
+    halves = [range(args.agent_turns)] if mode != "restart" else [range(args.agent_turns // 2),
+                                                                  range(args.agent_turns // 2, args.agent_turns)]
+    totals, wall = dict.fromkeys(COUNTERS, 0), 0.0
+    second_half = None
+    for half in halves:
+        llm = LLM(**options, **tiers)
+        before = counters(llm)
+        start = time.perf_counter()
+        serve_turns(llm, trace, histories, answers, half, args.concurrency)
+        wall += time.perf_counter() - start
+        if llm.engine.prefix_tiers is not None:
+            llm.engine.prefix_tiers.flush()
+        part = delta(counters(llm), before)
+        totals = {k: totals[k] + part[k] for k in COUNTERS}
+        second_half = part
+        llm.engine.shutdown()
+        del llm
+    row = {"mode": mode, "wall_s": round(wall, 3), **{k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()}}
+    if mode == "restart":
+        row["second_half_hit_tokens"] = second_half["prefix_cache_hit_tokens"]
+        row["second_half_store_hit_tokens"] = second_half["prefix_cache_hit_tokens_store"]
+    return row, answers
+
+
+def prompt_tokens(trace: AgentTrace, answers: list[list[list[int]]], turns: range) -> int:
+    total = 0
+    for tools, session_answers in zip(trace.tools, answers):
+        history = len(trace.system) + sum(len(tools[t]) + len(session_answers[t]) for t in range(turns.start))
+        for t in turns:
+            history += len(tools[t])
+            total += history
+            history += len(session_answers[t])
+    return total
+
+
+def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict]:
+    import tempfile
+
+    from deepinfer_core.config import ModelConfig
+    from deepinfer_core.engine.kv_blocks import block_layout, layout_bytes
+    from deepinfer_core.models import registry
+
+    trace = make_agent_trace(args, args.vocab)
+    longest = longest_history(trace)
+    model = args.model
+    if model is None:
+        model = tempfile.mkdtemp(prefix="deepinfer-agent-bench-")
+        write_checkpoint(model, {**workload_config(args.vocab), "max_position_embeddings": max(4096, 2 * longest)})
+    config = ModelConfig.from_dir(model)
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    block_bytes = layout_bytes(block_layout(registry.model_class(config).layer_plan(config, dtype), dtype))
+    blocks_per_history = -(-longest // BLOCK_SIZE)
+    trace_blocks = sum(-(-(len(trace.system) + sum(map(len, tools)) + sum(a)) // BLOCK_SIZE)
+                       for tools, a in zip(trace.tools, trace.answer_tokens))
+    device_blocks = args.device_blocks or (args.concurrency + 1) * blocks_per_history
+    host_gib = args.host_gib if args.host_gib is not None else trace_blocks // 4 * block_bytes / 2**30
+    options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
+               "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks}
+    print(json.dumps({"bench": "prefix_cache_agent", "commit": git_commit(), "sessions": args.agent_sessions,
+                      "turns": args.agent_turns, "scale": args.scale, "system_tokens": len(trace.system),
+                      "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,
+                      "trace_blocks": trace_blocks, "host_gib": round(host_gib, 6), "device": args.device}), flush=True)
+    rows, cold_answers, cold_wall = [], None, None
+    for mode in ("off", "device", "tiers", "restart"):
+        row, answers = run_mode(mode, trace, args, {**options, "host_cache_gib": host_gib})
+        queried = prompt_tokens(trace, answers, range(args.agent_turns))
+        cold_answers = cold_answers or answers
+        cold_wall = cold_wall or row["wall_s"]
+        row |= {"prompt_tokens": queried, "hit_rate": round(row["prefix_cache_hit_tokens"] / queried, 4),
+                **{f"hit_rate_{t}": round(row[f"prefix_cache_hit_tokens_{t}"] / queried, 4) for t in TIERS},
+                "prefill_vs_off": round(row["num_prefill_tokens"] / rows[0]["num_prefill_tokens"], 4) if rows else 1.0,
+                "effective_prefill_tok_s": round(queried / row["wall_s"], 1),
+                "speedup_vs_off": round(cold_wall / row["wall_s"], 3), "answers_equal_off": answers == cold_answers}
+        if mode == "restart":
+            second = prompt_tokens(trace, answers, range(args.agent_turns // 2, args.agent_turns))
+            row["second_half_hit_rate"] = round(row["second_half_hit_tokens"] / second, 4)
+            row["second_half_store_hit_rate"] = round(row["second_half_store_hit_tokens"] / second, 4)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(f"\n{'mode':8s} {'wall s':>8s} {'hit':>7s} {'device':>7s} {'host':>7s} {'store':>7s} {'prefill/off':>11s} "
+          f"{'eff tok/s':>10s} {'equal':>6s}")
+    for r in rows:
+        print(f"{r['mode']:8s} {r['wall_s']:8.2f} {r['hit_rate']:7.1%} {r['hit_rate_device']:7.1%} {r['hit_rate_host']:7.1%} "
+              f"{r['hit_rate_store']:7.1%} {r['prefill_vs_off']:11.3f} {r['effective_prefill_tok_s']:10.0f} "
+              f"{str(r['answers_equal_off']):>6s}")
+    return rows

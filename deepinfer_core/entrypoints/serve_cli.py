@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import threading
 import time
@@ -29,8 +30,9 @@ from deepinfer_core.entrypoints.serve import build_app
 
 # `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "enable_prefix_caching", "host_cache_gib", "prefix_store_path", "prefix_store_gib",
-                  "prefix_store_ttl_s", "default_traffic_class")
+                  "enforce_eager", "enable_prefix_caching", "tensor_parallel_size", "data_parallel_size",
+                  "context_parallel_size", "enable_expert_parallel", "enable_eplb", "eplb_config", "host_cache_gib",
+                  "prefix_store_path", "prefix_store_gib", "prefix_store_ttl_s", "default_traffic_class")
 
 
 def _dtype_choices() -> list[str]:
@@ -64,6 +66,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
+    add_parallel_arguments(engine)
     tiers = parser.add_argument_group("prefix tiers (need --enable-prefix-caching)")
     tiers.add_argument("--host-cache-gib", type=float, default=None,
                        help="GiB of pinned host memory holding prefix blocks behind the device cache")
@@ -97,6 +100,20 @@ def _class_ttl(text: str) -> tuple[str, float]:
         return name, float(seconds) if sep else float("nan")
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS (e.g. agent=259200), got {text!r}") from None
+
+
+def add_parallel_arguments(group: Any) -> None:
+    """The parallel layout's options (vLLM's spellings; `deepinfer_core.engine.parallel`)."""
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                       help="ranks splitting attention heads and dense projections")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                       help="attention data-parallel ranks, each with its own requests and cache")
+    group.add_argument("--context-parallel-size", type=int, default=None, help="ranks splitting a long prefill")
+    group.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                       help="spread the routed experts over every rank (EP size = TP x DP)")
+    group.add_argument("--enable-eplb", action="store_true", default=None, help="rebalance expert replicas by load")
+    group.add_argument("--eplb-config", type=json.loads, default=None,
+                       help='JSON, e.g. \'{"num_redundant_experts": 32, "window_size": 1000, "step_interval": 3000}\'')
 
 
 def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:

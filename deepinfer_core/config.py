@@ -456,6 +456,9 @@ class EngineConfig(BaseModel):
         None, description="Seconds a stored block lives after its last use, per traffic class "
         "(SamplingParams.traffic_class); None: agent 3 days, chat 7 days.")
     default_traffic_class: str = Field("chat", description="Traffic class of requests that name none.")
+    kv_transfer_role: Literal["prefill", "decode"] | None = Field(
+        None, description='Prefill/decode disaggregation: "prefill" exports computed blocks (from the host tier) '
+        'for decode instances, "decode" reads them by NIXL (deepinfer_core.engine.kv_transfer); None: neither.')
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
     quantized_weights: Literal["native", "dequantize"] = Field(
@@ -506,8 +509,8 @@ class EngineConfig(BaseModel):
             )
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model!r} is not a checkpoint directory (no config.json in it)")
-        if (self.host_cache_gib or self.prefix_store_path) and not self.enable_prefix_caching:
-            raise ValueError("host_cache_gib and prefix_store_path extend the prefix cache: set "
+        if (self.host_cache_gib or self.prefix_store_path or self.kv_transfer_role) and not self.enable_prefix_caching:
+            raise ValueError("host_cache_gib, prefix_store_path and kv_transfer_role extend the prefix cache: set "
                              "enable_prefix_caching=True too")
         if self.prefix_store_path:
             from deepinfer_core.engine.prefix_store import DEFAULT_TRAFFIC_TTL_S, check_traffic_classes

@@ -182,6 +182,10 @@ class SamplingParams:
     traffic_class: str | None = None
     """Retention class of the prompt's blocks in the prefix store ("agent", "chat", or another class the
     engine's `prefix_store_ttl_s` names); None: the engine's `default_traffic_class`."""
+    kv_transfer_params: dict | None = None
+    """Prefill/decode disaggregation (vLLM's name): the handle a prefill instance returned for this
+    prompt's blocks (`deepinfer_core.engine.kv_transfer`); a decode instance reads them before admitting
+    the request. None: computed here."""
 
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences; set when the request reaches the engine, which has the
@@ -205,6 +209,8 @@ class SamplingParams:
         self._validate_token_sets()
         self._validate_output_options()
         self._validate_structured_outputs()
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict (a prefill instance's handle), got {type(self.kv_transfer_params).__name__}")
         if self.traffic_class is not None and not (isinstance(self.traffic_class, str) and self.traffic_class):
             raise ValueError(f"traffic_class must be a non-empty string (e.g. 'agent', 'chat'), got {self.traffic_class!r}")
 

@@ -44,7 +44,8 @@ from deepinfer_core.models.layer_plan import BLOCK_SIZE
 _ROOT_REGISTRATION = 0
 """Parent registration id of a request's first block."""
 SWA_REPLAY_MODES: tuple[str, ...] = get_args(SwaReplay)
-HIT_TIERS = ("device", "host", "store")
+HIT_TIERS = ("device", "host", "store", "remote")
+"""Where a prefix hit's blocks came from: this device, the host tier, the store, a prefill instance."""
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -296,14 +297,19 @@ class BlockManager:
         True at once without a store. See `PrefixTiers.is_ready`."""
         if self.tiers is None or seq.sampling_params.prompt_logprobs is not None:
             return True
-        is_ready = self.tiers.is_ready(seq.request_id, lambda: self._block_refs(seq), self._hash_to_block.__contains__)
+        is_ready = self.tiers.is_ready(seq.request_id, lambda: self._block_refs(seq), self._hash_to_block.__contains__,
+                                       getattr(seq.sampling_params, "kv_transfer_params", None))
         seq.is_loading = not is_ready
         return is_ready
 
     def _block_refs(self, seq: Sequence) -> list[BlockRef]:
+        return self.block_refs(seq.token_ids)
+
+    def block_refs(self, token_ids: TokenIds[int]) -> list[BlockRef]:
+        """The key chain of the full blocks a prefix match of `token_ids` can hit (not the last token's)."""
         refs, parent = [], self.cache_fingerprint
-        for index in range((seq.num_tokens - 1) // self.block_size):
-            tokens = self._block_tokens(seq, index)
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             key = block_key(parent, tokens)
             refs.append(BlockRef(key, parent, tokens))
             parent = key

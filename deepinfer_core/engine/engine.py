@@ -214,7 +214,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (nothing to do in-process); the engine is unusable afterwards."""
-        self._flush_cache_ops()
+        self.flush_cache_ops()
         if self.prefix_tiers is not None:
             self.prefix_tiers.close()
         self.executor.shutdown()
@@ -235,11 +235,12 @@ class Engine:
         left to run, blocks still queued for the prefix tiers are saved (so they outlive the process)."""
         outputs = self._step()
         if self.prefix_tiers is not None and self._in_flight is None and not self.scheduler.has_unfinished():
-            self._flush_cache_ops()
+            self.flush_cache_ops()
         return outputs
 
-    def _flush_cache_ops(self) -> None:
-        """Run the queued prefix-tier transfers in a plan of their own (no tokens)."""
+    def flush_cache_ops(self) -> None:
+        """Run the queued prefix-tier transfers in a plan of their own (no tokens): afterwards every
+        computed block is in the host tier and queued for the store."""
         if self.prefix_tiers is None or not self.prefix_tiers.has_cache_ops:
             return
         ops = self.block_manager.take_cache_ops()
@@ -260,7 +261,7 @@ class Engine:
             request = owner[seq.request_id].request
             touched[request.request_id] = request
         if plan is None:
-            self._flush_cache_ops()  # loads and saves queued by an admission that did not fit
+            self.flush_cache_ops()  # loads and saves queued by an admission that did not fit
             if in_flight is not None:  # everything running was preempted: nothing to launch
                 self._settle(in_flight, touched)
             elif not touched and self.structured_output.has_pending:

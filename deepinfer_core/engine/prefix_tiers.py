@@ -57,17 +57,23 @@ class PrefixTiers:
     :param store: the store (None: off).
     :param default_class: traffic class of requests that name none.
     :param gc_interval_s: seconds between the store's garbage collections.
+    :param importer: a `kv_transfer.KvImporter` (decode instances): requests carrying a prefill
+        instance's handle (`SamplingParams.kv_transfer_params`) read their blocks from it.
+    :param exporter: a `kv_transfer.KvExporter` (prefill instances).
     """
 
     def __init__(self, host: HostCache | None, store: PrefixStore | None, default_class: str = "chat",
-                 gc_interval_s: float = GC_INTERVAL_S) -> None:
+                 gc_interval_s: float = GC_INTERVAL_S, importer=None, exporter=None) -> None:
         self.host, self.store, self.default_class = host, store, default_class
+        self.importer, self.exporter = importer, exporter
+        """Prefill/decode disaggregation (`kv_transfer`): blocks read from a prefill instance, or exported."""
         self._ops: list[tuple[str, int, bytes, torch.Tensor | None]] = []
         self._save_meta: dict[bytes, tuple[BlockRef, str]] = {}
         self._loads: dict[str, object] = {}  # request id -> _READY or (future, start time)
         self._staged: dict[str, dict[bytes, tuple[BlockRef, torch.Tensor]]] = {}
         self._touched: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key -> (ttl, time)
-        self.num_loaded = {"host": 0, "store": 0}
+        self._staged_tier: dict[str, str] = {}  # request id -> "store" or "remote" (a prefill instance)
+        self.num_loaded = {"host": 0, "store": 0, "remote": 0}
         self.load_seconds_total = self.load_seconds_max = 0.0
         self.num_store_loads = 0
         self._gc_interval_s, self._last_gc = gc_interval_s, time.monotonic()
@@ -77,6 +83,8 @@ class PrefixTiers:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-store-load")
             self._writer.submit(self._collect_garbage)
             atexit.register(_close_at_exit, weakref.ref(self))
+        if importer is not None and self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-import")
 
     # -- cache ops --------------------------------------------------------------------------------
 
@@ -93,7 +101,7 @@ class PrefixTiers:
         if entry is not None and entry[0] == ref:
             if self.host is not None:
                 self.host.put(ref.key, ref.parent, ref.tokens, entry[1])
-            return "store", entry[1]
+            return self._staged_tier.get(request_id, "store"), entry[1]
         data = self.host.get(ref.key, ref.parent, ref.tokens) if self.host is not None else None
         return None if data is None else ("host", data)
 
@@ -138,20 +146,26 @@ class PrefixTiers:
 
     # -- loading from the store -------------------------------------------------------------------
 
-    def is_ready(self, request_id: str, refs: Callable[[], list[BlockRef]], device_has: Callable[[bytes], bool]) -> bool:
-        """Whether the request may be admitted: False while its store blocks are being read.
+    def is_ready(self, request_id: str, refs: Callable[[], list[BlockRef]], device_has: Callable[[bytes], bool],
+                 kv_source: dict | None = None) -> bool:
+        """Whether the request may be admitted: False while its blocks are being read.
 
         The first call looks its blocks up (`refs()`, in order): if one is neither on the device nor
-        in the host tier, the loader reads it and the ones after it from the store.
+        in the host tier, the loader reads it and the ones after it from the store, or, for a request
+        with a prefill instance's handle (`kv_source`), every block of the handle from that instance.
         """
-        if self.store is None:
+        if self.store is None and (kv_source is None or self.importer is None):
             return True
         state = self._loads.get(request_id)
         if state is None:
             chain = refs()
             first = next((i for i, ref in enumerate(chain)
                           if not device_has(ref.key) and not (self.host is not None and ref.key in self.host)), None)
-            if first is None or not self.store.contains(chain[first].key):  # nothing to read: no wait
+            if first is not None and kv_source is not None and self.importer is not None:
+                self._staged_tier[request_id] = "remote"
+                self._loads[request_id] = (self._loader.submit(self.importer.fetch, kv_source, chain), time.monotonic())
+                return False
+            if first is None or self.store is None or not self.store.contains(chain[first].key):  # nothing to read
                 self._loads[request_id] = _READY
                 return True
             self._loads[request_id] = (self._loader.submit(self._fetch, chain[first:]), time.monotonic())
@@ -196,6 +210,7 @@ class PrefixTiers:
     def finish_match(self, request_id: str) -> None:
         """After a prefix match: staged blocks it did not take go to the host tier."""
         staged = self._staged.pop(request_id, None)
+        self._staged_tier.pop(request_id, None)
         if staged and self.host is not None:
             for ref, data in staged.values():
                 self.host.put(ref.key, ref.parent, ref.tokens, data)
@@ -268,14 +283,18 @@ class PrefixTiers:
 
     def stats(self) -> dict[str, float]:
         """Counters of the host tier and the store (see `Engine.stats`)."""
-        out: dict[str, float] = {"prefix_loaded_blocks_host": self.num_loaded["host"],
-                                 "prefix_loaded_blocks_store": self.num_loaded["store"]}
+        out: dict[str, float] = {f"prefix_loaded_blocks_{tier}": n for tier, n in self.num_loaded.items()}
         if self.host is not None:
             h = self.host.stats
             out.update(host_cache_blocks=len(self.host), host_cache_bytes=self.host.num_bytes,
                        host_cache_capacity_bytes=self.host.num_slots * self.host.block_bytes,
                        host_cache_evictions=h.num_evicted, host_cache_bytes_in=h.bytes_in,
                        host_cache_bytes_out=h.bytes_out)
+        if self.importer is not None:
+            out.update(kv_transfer_blocks_in=self.importer.num_fetched, kv_transfer_bytes_in=self.importer.bytes_read,
+                       kv_transfer_failures=self.importer.num_failed)
+        if self.exporter is not None:
+            out.update(kv_transfer_exports=self.exporter.num_exported, kv_transfer_exports_pending=self.exporter.num_pending)
         if self.store is not None:
             s = self.store.stats
             out.update(prefix_store_hits=s.num_hits, prefix_store_misses=s.num_misses,
@@ -301,13 +320,20 @@ def make_prefix_tiers(config, fingerprint: bytes, layout, block_bytes: int) -> P
     from deepinfer_core.engine.kv_blocks import describe_layout
     from deepinfer_core.engine.store_backends import open_backend
 
-    host_gib, path = config.host_cache_gib or 0.0, config.prefix_store_path
-    if not host_gib and not path:
+    host_gib, path, role = config.host_cache_gib or 0.0, config.prefix_store_path, config.kv_transfer_role
+    if not host_gib and not path and role is None:
         return None
+    if role == "prefill" and not host_gib:
+        raise ValueError("a prefill instance exports blocks from its host tier: give host_cache_gib > 0")
     host = HostCache(int(host_gib * GIB), block_bytes) if host_gib else None
     store = None
     if path:
         capacity = None if config.prefix_store_gib is None else int(config.prefix_store_gib * GIB)
         store = PrefixStore(open_backend(path), fingerprint, describe_layout(layout), config.prefix_store_ttl_s,
                             capacity)
-    return PrefixTiers(host, store, config.default_traffic_class)
+    importer = exporter = None
+    if role is not None:
+        from deepinfer_core.engine.kv_transfer import KvExporter, KvImporter
+
+        importer, exporter = (KvImporter(), None) if role == "decode" else (None, KvExporter())
+    return PrefixTiers(host, store, config.default_traffic_class, importer=importer, exporter=exporter)

@@ -26,6 +26,7 @@ from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.engine.async_engine import EngineDeadError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, traffic_class_of, until_done_or_disconnect
+from deepinfer_core.entrypoints.pd import kv_transfer_of
 from deepinfer_core.entrypoints.limits import ClientGone, check_prompt_bytes, read_body
 
 if TYPE_CHECKING:
@@ -222,6 +223,7 @@ async def handle_completions(state: ServerState, request: Request) -> Response:
         raw = await read_body(request, state.limits, "chat")
         parsed = await run_in_threadpool(parse_request, state, raw)
         parsed.params.traffic_class = traffic_class_of(request)  # checked by the engine (400 if unknown)
+        parsed.params.kv_transfer_params = kv_transfer_of(request)
     except ApiError as err:
         state.metrics.count_request(METRICS_API, "error")
         return api_error_response(err)

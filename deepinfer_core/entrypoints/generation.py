@@ -22,6 +22,7 @@ from deepinfer_core.chat_contract import Api, ApiError, OutputStream, PreparedRe
 from deepinfer_core.engine.async_engine import EngineDeadError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.limits import ClientGone, read_body
+from deepinfer_core.entrypoints.pd import kv_transfer_of
 
 if TYPE_CHECKING:
     from deepinfer_core.entrypoints.serve import ServerState
@@ -49,7 +50,7 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
     try:
         body = await read_body(request, state.limits, api)
         prepared = await run_in_threadpool(state.encoding.prepare, api, body, state.context_limit)
-        params = _sampling_params(prepared, api, traffic_class_of(request))
+        params = _sampling_params(prepared, api, traffic_class_of(request), kv_transfer_of(request))
         if params.structured_outputs is not None:
             await _compile_grammar(state, params, api)
     except ApiError as err:
@@ -93,13 +94,15 @@ def traffic_class_of(request: Request) -> str | None:
     return request.headers.get(TRAFFIC_CLASS_HEADER) or None
 
 
-def _sampling_params(prepared: PreparedRequest, api: Api, traffic_class: str | None = None) -> SamplingParams:
+def _sampling_params(prepared: PreparedRequest, api: Api, traffic_class: str | None = None,
+                     kv_transfer_params: dict | None = None) -> SamplingParams:
     from deepinfer_core.sampling_params import SamplingParams
 
     try:
         return SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
                               top_p=prepared.top_p, seed=prepared.seed, logprobs=prepared.logprobs,
-                              structured_outputs=prepared.structured_outputs, traffic_class=traffic_class)
+                              structured_outputs=prepared.structured_outputs, traffic_class=traffic_class,
+                              kv_transfer_params=kv_transfer_params)
     except (ValueError, NotImplementedError) as err:
         raise ApiError.from_message(400, str(err), api) from err
 

@@ -107,7 +107,7 @@ class ServerMetrics:
         ]
 
 
-_TIERS = ("device", "host", "store")
+_TIERS = ("device", "host", "store", "remote")
 # (metric, type, help, [(labels, engine stats key)])
 _TIER_METRICS = (
     ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache, by the tier each block came from.",
@@ -116,7 +116,7 @@ _TIER_METRICS = (
      [('path="device_to_host"', "host_cache_bytes_in"), ('path="host_to_device"', "host_cache_bytes_out"),
       ('path="store_read"', "prefix_store_bytes_read"), ('path="store_write"', "prefix_store_bytes_written")]),
     ("prefix_cache_loaded_blocks_total", "counter", "Blocks loaded into the device cache, by source tier.",
-     [('tier="host"', "prefix_loaded_blocks_host"), ('tier="store"', "prefix_loaded_blocks_store")]),
+     [(f'tier="{t}"', f"prefix_loaded_blocks_{t}") for t in ("host", "store", "remote")]),
     ("host_cache_evictions_total", "counter", "Blocks the host tier dropped (least recently used).",
      [("", "host_cache_evictions")]),
     ("host_cache_bytes", "gauge", "Bytes of blocks held in the host tier.", [("", "host_cache_bytes")]),
@@ -132,6 +132,12 @@ _TIER_METRICS = (
      [("", "prefix_store_load_seconds_total")]),
     ("prefix_store_loads_total", "counter", "Store loads requests waited for.", [("", "prefix_store_loads")]),
     ("prefix_store_load_seconds_max", "gauge", "Longest wait for a store load.", [("", "prefix_store_load_seconds_max")]),
+    ("kv_transfer_blocks_in_total", "counter", "Blocks a decode instance read from prefill instances.",
+     [("", "kv_transfer_blocks_in")]),
+    ("kv_transfer_failures_total", "counter", "Reads from prefill instances that failed (prompt computed here).",
+     [("", "kv_transfer_failures")]),
+    ("kv_transfer_exports_pending", "gauge", "Exports of a prefill instance not yet read.",
+     [("", "kv_transfer_exports_pending")]),
     ("num_requests_loading", "gauge", "Requests waiting for their prefix to load from the store.", [("", "num_loading")]),
 )
 

@@ -78,6 +78,7 @@ def build_app(
     model_aliases: list[str] | tuple[str, ...] = (),
     limits: HttpLimits | None = None,
     api_key: str | None = None,
+    public_url: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`; the engine loop thread starts now and stops with the app.
 
@@ -88,6 +89,8 @@ def build_app(
     :param limits: body size and read-time limits (the connection limits are uvicorn's, see
         `running_server`); defaults to `HttpLimits()`.
     :param api_key: when set, every `/v1/...` request must present it (see `auth.py`).
+    :param public_url: this server's base URL as other instances reach it; a prefill instance
+        (`kv_transfer_role="prefill"`) serves its prefill routes under it (see `pd.py`).
     """
     encoding = load_chat_encoding(engine.tokenizer, engine.model_config)
     names = [n for n in (served_model_name, *model_aliases) if n]
@@ -110,6 +113,10 @@ def build_app(
     app.state.server = state
     add_error_handlers(app)
     _add_routes(app, state)
+    if engine.config.kv_transfer_role == "prefill":
+        from deepinfer_core.entrypoints.pd import add_prefill_routes
+
+        add_prefill_routes(app, state, public_url or "http://127.0.0.1:8000")
     app.add_middleware(TrimHeapAfterLargeBodies)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

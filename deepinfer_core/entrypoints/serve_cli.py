@@ -78,6 +78,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                        metavar="CLASS=SECONDS", help="retention of a traffic class after its last use (repeatable; "
                        "default agent=259200 chat=604800); requests name theirs in the x-deepinfer-traffic-class header")
     tiers.add_argument("--default-traffic-class", default=None, help="class of requests that name none (default chat)")
+    parser.add_argument("--role", choices=["prefill", "decode"], default=None,
+                        help="prefill/decode disaggregation: a prefill instance computes prompts and exports their KV "
+                             "blocks, a decode instance reads them by NIXL and answers; `deepinfer router` sits in "
+                             "front (implies --enable-prefix-caching; a prefill instance's --host-cache-gib defaults to 1)")
+    parser.add_argument("--public-url", default=None,
+                        help="this server's base URL as other instances reach it (default http://HOST:PORT)")
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
@@ -91,6 +97,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     http.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                       help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
     parser.set_defaults(handler=run_serve)
+    from deepinfer_core.entrypoints.router import add_router_parser
+
+    add_router_parser(subparsers)
     return parser
 
 
@@ -123,6 +132,11 @@ def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:
     chosen = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
     if "prefix_store_ttl_s" in chosen:
         chosen["prefix_store_ttl_s"] = dict(chosen["prefix_store_ttl_s"])
+    role = getattr(args, "role", None)
+    if role is not None:
+        chosen |= {"kv_transfer_role": role, "enable_prefix_caching": True}
+        if role == "prefill":
+            chosen.setdefault("host_cache_gib", 1.0)
     return EngineConfig(model=model_dir, **chosen)
 
 
@@ -184,7 +198,8 @@ def run_serve(args: argparse.Namespace) -> int:
     require_chat_encoding(model_dir)
     limits = http_limits_of(args)
     app = build_app(Engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
-                    model_aliases=args.model_alias, limits=limits, api_key=args.api_key)
+                    model_aliases=args.model_alias, limits=limits, api_key=args.api_key,
+                    public_url=args.public_url or f"http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
     return 0
 

@@ -23,7 +23,6 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
@@ -197,5 +196,5 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     for r in rows:
         print(f"{r['mode']:8s} {r['wall_s']:8.2f} {r['hit_rate']:7.1%} {r['hit_rate_device']:7.1%} {r['hit_rate_host']:7.1%} "
               f"{r['hit_rate_store']:7.1%} {r['prefill_vs_off']:11.3f} {r['effective_prefill_tok_s']:10.0f} "
-              f"{str(r['answers_equal_off']):>6s}")
+              f"{r['answers_equal_off']!s:>6s}")
     return rows

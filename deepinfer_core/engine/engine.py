@@ -28,8 +28,8 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.executor import make_executor
-from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.engine.kv_blocks import layout_bytes
+from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan
 from deepinfer_core.engine.prefix_tiers import make_prefix_tiers
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop

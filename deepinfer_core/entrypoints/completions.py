@@ -25,9 +25,13 @@ from starlette.responses import Response, StreamingResponse
 from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.engine.async_engine import EngineDeadError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
-from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, traffic_class_of, until_done_or_disconnect
-from deepinfer_core.entrypoints.pd import kv_transfer_of
+from deepinfer_core.entrypoints.generation import (
+    CLIENT_CLOSED_REQUEST,
+    traffic_class_of,
+    until_done_or_disconnect,
+)
 from deepinfer_core.entrypoints.limits import ClientGone, check_prompt_bytes, read_body
+from deepinfer_core.entrypoints.pd import kv_transfer_of
 
 if TYPE_CHECKING:
     from deepinfer_core.entrypoints.serve import ServerState

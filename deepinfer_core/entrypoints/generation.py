@@ -204,5 +204,13 @@ class _Generation:
                                           self.last_output, self.arrival)
 
 
-__all__ = ["CLIENT_CLOSED_REQUEST", "RESPONSE_ID_PREFIXES", "TRAFFIC_CLASS_HEADER", "traffic_class_of", "ModelOutputError", "handle_generation", "until_done_or_disconnect",
-           "wait_for_disconnect"]
+__all__ = [
+    "CLIENT_CLOSED_REQUEST",
+    "RESPONSE_ID_PREFIXES",
+    "TRAFFIC_CLASS_HEADER",
+    "ModelOutputError",
+    "handle_generation",
+    "traffic_class_of",
+    "until_done_or_disconnect",
+    "wait_for_disconnect",
+]

@@ -176,6 +176,17 @@ def test_blocks_evicted_from_the_device_come_back_from_host_memory(model_dir, co
     assert engine.block_manager.num_free_blocks == 7  # loads leave every reference count as it was
 
 
+def test_overlapped_decode_saves_and_loads_blocks_between_steps(model_dir, cold):
+    prompts, cold_outputs = cold
+    engine = engine_of(model_dir, enable_prefix_caching=True, host_cache_gib=0.01, num_kv_blocks=7,
+                       async_scheduling=True)
+    run(engine, sessions())
+    warm = run(engine, prompts)
+    assert same_tokens(warm, cold_outputs)
+    assert engine.stats()["prefix_cache_hit_tokens_host"] >= 256
+    assert not engine.prefix_tiers.has_cache_ops  # every save ran once the engine went idle
+
+
 class GatedPosix(PosixBackend):
     """POSIX files whose reads wait for `gate` (a slow store)."""
 

@@ -1,0 +1,48 @@
+"""Whole blocks as bytes: the layout, and copies between the device cache and host memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.engine.kv_blocks import LOAD, SAVE, BlockIO, block_layout, describe_layout, layout_bytes
+from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block
+from deepinfer_core.engine.plan import CacheOp
+from deepinfer_core.models.layer_plan import build_layer_plan
+from tests.oracle import parity_config
+
+CONFIG = ModelConfig.from_dict(parity_config("hca128"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layout_is_the_compressed_state_of_a_block(dtype):
+    plans = build_layer_plan(CONFIG, dtype)
+    layout = block_layout(plans, dtype)
+    assert layout_bytes(layout) == bytes_per_block(plans, dtype)  # windows and tails are not in a block
+    assert {s.name for s in layout} == {"compressed", "index_keys"}
+    assert str(dtype).removeprefix("torch.") in describe_layout(layout)
+
+
+def test_saved_blocks_load_into_other_blocks_unchanged():
+    plans = build_layer_plan(CONFIG, torch.bfloat16)
+    cache = KVCache(plans, num_blocks=6, num_slots=2, dtype=torch.bfloat16, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        for pool in (layer.compressed, layer.index_keys):
+            if pool is not None:
+                pool.copy_(torch.randn(pool.shape, generator=generator).to(pool.dtype))
+    io = BlockIO(block_layout(plans, torch.bfloat16), cache.layers)
+    (saved,) = io.apply((CacheOp(SAVE, (1, 4), (b"a", b"b")),))
+    assert saved.shape == (2, io.block_bytes) and saved.dtype == torch.uint8
+    io.apply((CacheOp(LOAD, (0, 5), (b"a", b"b"), saved),))
+    for layer_plan, layer in zip(plans, cache.layers):
+        if not layer_plan.owns_compressed:
+            continue
+        rows = layer_plan.attention.entries_per_block
+        for pool in (layer.compressed, layer.index_keys):
+            if pool is not None:
+                assert torch.equal(pool[0:rows], pool[rows : 2 * rows])
+                assert torch.equal(pool[5 * rows : 6 * rows], pool[4 * rows : 5 * rows])
+    with pytest.raises(ValueError, match="uint8 data of shape"):
+        io.scatter((0,), saved)

@@ -151,7 +151,7 @@ def prefix_tier_lines(stats: dict[str, Any]) -> list[str]:
         lines += [f"# HELP {PREFIX}_prefix_cache_tier_hit_rate Prompt tokens served by a tier / prompt tokens looked up.",
                   f"# TYPE {PREFIX}_prefix_cache_tier_hit_rate gauge"]
         lines += [f'{PREFIX}_prefix_cache_tier_hit_rate{{tier="{t}"}} '
-                  f'{stats[f"prefix_cache_hit_tokens_{t}"] / queried if queried else 0.0}' for t in _TIERS]
+                  f'{stats.get(f"prefix_cache_hit_tokens_{t}", 0) / queried if queried else 0.0}' for t in _TIERS]
     for name, kind, text, samples in _TIER_METRICS:
         present = [(labels, stats[key]) for labels, key in samples if key in stats]
         if not present:

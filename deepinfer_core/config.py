@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from deepinfer_core.engine.spec.config import SpeculativeConfig
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -465,6 +467,10 @@ class EngineConfig(BaseModel):
     worker_timeout_s: float = Field(
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp", '
+        '"num_speculative_tokens": k, ...} (see `deepinfer_core.engine.spec.config.SpeculativeConfig`); '
+        "None decodes one token per request and step.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -26,6 +26,8 @@ from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.spec import verify as spec_verify
+from deepinfer_core.engine.spec.runner_side import SpecVerifier
 from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
@@ -110,6 +112,8 @@ class ModelRunner:
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
         self.requests: dict[str, RequestState] = {}
         self._carried: CarriedTokens | None = None
+        self.spec = SpecVerifier.build(engine_config, model_config, self.plans, self.kv_cache, device)
+        """Speculative verification (None without `speculative_config`)."""
         self.graphs = self._capture_graphs()
 
     # -- build phases -------------------------------------------------------------------------------
@@ -212,22 +216,29 @@ class ModelRunner:
             if self._carried is None:
                 raise RuntimeError("the plan has pending tokens but no step sampled before it")
             self._carried.fill(ctx.input_ids, pending)
-        tensors = self._sampling_tensors(plan, states, sampled)
+        rows = spec_verify.logits_row_requests(plan, sampled)  # d + 1 rows for a request with d drafts
+        tensors = self._sampling_tensors(plan, states, rows)
+        saved = self.spec.capture(plan, states) if self.spec is not None else None
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
+        result = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
+        if saved is not None:
+            result = self.spec.finish(plan, states, rows, logits[: len(rows)], tensors, result, saved)
+        return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
+        """`sampled`: per logits row, its request's index in `plan.requests` (repeated for drafts)."""
         if not sampled:
             return None
         rows = [states[i] for i in sampled]
+        offsets = spec_verify.row_token_offsets(plan, sampled)
         history = {}
         if any(s.token_ids is not None for s in rows):  # penalties read the ids (never pending: no overlap)
             history = {"output_token_ids": [s.token_ids[s.num_prompt_tokens :] if s.token_ids else [] for s in rows],
                        "prompt_token_ids": [s.token_ids[: s.num_prompt_tokens] if s.token_ids else [] for s in rows]}
         return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows],
-            [plan.requests[i].end - states[i].num_prompt_tokens for i in sampled],
+            [plan.requests[i].end - states[i].num_prompt_tokens + j for i, j in zip(sampled, offsets)],
             self.config.eos_token_ids, self.device, self.config.vocab_size, **history,
         )
 
@@ -280,9 +291,9 @@ class ModelRunner:
                 pending.append((offset + n - 1, request.request_id))
             positions += range(start, end)
             totals.append(end)
-            if request.is_sampled:
+            if request.is_sampled:  # a row for the last token and one for each draft before it
                 sampled.append(i)
-                ends.append(offset + n - 1)
+                ends += range(offset + n - 1 - request.num_draft_tokens, offset + n)
             if state.sampling_params.prompt_logprobs is not None:
                 count = min(end, state.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
                 if count > 0:

@@ -271,6 +271,9 @@ class Engine:
             is_identity = len(result.sampled) == len(seqs) and result.num_accepted is None
             sampled = seqs if is_identity else [seqs[i] for i in result.sampled]
             self._append_tokens(sampled, result.output, touched)
+        if result.drafts is not None:  # the model side's drafter (MTP) proposed what follows each request
+            for i, (drafts, confidences) in zip(dict.fromkeys(result.sampled), result.drafts, strict=True):
+                seqs[i].draft_token_ids, seqs[i].draft_confidences = drafts, confidences
         if self.speculator is not None:
             if result.num_accepted is not None:  # drafts accepted: computed now that they are tokens
                 self.scheduler.accept_drafts(plan, result.num_accepted)

@@ -28,7 +28,7 @@ from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_s
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.spec import verify as spec_verify
-from deepinfer_core.engine.spec.runner_side import SpecVerifier
+from deepinfer_core.engine.spec.runner_side import SpecVerifier, build_mtp_drafter
 from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
@@ -40,6 +40,7 @@ from deepinfer_core.models.interface import (
     tensors_identity,
 )
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
+from deepinfer_core.models.mtp import split_mtp_weights
 from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -118,6 +119,8 @@ class ModelRunner:
         self._carried: CarriedTokens | None = None
         self.spec = SpecVerifier.build(engine_config, model_config, self.plans, self.kv_cache, device)
         """Speculative verification (None without `speculative_config`)."""
+        self.mtp = build_mtp_drafter(self, self._mtp_weights)
+        """The MTP drafter (None unless `speculative_config.method == "mtp"`)."""
         self.graphs = self._capture_graphs()
 
     # -- build phases -------------------------------------------------------------------------------
@@ -128,6 +131,9 @@ class ModelRunner:
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
                                    keep_fp4=self.plans[0].moe.expert_format == "fp4")
+            self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
+        else:
+            weights, self._mtp_weights = split_mtp_weights(weights)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)
@@ -228,6 +234,8 @@ class ModelRunner:
         result = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
         if saved is not None:
             result = self.spec.finish(plan, states, rows, logits[: len(rows)], tensors, result, saved)
+        if self.mtp is not None and result.output is not None:
+            result.drafts = self.mtp.propose(self, plan, states, ctx.input_ids, self.model.final_streams, result)
         return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
@@ -260,7 +268,9 @@ class ModelRunner:
         return StepResult(sampled, replace(output, token_ids=token_ids), prompt_logits)
 
     def _is_graph_step(self, plan: StepPlan) -> bool:
-        return self.graphs is not None and self.graphs.can_run(len(plan.requests)) and plan.is_all_decodes
+        # the MTP drafter reads every step's residual streams: its steps run eagerly
+        return (self.graphs is not None and self.mtp is None and self.graphs.can_run(len(plan.requests))
+                and plan.is_all_decodes)
 
     @functools.cached_property
     def compress_rates(self) -> set[int]:

@@ -216,10 +216,13 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Pick this step's work (see the module docstring) as a plan; None when nothing can run."""
         step = _Step(budget=self.config.max_num_batched_tokens)
+        drafts = self._drafts_of_decodes(step)
         self._schedule_decodes(step)
         self._schedule_prefill_chunks(step)
         if not step.is_memory_short:
             self._admit_waiting(step)
+        if drafts:
+            self._add_drafts(step, drafts)
         return self._plan(step) if step.seqs else None
 
     def _plan(self, step: _Step) -> StepPlan:
@@ -276,7 +279,6 @@ class Scheduler:
         return step.budget > 0 and len(step.seqs) < self.config.max_num_seqs
 
     def _schedule_decodes(self, step: _Step) -> None:
-        drafts = self._drafts_of_decodes(step)
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefill or seq.waits_for_host:
                 continue  # preempted by an older sequence this step, prefilling, or its token is in flight
@@ -288,8 +290,7 @@ class Scheduler:
             if not self._has_room(step):
                 return
             if self._make_room(seq, 1, step):
-                extra = self._room_for_drafts(seq, drafts.get(seq.request_id, ()), step)
-                step.add(seq, 1 + len(extra))
+                step.add(seq, 1)
                 self.stats.num_decode_tokens += 1
             elif seq.status is SequenceStatus.RUNNING:
                 self._preempt(seq)
@@ -306,21 +307,27 @@ class Scheduler:
         chosen = self._choose_drafts(decoding, max(0, step.budget - len(decoding)))
         return {seq.request_id: tuple(d) for seq, d in zip(decoding, chosen, strict=True) if d}
 
-    def _room_for_drafts(self, seq: Sequence, drafts: tuple[int, ...], step: _Step) -> tuple[int, ...]:
-        """The drafts `seq` verifies: as many as fit the budget, the context and blocks that are free
-        without evicting a cached block or preempting anyone (drafts never cost other requests memory)."""
-        drafts = drafts[: max(0, min(step.budget - 1, self.config.max_model_len - seq.num_tokens))]
-        while drafts:
-            missing = self.block_manager.blocks_for(seq.num_computed_tokens + 1 + len(drafts)) - len(seq.block_table)
-            # keep one free block per decode still to schedule, so drafts never make anyone wait
-            reserve = sum(1 for s in self.running if s.request_id not in step.scheduled) - 1
-            if missing + max(0, reserve) <= self.block_manager.num_free_uncached_blocks:
-                break
-            drafts = drafts[:-1]
-        if drafts:
-            self.block_manager.allocate(seq, 1 + len(drafts))
-            step.drafts[seq.request_id] = drafts
-        return drafts
+    def _add_drafts(self, step: _Step, drafts: dict[str, tuple[int, ...]]) -> None:
+        """Last in a step, once every decode, chunk and admission has its tokens and blocks: give each
+        scheduled decode the drafts that fit the budget left, the context, and blocks still free without
+        evicting a cached block (so drafts never cost another request memory or budget)."""
+        for index, seq in enumerate(step.seqs):
+            proposed = drafts.get(seq.request_id)
+            is_decode = step.num_new_tokens[index] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            if not proposed or not is_decode or seq.status is not SequenceStatus.RUNNING:
+                continue
+            proposed = proposed[: max(0, min(step.budget, self.config.max_model_len - seq.num_tokens))]
+            while proposed:
+                missing = self.block_manager.blocks_for(seq.num_computed_tokens + 1 + len(proposed)) - len(seq.block_table)
+                if missing <= self.block_manager.num_free_uncached_blocks:
+                    break
+                proposed = proposed[:-1]
+            if not proposed:
+                continue
+            self.block_manager.allocate(seq, 1 + len(proposed))
+            step.drafts[seq.request_id] = proposed
+            step.num_new_tokens[index] += len(proposed)
+            step.budget -= len(proposed)
 
     def _schedule_prefill_chunks(self, step: _Step) -> None:
         if len(step.seqs) == len(self.running):

@@ -77,3 +77,29 @@ class SpecVerifier:
 def _keep_nonfinite(sampled: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
     """Rows the sampler marked non-finite stay marked after the verifier's tokens are merged in."""
     return torch.where(sampled < 0, sampled, merged)
+
+
+def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
+    """The runner's MTP drafter when `speculative_config.method == "mtp"` (else None): the checkpoint's
+    `mtp.*` layer (from `weights`, internal names without `mtp.`, or read from the checkpoint), bound
+    to backends of its own plan and to the target's embedding, LM head and layer ops.
+
+    :raises MTPWeightsMissingError: the checkpoint has no MTP weights.
+    """
+    from deepinfer_core.engine.spec.mtp_drafter import MTPDrafter
+    from deepinfer_core.models.mtp import build_mtp
+    from deepinfer_core.models.mtp_weights import read_mtp_tensors, to_internal
+
+    config = getattr(runner.engine_config, "speculative_config", None)
+    if config is None or config.method != "mtp":
+        return None
+    source = "the in-memory weights" if weights is not None else runner.engine_config.model
+    if weights is None:
+        weights = to_internal(read_mtp_tensors(runner.engine_config.model))
+    module = build_mtp(runner.config, runner.dtype, weights, runner.device, source)
+    check_ring_sizes([module.plan], config.num_speculative_tokens)
+    attention = plugins.make_attention(module.plan.attention, runner.device)
+    moe = plugins.make_moe(module.plan.moe, runner.device)
+    module.bind(runner.model, attention, moe, runner.model.ops, runner.device)
+    runner.model.keeps_final_streams = True
+    return MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens)

@@ -96,7 +96,8 @@ def report(row: dict) -> None:
 def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
     batch, new = len(prompts), args.new_tokens
     context = workload.PROMPT_LEN + new // 2
-    generate(plain, prompts, new)  # warm-up
+    if args.warmup:
+        generate(plain, prompts, new)
     reference, base_s = generate(plain, prompts, new)
     base = batch * (new - 1) / base_s  # tokens after the first, over the time they took
     report({"case": "none", "batch": batch, "decode_tok_s": round(base, 1),
@@ -104,7 +105,8 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
     continuations = {tuple(p): r for p, r in zip(prompts, reference)}
     for k in args.ks:
         set_spec(spec, k, "fixed", ReplayDrafter(continuations, 0, vocab))
-        generate(spec, prompts, new)  # warm-up at this k
+        if args.warmup:  # at this k: kernels compile, the allocator grows
+            generate(spec, prompts, new)
         out, seconds = generate(spec, prompts, new)
         speed = batch * (new - 1) / seconds
         report({"case": "oracle", "batch": batch, "k": k, "decode_tok_s": round(speed, 1),
@@ -114,7 +116,8 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
                 "tokens_equal": out == reference})
     for policy in ("fixed", "confidence"):
         set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab))
-        generate(spec, prompts, new)
+        if args.warmup:
+            generate(spec, prompts, new)
         out, seconds = generate(spec, prompts, new)
         speed = batch * (new - 1) / seconds
         report({"case": "always_wrong", "policy": policy, "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
@@ -137,11 +140,13 @@ def run_ngram(args, plain, spec, vocab) -> None:
 
     for batch in args.batches:
         prompts = agent_trace(batch, vocab)
-        generate(plain, prompts, args.new_tokens)
+        if args.warmup:
+            generate(plain, prompts, args.new_tokens)
         reference, base_s = generate(plain, prompts, args.new_tokens)
         set_spec(spec, 3, "fixed", NgramDrafter(1, 4))
+        if args.warmup:
+            generate(spec, prompts, args.new_tokens)
         before = spec.stats()
-        generate(spec, prompts, args.new_tokens)
         out, seconds = generate(spec, prompts, args.new_tokens)
         after = spec.stats()
         steps = after["spec_verify_steps"] - before["spec_verify_steps"]
@@ -160,6 +165,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
     args = parser.parse_args()
+    args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     if args.tiny:

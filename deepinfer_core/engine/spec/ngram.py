@@ -8,12 +8,18 @@ the most recent wins.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+
+_ITEM = 4
+"""Bytes per token id in the searched buffer (int32: every vocabulary fits)."""
 
 
 def propose_ngram(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
     """Up to `num_drafts` tokens that followed the latest earlier occurrence of the longest suffix
     n-gram (`max_n` down to `min_n` tokens) of `token_ids`; empty when no suffix recurs.
+
+    The search runs in C (`bytes.rfind` over the ids as int32), so a long context costs microseconds.
 
     :param token_ids: the request's prompt then generated tokens.
     :param num_drafts: most tokens to propose.
@@ -21,15 +27,15 @@ def propose_ngram(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: 
     :param max_n: longest suffix matched.
     """
     total = len(token_ids)
-    if num_drafts < 1:
+    if num_drafts < 1 or total < 2:
         return []
-    ids = list(token_ids)
+    data = array("i", token_ids).tobytes()
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = ids[total - n :]
-        # latest occurrence that ends before the suffix itself starts to overlap the end
-        for start in range(total - n - 1, -1, -1):
-            if ids[start : start + n] == suffix:
-                follow = ids[start + n : start + n + num_drafts]
-                if follow:
-                    return follow
+        pattern = data[(total - n) * _ITEM :]
+        limit = (total - 1) * _ITEM  # an occurrence must end before the last token
+        while (found := data.rfind(pattern, 0, limit)) >= 0:
+            if found % _ITEM == 0:  # aligned on a token, not inside one
+                start = found // _ITEM + n
+                return list(token_ids[start : start + num_drafts])
+            limit = found + len(pattern) - 1
     return []

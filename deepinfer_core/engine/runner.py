@@ -117,9 +117,10 @@ class ModelRunner:
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype)
-        if weights is None:
-            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4")
+        if weights is None:  # a model class with its own checkpoint layout brings its loader
+            load = getattr(model_cls, "load_checkpoint", None) or load_weights
+            weights = load(self.engine_config.model, self.config, self.dtype, self.device,
+                           keep_fp4=self.plans[0].moe.expert_format == "fp4")
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)

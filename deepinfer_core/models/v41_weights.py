@@ -31,8 +31,9 @@ _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
 def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False) -> dict[str, torch.Tensor]:
     """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`."""
     model_dir = Path(model_dir)
-    for line in release_differences(model_dir, config):
-        logger.warning("%s differs from the DeepSeek-V4.1-Flash release: %s", model_dir, line)
+    differences = release_differences(model_dir, config)
+    if differences:
+        logger.warning("%s differs from the DeepSeek-V4.1-Flash release:\n%s", model_dir, "\n".join(differences))
     expected = {t.name: t for t in released_tensors(config)}
     with ExitStack() as stack:
         reader = SafetensorsReader(checkpoint_files(model_dir), stack)

@@ -23,6 +23,7 @@ from torch import nn
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.engram import EngramHasher, EngramTable, engram_forward
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import FP32, RMSNorm
@@ -50,9 +51,15 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4)
 
-    def __init__(self, config, plans: list[V41LayerPlan], dtype: torch.dtype) -> None:
+    def __init__(self, config, plans: list[V41LayerPlan], dtype: torch.dtype,
+                 parallel: ParallelGroups | None = None) -> None:
         super().__init__()
         self.config, self.plans, self.hc_mult = config, plans, config.hc_mult
+        self.parallel = parallel if parallel is not None else ParallelGroups.single()
+        for name in ("tp", "ep", "cp"):
+            if getattr(self.parallel, name).size > 1:
+                raise NotImplementedError(f"DeepSeek-V4.1 with {name} size {getattr(self.parallel, name).size}: "
+                                          "the V4.1 model runs whole on each rank for now")
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Block(config, plan, dtype) for plan in plans)
         self.norm = RMSNorm(config.hidden_size)

@@ -34,6 +34,16 @@ from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
 from deepinfer_core.reference.layer_ops import collapse, hyper_mix, hyper_residual, write_rings
 
 
+class _TwoLevelIndexer:
+    """Stands for `v41_compressor.two_level_topk` among the backends: it reads each request's entry
+    count on the host, so decode steps that run it cannot be captured in a CUDA graph yet."""
+
+    supports_cuda_graphs = False
+
+
+TWO_LEVEL_INDEXER = _TwoLevelIndexer()
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     """The whole text model (a `deepinfer_core.models.interface.CausalLM`); DSpark and vision not run."""
 
@@ -91,7 +101,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                            for p in self.plans if p.has_engram}
 
     def backends(self) -> list[object]:
-        return [*self.attention_backends, *self.moe_backends, self.ops]
+        """Every bound backend, plus the two-level indexer when the plan uses it (it is not graph-safe)."""
+        two_level = [TWO_LEVEL_INDEXER] if any(p.is_candidate_source for p in self.plans) else []
+        return [*self.attention_backends, *self.moe_backends, self.ops, *two_level]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         tables = {}

@@ -142,3 +142,11 @@ def test_single_pass_mixing_is_what_the_model_runs(checkpoint):
     other.model.forward = v4_style
     v4_logprobs = all_position_logprobs(other, [FakeSeq(prompt, slot=0, block_table=[0])], [12])[0]
     assert (v4_logprobs - single_pass).abs().max().item() > 1e-2
+
+
+def test_the_two_level_indexer_keeps_decode_out_of_cuda_graphs(checkpoint):
+    from deepinfer_core.backends import supports_cuda_graphs
+
+    model = make_runner(*checkpoint).model
+    assert not all(supports_cuda_graphs(b) for b in model.backends())  # the runner then decodes eagerly
+    assert deepseek_v41.TWO_LEVEL_INDEXER in model.backends()

@@ -17,8 +17,6 @@ Hash rules (pinned by tests/models/test_v41_engram.py):
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F

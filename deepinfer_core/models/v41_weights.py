@@ -39,11 +39,11 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
         reader = SafetensorsReader(checkpoint_files(model_dir), stack)
         check_tensors(reader, expected, model_dir)
         weights = {}
-        for name in expected:
+        for name, tensor in expected.items():
             is_scale = name.endswith(".scale") and not name.endswith("engram.embed.scale")
             if is_skipped(name) or is_scale or ".experts." in name:
                 continue
-            weights[name] = _read(reader, name, expected[name].dtype, config, dtype).to(device)
+            weights[name] = _read(reader, name, tensor.dtype, config, dtype).to(device)
         for layer in range(config.num_hidden_layers):
             weights.update(_experts(reader, config, layer, dtype, device, keep_fp4))
     if config.engram_layer_ids:
@@ -78,7 +78,7 @@ def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path) ->
 
 def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torch.dtype) -> torch.Tensor:
     tensor = reader.read(name)
-    if name.endswith("engram.embed.weight") or name.endswith("engram.embed.scale"):
+    if name.endswith(("engram.embed.weight", "engram.embed.scale")):
         return tensor.view(torch.uint8)  # the table stays in its own bytes
     if stored == "F8_E4M3":
         scale = reader.read(name.removesuffix(".weight") + ".scale")

@@ -94,7 +94,7 @@ def test_reuse_layers_receive_their_sources_entries_and_picks_unchanged(checkpoi
         assert topk is calls[plan.index_source][1]  # the source's picks, the same tensor
     assert {i for i, *_ in selections} == {5, 7}  # the candidate source and its reindex layer
     (_, _, masks, positions), = [s for s in selections if s[0] == 7]
-    picks = dict((i, p) for i, p, *_ in selections)[7]
+    picks = {i: p for i, p, *_ in selections}[7]
     k = plans[7].attention.index_topk
     for t, position in enumerate(positions.tolist()):
         visible = position + 1  # ratio 1

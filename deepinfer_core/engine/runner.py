@@ -23,8 +23,8 @@ from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cu
 from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
-from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.spec import verify as spec_verify
@@ -128,9 +128,10 @@ class ModelRunner:
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
-        if weights is None:
-            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4")
+        if weights is None:  # a model class with its own checkpoint layout brings its loader
+            load = getattr(model_cls, "load_checkpoint", None) or load_weights
+            weights = load(self.engine_config.model, self.config, self.dtype, self.device,
+                           keep_fp4=self.plans[0].moe.expert_format == "fp4")
             self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
         else:
             weights, self._mtp_weights = split_mtp_weights(weights)

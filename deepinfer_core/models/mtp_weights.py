@@ -31,7 +31,10 @@ _NAME = re.compile(r"(?:model\.)?mtp\.(\d+)\.(.+)")
 
 
 def read_mtp_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every `mtp.*` tensor of the checkpoint, by its on-disk name (empty when it has none)."""
+    """Every `mtp.*` tensor of the checkpoint, by its on-disk name (empty when it has none, or no
+    safetensors file at all)."""
+    if not any(Path(model_dir).glob("*.safetensors")) and not any(Path(model_dir).glob("*.safetensors.index.json")):
+        return {}
     files = checkpoint_files(model_dir)
     names = [n for n in files if n.startswith(("mtp.", "model.mtp."))]
     tensors = {}

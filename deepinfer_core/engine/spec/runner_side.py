@@ -93,8 +93,8 @@ def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     config = getattr(runner.engine_config, "speculative_config", None)
     if config is None or config.method != "mtp":
         return None
-    source = "the in-memory weights" if weights is not None else runner.engine_config.model
-    if weights is None:
+    source = "the in-memory weights" if weights else runner.engine_config.model
+    if not weights:  # none given with in-memory weights either: the checkpoint directory may hold them
         weights = to_internal(read_mtp_tensors(runner.engine_config.model))
     module = build_mtp(runner.config, runner.dtype, weights, runner.device, source)
     check_ring_sizes([module.plan], config.num_speculative_tokens)

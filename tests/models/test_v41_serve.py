@@ -33,3 +33,15 @@ def test_the_server_answers_chats_as_deepseek_v41_flash(tmp_path_factory):
             "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]})
     assert answer["model"] == "DeepSeek-V4.1-Flash" and answer["usage"]["completion_tokens"] <= 3
     assert answer["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_plugin_listing_reads_a_v41_checkpoint(tmp_path_factory):
+    import torch
+
+    from deepinfer_core.cli import representative_specs
+    from deepinfer_core.models.v41_config import V41Config
+
+    directory, _ = tiny_checkpoint(tmp_path_factory)
+    specs = representative_specs(V41Config.from_dir(directory), torch.float32)
+    assert sorted({spec.compress_rate for spec in specs["make_attention"]}) == [0, 1, 2]
+    assert specs["make_verifier"][0].max_draft_tokens == 1

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from deepinfer_core.engine.spec.config import SpeculativeConfig
 from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig
 
 SLIDING = "sliding_attention"
@@ -471,6 +472,10 @@ class EngineConfig(BaseModel):
     worker_timeout_s: float = Field(
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp", '
+        '"num_speculative_tokens": k, ...} (see `deepinfer_core.engine.spec.config.SpeculativeConfig`); '
+        "None decodes one token per request and step.")
     tensor_parallel_size: PositiveInt = Field(1, description="Ranks splitting attention heads and dense projections.")
     data_parallel_size: PositiveInt = Field(
         1, description="Attention data-parallel ranks, each with its own scheduler, requests and cache.")

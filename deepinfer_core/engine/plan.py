@@ -134,3 +134,5 @@ class StepResult:
     """Per sampled request, how many drafts were accepted (None without speculation)."""
     saved: tuple[Any, ...] = ()
     """Per "save" op of `plan.cache_ops`, in order, the blocks' bytes `[n, block_bytes]` uint8 on the host."""
+    drafts: list[tuple[list[int], list[float]]] | None = None
+    """Per sampled request, the model-side drafter's next drafts and their confidences (MTP; else None)."""

@@ -107,6 +107,10 @@ class Sequence:
         with other requests): the runner must not write them (0 normally)."""
         self.is_loading = False
         """Waiting while its prefix blocks are read from the prefix store (`BlockManager.is_prefix_ready`)."""
+        self.draft_token_ids: list[int] = []
+        """Speculative decoding: drafts the model side proposed to follow `token_ids` (MTP), if any."""
+        self.draft_confidences: list[float] | None = None
+        """The drafter's per-draft survival probabilities for `draft_token_ids` (None: none given)."""
 
     # -- token counts ------------------------------------------------------------------------
 

@@ -160,6 +160,9 @@ def prefix_tier_lines(stats: dict[str, Any]) -> list[str]:
         lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}"]
         lines += [f"{PREFIX}_{name}{{{labels}}} {value}" if labels else f"{PREFIX}_{name} {value}"
                   for labels, value in present]
+    return lines
+
+
 _SPEC_COUNTERS = (
     ("spec_decode_num_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens proposed by the drafter."),
     ("spec_decode_num_verified_tokens_total", "spec_verified_tokens", "Draft tokens sent to the target to verify."),

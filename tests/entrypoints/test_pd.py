@@ -46,7 +46,7 @@ def start(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 180.0) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 420.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

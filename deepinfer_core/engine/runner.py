@@ -36,7 +36,7 @@ from deepinfer_core.models.interface import (
     checkpoint_identity,
     tensors_identity,
 )
-from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, deterministic_plans, layer_ops_spec
 from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -96,7 +96,9 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
-        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
+        self.plans = deterministic_plans(
+            weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt),
+            engine_config.deterministic)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -134,7 +136,8 @@ class ModelRunner:
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
-        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype, self.engine_config.deterministic),
+                                     self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
 

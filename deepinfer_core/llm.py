@@ -33,7 +33,8 @@ class LLM:
     :param max_model_len: longest prompt + output.
     :param tensor_parallel_size: 1 (tensor parallelism is not implemented yet).
     :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
-        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device` (see `EngineConfig`).
+        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device`, `deterministic`
+        (batch-invariant outputs) (see `EngineConfig`).
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", seed: int | None = 0,

@@ -29,7 +29,7 @@ from deepinfer_core.entrypoints.serve import build_app
 
 # `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "enable_prefix_caching")
+                  "enforce_eager", "enable_prefix_caching", "deterministic")
 
 
 def _dtype_choices() -> list[str]:
@@ -63,6 +63,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
+    engine.add_argument("--deterministic", action="store_true", default=None,
+                        help="batch-invariant inference: a request's tokens and logprobs do not depend on what "
+                             "shares its batch (costs throughput)")
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")

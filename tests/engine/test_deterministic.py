@@ -112,3 +112,21 @@ def test_bounded_replay_is_refused_in_deterministic_mode(tmp_path):
     write_config(tmp_path, CONFIG)
     with pytest.raises(ValueError, match="exact window replay"):
         EngineConfig(model=str(tmp_path), deterministic=True, swa_replay="bounded")
+
+
+def test_llm_and_serve_options_build_the_invariant_backends(tmp_path):
+    from deepinfer_core import LLM
+    from deepinfer_core.cli import build_parser
+    from deepinfer_core.entrypoints.serve_cli import engine_config_of
+    from deepinfer_core.reference.invariant import InvariantLayerOps
+    from deepinfer_core.reference.invariant_attention import InvariantAttention
+    from deepinfer_core.reference.invariant_moe import InvariantMoE
+    from deepinfer_core.testing.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, CONFIG, WEIGHTS)
+    assert engine_config_of(build_parser().parse_args(["serve", "--deterministic"]), str(tmp_path)).deterministic
+    assert not engine_config_of(build_parser().parse_args(["serve"]), str(tmp_path)).deterministic
+    model = LLM(str(tmp_path), dtype="float32", deterministic=True).engine.executor.runner.model
+    assert all(isinstance(b, InvariantAttention) for b in model.attention_backends)
+    assert all(isinstance(b, InvariantMoE) for b in model.moe_backends)
+    assert isinstance(model.ops, InvariantLayerOps)

@@ -56,15 +56,15 @@ def test_deterministic_mode_matches_transformers(alone):
     assert max(abs(a - b) for a, b in zip(alone[1], logprobs)) < 1e-4
 
 
-@pytest.mark.parametrize("others, place", [
-    ([3], 0),
-    ([1, 40, 7, 200, 129], 2),
-    ([90] * 12 + [5, 300], 14),
-], ids=["one-other", "five-mixed", "fourteen-target-last"])
-def test_same_logprobs_alone_and_in_batches(tmp_path, alone, others, place):
+@pytest.mark.parametrize("others, place, overlap", [
+    ([3], 0, False),
+    ([1, 40, 7, 200, 129], 2, True),
+    ([90] * 12 + [5, 300], 14, False),
+], ids=["one-other", "five-mixed-overlapped-decode", "fourteen-target-last"])
+def test_same_logprobs_alone_and_in_batches(tmp_path, alone, others, place, overlap):
     batch = prompts(others, seed=len(others))
     batch.insert(place, TARGET)
-    results, _ = generate(tmp_path, batch)
+    results, _ = generate(tmp_path, batch, async_scheduling=overlap)
     assert results[place] == alone  # exact: tokens and every logprob bit for bit
 
 

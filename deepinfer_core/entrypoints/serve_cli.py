@@ -32,7 +32,7 @@ from deepinfer_core.entrypoints.serve import build_app
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                   "enforce_eager", "enable_prefix_caching", "tensor_parallel_size", "data_parallel_size",
                   "context_parallel_size", "enable_expert_parallel", "enable_eplb", "eplb_config",
-                  "deterministic")
+                  "speculative_config", "deterministic")
 
 
 def _dtype_choices() -> list[str]:
@@ -64,6 +64,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory to use (0, 1]")
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
+    engine.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
     engine.add_argument("--deterministic", action="store_true", default=None,
@@ -143,10 +145,10 @@ def require_chat_encoding(model_dir: str) -> None:
     :raises ChatEncodingUnavailableError: with the install hint (the recipe plugin is missing).
     """
     from deepinfer_core import plugins
-    from deepinfer_core.config import ModelConfig
     from deepinfer_core.entrypoints.chat import RECIPE_HINT, ChatEncodingUnavailableError
+    from deepinfer_core.models import registry
 
-    model_type = ModelConfig.from_dir(model_dir).model_type
+    model_type = registry.load_model_config(model_dir).model_type
     if model_type not in plugins.chat_encodings():
         raise ChatEncodingUnavailableError(f"no installed plugin serves chats of model_type {model_type!r}; "
                                            f"{RECIPE_HINT}")

@@ -117,10 +117,14 @@ class ModelRunner:
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype)
+        native = self.engine_config.quantized_weights == "native"
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4")
-        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
+                                   keep_fp4=self.plans[0].moe.expert_format == "fp4",
+                                   keep_fp8=weight_formats.fp8_projection_names(model) if native else ())
+        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
+                                                 keep_fp8=native, block=weight_formats.fp8_layout(self.config)[0])
+        weight_formats.hold_fp8_linears(model, weights, self.config, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)
         model.load_state_dict(weights, strict=True, assign=True)
@@ -135,6 +139,7 @@ class ModelRunner:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        self.linear_backends = weight_formats.bind_linears(self.model, plugins.make_linear, self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
 
@@ -165,7 +170,7 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type == "cpu" or self.engine_config.enforce_eager:
             return None
-        if not all(supports_cuda_graphs(b) for b in self.model.backends()):
+        if not all(supports_cuda_graphs(b) for b in [*self.model.backends(), *self.linear_backends]):
             logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
             return None
         api = plugins.graph_api(self.device)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
+from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem, linear_problem
 
 if TYPE_CHECKING:
     from deepinfer_core.backends import (
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
         AttentionSpec,
         LayerOps,
         LayerOpsSpec,
+        LinearBackend,
+        LinearSpec,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -89,6 +91,17 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[
     from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
     return TritonLayerOps(spec, device)
+
+
+@hookimpl
+def make_linear(spec: LinearSpec, device: torch.device, decline: Callable[[str], None]) -> LinearBackend | None:
+    problem = _spec_problem(device, spec.dtype) or linear_problem(spec)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.linear import TritonFP8Linear
+
+    return TritonFP8Linear(spec, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @hookimpl

@@ -34,3 +34,23 @@ def dtype_problem(dtype: torch.dtype) -> str | None:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         return f"dtype {dtype} not supported (supported: {names})"
     return None
+
+
+
+FP8_ACT_GROUP = 128
+"""Activation inputs per quantisation scale of the FP8 GEMM (DeepSeek's per-token-group size)."""
+
+
+def linear_problem(spec) -> str | None:
+    """Why the FP8 GEMM cannot run `spec` (a `LinearSpec`), or None."""
+    if spec.weight_format != "fp8":
+        return f"weight_format {spec.weight_format!r}: dense projections run as torch matmuls"
+    rows, cols = spec.block
+    if cols not in (32, 64, 128) or rows % 16:
+        return f"FP8 scale tile {spec.block} not supported (columns 32, 64 or 128; rows a multiple of 16)"
+    if spec.groups > 1 and (spec.in_features % FP8_ACT_GROUP or (spec.out_features // spec.groups) % 16):
+        return (f"grouped FP8 projection needs {FP8_ACT_GROUP}-aligned group inputs and 16-aligned group "
+                f"outputs, got {spec}")
+    if spec.in_features % 16:
+        return f"in_features {spec.in_features} is not a multiple of 16"
+    return None

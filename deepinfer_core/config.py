@@ -444,6 +444,13 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
+    cuda_graph_sizes: tuple[PositiveInt, ...] | None = Field(
+        None,
+        description="Decode batch sizes captured as CUDA graphs (vLLM's name). None: 1, 2, 4, 8, then steps "
+        "of 8 to 32, 16 to 64, 32 to 128, 64 beyond, up to max_num_seqs; one value N: that ladder up to "
+        "min(N, max_num_seqs); several: exactly those. Fewer sizes start faster; larger batches than the "
+        "largest size decode eagerly.",
+    )
     quantized_weights: Literal["native", "dequantize"] = Field(
         "native",
         description='Quantised checkpoint weights: "native" keeps FP4 routed experts in their packed bytes '

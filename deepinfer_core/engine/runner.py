@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -182,9 +183,12 @@ class ModelRunner:
             logger.info("decode runs eagerly: no plugin offers graph capture on %s", self.device)
             return None
         max_len = self.engine_config.max_model_len
-        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api)
-        graphs.capture()
-        logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
+        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api,
+                              sizes=self.engine_config.cuda_graph_sizes)
+        start = time.perf_counter()
+        graphs.capture(progress=logger.isEnabledFor(logging.INFO))
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s (first capture compiles the "
+                    "kernels; cuda_graph_sizes sets the sizes)", graphs.sizes, time.perf_counter() - start)
         return graphs
 
     # -- one step -----------------------------------------------------------------------------------

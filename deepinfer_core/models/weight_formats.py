@@ -53,6 +53,25 @@ def expert_format(model_config: ModelConfig, engine_config: EngineConfig,
     return fmt
 
 
+def check_quantization(quantization: str | None, model_config: ModelConfig) -> None:
+    """Check vLLM's `quantization` option against the checkpoint: None keeps its own precision; "fp8"
+    names the block-FP8 method a quantised checkpoint declares.
+
+    :raises NotImplementedError: for any other method, or "fp8" on an unquantised checkpoint (quantising
+        at load, vLLM's online quantisation).
+    """
+    if quantization is None:
+        return
+    method = model_config.quantization_config.quant_method if model_config.quantization_config else None
+    if quantization == "fp8" and method == "fp8":
+        return
+    if quantization == "fp8":
+        raise NotImplementedError("quantization='fp8' on an unquantised checkpoint (quantising weights at load); "
+                                  "leave quantization=None to run the checkpoint at its own precision")
+    raise NotImplementedError(f"quantization={quantization!r}: only the checkpoint's own precision (None) and "
+                              f"its block-FP8 method ('fp8') are implemented")
+
+
 def _has_packed_experts(weights: dict[str, torch.Tensor]) -> bool:
     return any(name.endswith(_SCALED_EXPERTS) for name in weights)
 

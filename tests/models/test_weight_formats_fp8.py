@@ -116,3 +116,14 @@ def test_given_fp8_weights_run_as_the_mode_says(fp8_dirs, mode):
     reference = LLM(str(model_dir), dtype="float32", quantized_weights="dequantize", **OPTIONS)
     want = reference.generate({"prompt_token_ids": list(range(3, 30))}, params, use_tqdm=False)
     assert tokens == list(want[0].outputs[0].token_ids)
+
+
+def test_quantization_keeps_the_checkpoints_precision_or_says_what_is_missing(fp8_dirs, tmp_path):
+    llm = LLM(str(fp8_dirs["v4"]), dtype="float32", quantization="fp8", **OPTIONS)
+    assert any(isinstance(m, FP8Linear) for m in _runner(llm).model.modules())
+    plain = ModelConfig.from_dir(write_checkpoint(tmp_path, tiny_config(), seed=1))
+    weight_formats.check_quantization(None, plain)
+    with pytest.raises(NotImplementedError, match="unquantised checkpoint"):
+        weight_formats.check_quantization("fp8", plain)
+    with pytest.raises(NotImplementedError, match="'awq'"):
+        weight_formats.check_quantization("awq", ModelConfig.from_dir(fp8_dirs["v4"]))

@@ -6,6 +6,8 @@ Each check returns `None` when satisfied, else the reason a hook gives to `decli
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import torch
 
@@ -54,3 +56,17 @@ def linear_problem(spec) -> str | None:
     if spec.in_features % 16:
         return f"in_features {spec.in_features} is not a multiple of 16"
     return None
+
+
+def use_kernel_cache() -> Path:
+    """Point Triton's on-disk cache of compiled kernels at DeepInfer's cache directory unless the user
+    chose one (`TRITON_CACHE_DIR`); return the directory. Default: `$XDG_CACHE_HOME/deepinfer/triton`,
+    else `~/.cache/deepinfer/triton`. A warm cache skips every kernel compile at start-up; delete the
+    directory to start cold."""
+    chosen = os.environ.get("TRITON_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    directory = Path(base) / "deepinfer" / "triton"
+    os.environ["TRITON_CACHE_DIR"] = str(directory)
+    return directory

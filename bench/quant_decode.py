@@ -131,7 +131,8 @@ def startup_child(args) -> None:
 
 def startup(args) -> None:
     """Each engine's start-up, cold then warm Triton cache, each in a fresh process."""
-    kinds = ["bf16", "fp4" if args.no_fp8 else "fp8+fp4"]
+    quantised = "fp4" if args.no_fp8 else "fp8+fp4"
+    kinds = [quantised if kind == "quant" else kind for kind in args.startup_engines.split(",")]
     forwarded = [a for a in sys.argv[1:] if a != "--startup"]
     for kind in kinds:
         with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
@@ -157,6 +158,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
     parser.add_argument("--no-fp8", action="store_true", help="keep the dense projections bf16 in both engines")
     parser.add_argument("--startup", action="store_true", help="measure start-up, cold and warm kernel cache")
+    parser.add_argument("--startup-engines", default="bf16,quant", help="engines --startup measures")
     parser.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--commit", default="?")
     args = parser.parse_args()

@@ -454,9 +454,9 @@ class EngineConfig(BaseModel):
     quantized_weights: Literal["native", "dequantize"] = Field(
         "native",
         description='Quantised checkpoint weights: "native" keeps FP4 routed experts in their packed bytes '
-        "(the MoE backend decodes them per step; the reference dequantises per call), \"dequantize\" "
-        "expands every quantised tensor to the compute dtype at load. FP8 dense projections are "
-        "dequantised at load either way (no FP8 GEMM path yet).",
+        "(the MoE backend decodes them per step; the reference dequantises per call) and FP8 projections "
+        "in theirs (run by the make_linear backend; the reference dequantises per call); FP8 routed experts "
+        "are dequantised at load. \"dequantize\" expands every quantised tensor to the compute dtype at load.",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -104,10 +104,11 @@ def with_expert_format(plans: list[LayerPlan], fmt: str) -> list[LayerPlan]:
 
 
 def fp8_projection_names(model: nn.Module) -> frozenset[str]:
-    """The weights of `model`'s projections (`nn.Linear`, `GroupedLinear`) that may stay FP8 under
-    "native" (what `load_weights(..., keep_fp8=...)` is given)."""
+    """The weights of `model`'s projections (`nn.Linear`, `GroupedLinear`; not `lm_head`, whose weight
+    the model reads directly) that may stay FP8 under "native" (what `load_weights(..., keep_fp8=...)`
+    is given)."""
     return frozenset(f"{name}.weight" for name, module in model.named_modules()
-                     if isinstance(module, (nn.Linear, GroupedLinear)))
+                     if isinstance(module, (nn.Linear, GroupedLinear)) and name != "lm_head")
 
 
 def fp8_layout(model_config: ModelConfig) -> tuple[tuple[int, int], str]:

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.backends import AttentionBackend, LinearBackend, MoEBackend, MoEWeights, SamplingBackend, SamplingTensors
+from deepinfer_core.backends import (
+    AttentionBackend,
+    LinearBackend,
+    MoEBackend,
+    MoEWeights,
+    SamplingBackend,
+    SamplingTensors,
+)
 from deepinfer_core.testing.cases import (
     AttentionCase,
     index_scores,

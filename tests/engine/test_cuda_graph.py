@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.engine.cuda_graph import NO_WRITE, DecodeGraphs, SlotBlockTables, batch_ladder, capture_sizes
+from deepinfer_core.engine.cuda_graph import (
+    NO_WRITE,
+    DecodeGraphs,
+    SlotBlockTables,
+    batch_ladder,
+    capture_sizes,
+)
 from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.runner import CarriedTokens
 from tests.oracle import (

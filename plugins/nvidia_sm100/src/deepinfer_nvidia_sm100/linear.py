@@ -18,7 +18,12 @@ import torch
 import triton
 
 from deepinfer_core.backends.linear import LinearSpec
-from deepinfer_nvidia_sm100.fp8_kernels import ACT_GROUP, act_quant_kernel, fp8_gemm_kernel, split_k_sum_kernel
+from deepinfer_nvidia_sm100.fp8_kernels import (
+    ACT_GROUP,
+    act_quant_kernel,
+    fp8_gemm_kernel,
+    split_k_sum_kernel,
+)
 from deepinfer_nvidia_sm100.platform import linear_problem
 
 MAX_SPLIT_K = 16

@@ -166,7 +166,6 @@ def gate_up_kernel(
     n_valid = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
     if FP4:  # the even and odd input columns as two dots of half width: no interleave, each byte loaded once
         offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
         x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + 2 * offs_h[None, :]
@@ -180,8 +179,8 @@ def gate_up_kernel(
             x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0)
             w_mask = n_valid[:, None] & h_valid[None, :]
             s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < hidden)[None, :]
-            g_even, g_odd = _fp4_halves(g_ptrs, gs_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, dtype)
-            u_even, u_odd = _fp4_halves(u_ptrs, us_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, dtype)
+            g_even, g_odd = _fp4_halves(g_ptrs, gs_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+            u_even, u_odd = _fp4_halves(u_ptrs, us_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
             acc_g = _dot(_dot(acc_g, x_even, g_even, IEEE), x_odd, g_odd, IEEE)
             acc_u = _dot(_dot(acc_u, x_even, u_even, IEEE), x_odd, u_odd, IEEE)
             x_ptrs += BLOCK_K
@@ -249,7 +248,6 @@ def down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype: tl.constexpr = act_ptr.dtype.element_ty
     if FP4:  # as in gate_up_kernel: even and odd input columns, two dots of half width
         offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
         a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + 2 * offs_h[None, :]
@@ -262,7 +260,7 @@ def down_kernel(
             a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
             s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < inter)[None, :]
             w_even, w_odd = _fp4_halves(w_ptrs, s_ptrs, n_valid[:, None] & h_valid[None, :], s_mask,
-                                        BLOCK_N, BLOCK_K, dtype)
+                                        BLOCK_N, BLOCK_K, act_ptr.dtype.element_ty)
             acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 2

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from deepinfer_core.engine.spec.config import SpeculativeConfig
 from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig
 
 SLIDING = "sliding_attention"
@@ -179,6 +180,9 @@ class ModelConfig(BaseModel):
             return data
         data = copy.deepcopy(data)
         model_type = data.get("model_type", "deepseek_v4")
+        if model_type == "deepseek_v41":  # its own config class (nested config.json)
+            raise ValueError("model_type 'deepseek_v41' is read by deepinfer_core.models.v41_config.V41Config; "
+                             "load it with deepinfer_core.models.registry.load_model_config(model_dir)")
         if model_type != "deepseek_v4":
             raise ValueError(
                 f"model_type {model_type!r} is not supported: this loader reads DeepSeek-V4 "
@@ -475,6 +479,10 @@ class EngineConfig(BaseModel):
     worker_timeout_s: float = Field(
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp", '
+        '"num_speculative_tokens": k, ...} (see `deepinfer_core.engine.spec.config.SpeculativeConfig`); '
+        "None decodes one token per request and step.")
     tensor_parallel_size: PositiveInt = Field(1, description="Ranks splitting attention heads and dense projections.")
     data_parallel_size: PositiveInt = Field(
         1, description="Attention data-parallel ranks, each with its own scheduler, requests and cache.")
@@ -521,8 +529,10 @@ class EngineConfig(BaseModel):
         return max(self.parallel_config.world_size, self.world_size)
 
     def load_model_config(self) -> ModelConfig:
-        """Read the checkpoint's config.json."""
-        return ModelConfig.from_dir(self.model)
+        """Read the checkpoint's config.json with its model family's config class (V4: `ModelConfig`)."""
+        from deepinfer_core.models import registry
+
+        return registry.load_model_config(self.model)
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Return a copy with every None default made concrete for `model_config` (and checked)."""

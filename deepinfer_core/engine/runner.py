@@ -28,6 +28,8 @@ from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_s
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.spec import verify as spec_verify
+from deepinfer_core.engine.spec.runner_side import SpecVerifier, build_mtp_drafter
 from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
@@ -39,6 +41,7 @@ from deepinfer_core.models.interface import (
     tensors_identity,
 )
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
+from deepinfer_core.models.mtp import split_mtp_weights
 from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -115,6 +118,10 @@ class ModelRunner:
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
         self.requests: dict[str, RequestState] = {}
         self._carried: CarriedTokens | None = None
+        self.spec = SpecVerifier.build(engine_config, model_config, self.plans, self.kv_cache, device)
+        """Speculative verification (None without `speculative_config`)."""
+        self.mtp = build_mtp_drafter(self, self._mtp_weights)
+        """The MTP drafter (None unless `speculative_config.method == "mtp"`)."""
         self.graphs = self._capture_graphs()
 
     # -- build phases -------------------------------------------------------------------------------
@@ -123,10 +130,18 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
         native = self.engine_config.quantized_weights == "native"
-        if weights is None:
-            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4",
-                                   keep_fp8=weight_formats.fp8_projection_names(model) if native else ())
+        if weights is None:  # a model class with its own checkpoint layout brings its loader
+            own_loader = getattr(model_cls, "load_checkpoint", None)
+            if own_loader is not None:
+                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device,
+                                     keep_fp4=self.plans[0].moe.expert_format == "fp4")
+            else:
+                weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
+                                       keep_fp4=self.plans[0].moe.expert_format == "fp4",
+                                       keep_fp8=weight_formats.fp8_projection_names(model) if native else ())
+            self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
+        else:
+            weights, self._mtp_weights = split_mtp_weights(weights)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
                                                  keep_fp8=native, block=weight_formats.fp8_layout(self.config)[0])
         weight_formats.hold_fp8_linears(model, weights, self.config, self.dtype)
@@ -225,22 +240,31 @@ class ModelRunner:
             if self._carried is None:
                 raise RuntimeError("the plan has pending tokens but no step sampled before it")
             self._carried.fill(ctx.input_ids, pending)
-        tensors = self._sampling_tensors(plan, states, sampled)
+        rows = spec_verify.logits_row_requests(plan, sampled)  # d + 1 rows for a request with d drafts
+        tensors = self._sampling_tensors(plan, states, rows)
+        saved = self.spec.capture(plan, states) if self.spec is not None else None
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
+        result = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
+        if saved is not None:
+            result = self.spec.finish(plan, states, rows, logits[: len(rows)], tensors, result, saved)
+        if self.mtp is not None and result.output is not None:
+            result.drafts = self.mtp.propose(self, plan, states, ctx.input_ids, self.model.final_streams, result)
+        return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
+        """`sampled`: per logits row, its request's index in `plan.requests` (repeated for drafts)."""
         if not sampled:
             return None
         rows = [states[i] for i in sampled]
+        offsets = spec_verify.row_token_offsets(plan, sampled)
         history = {}
         if any(s.token_ids is not None for s in rows):  # penalties read the ids (never pending: no overlap)
             history = {"output_token_ids": [s.token_ids[s.num_prompt_tokens :] if s.token_ids else [] for s in rows],
                        "prompt_token_ids": [s.token_ids[: s.num_prompt_tokens] if s.token_ids else [] for s in rows]}
         return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows],
-            [plan.requests[i].end - states[i].num_prompt_tokens for i in sampled],
+            [plan.requests[i].end - states[i].num_prompt_tokens + j for i, j in zip(sampled, offsets)],
             self.config.eos_token_ids, self.device, self.config.vocab_size, **history,
         )
 
@@ -258,7 +282,9 @@ class ModelRunner:
         return StepResult(sampled, replace(output, token_ids=token_ids), prompt_logits)
 
     def _is_graph_step(self, plan: StepPlan) -> bool:
-        return self.graphs is not None and self.graphs.can_run(len(plan.requests)) and plan.is_all_decodes
+        # the MTP drafter reads every step's residual streams: its steps run eagerly
+        return (self.graphs is not None and self.mtp is None and self.graphs.can_run(len(plan.requests))
+                and plan.is_all_decodes)
 
     @functools.cached_property
     def compress_rates(self) -> set[int]:
@@ -294,9 +320,9 @@ class ModelRunner:
                 pending.append((offset + n - 1, request.request_id))
             positions += range(start, end)
             totals.append(end)
-            if request.is_sampled:
+            if request.is_sampled:  # a row for the last token and one for each draft before it
                 sampled.append(i)
-                ends.append(offset + n - 1)
+                ends += range(offset + n - 1 - request.num_draft_tokens, offset + n)
             if state.sampling_params.prompt_logprobs is not None:
                 count = min(end, state.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
                 if count > 0:

@@ -30,8 +30,9 @@ from deepinfer_core.entrypoints.serve import build_app
 
 # `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "cuda_graph_sizes", "enable_prefix_caching", "tensor_parallel_size", "data_parallel_size",
-                  "context_parallel_size", "enable_expert_parallel", "enable_eplb", "eplb_config")
+                  "enforce_eager", "cuda_graph_sizes", "enable_prefix_caching", "tensor_parallel_size",
+                  "data_parallel_size", "context_parallel_size", "enable_expert_parallel", "enable_eplb",
+                  "eplb_config", "speculative_config")
 
 
 def _dtype_choices() -> list[str]:
@@ -66,6 +67,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                         help="decode batch sizes captured as CUDA graphs: one value caps the default ladder, "
                              "several are used as given")
+    engine.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
     add_parallel_arguments(engine)
@@ -142,10 +145,10 @@ def require_chat_encoding(model_dir: str) -> None:
     :raises ChatEncodingUnavailableError: with the install hint (the recipe plugin is missing).
     """
     from deepinfer_core import plugins
-    from deepinfer_core.config import ModelConfig
     from deepinfer_core.entrypoints.chat import RECIPE_HINT, ChatEncodingUnavailableError
+    from deepinfer_core.models import registry
 
-    model_type = ModelConfig.from_dir(model_dir).model_type
+    model_type = registry.load_model_config(model_dir).model_type
     if model_type not in plugins.chat_encodings():
         raise ChatEncodingUnavailableError(f"no installed plugin serves chats of model_type {model_type!r}; "
                                            f"{RECIPE_HINT}")

@@ -8,7 +8,8 @@ is given; the tests and benches build their checkpoints with the same functions 
 - `random_state_dict(config)`: deterministic random weights for every tensor in `expected_tensors`.
 - `write_checkpoint(dir, config_dict, ...)`: safetensors in any layout, optionally FP8 / FP8+FP4
   quantised the way DeepSeek ships them, single file or sharded with an index.
-- `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache.
+- `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache;
+  `embedded_model_dir("v41")` the DeepSeek-V4.1 one (`deepinfer_core.models.v41_tiny`).
 """
 
 from __future__ import annotations
@@ -112,18 +113,27 @@ def tiny_config(preset: str = "sliding_csa_hca", **overrides: Any) -> dict[str, 
 
 
 def random_state_dict(
-    config: ModelConfig | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
+    config: ModelConfig | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
+    mtp_layers: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights in internal names: linears ~N(0, 0.02), norms ~1, and non-zero
-    sinks, position biases, router biases and mHC parameters so tests exercise them."""
+    sinks, position biases, router biases and mHC parameters so tests exercise them. `mtp_layers` > 0
+    adds that many multi-token-prediction layers (`mtp.<i>.*`, `deepinfer_core.models.mtp`)."""
     config = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     generator = torch.Generator().manual_seed(seed)
+    shapes = dict(expected_tensors(config))
+    if mtp_layers:
+        from deepinfer_core.models.mtp import MTP_PREFIX, MultiTokenPredictor
+
+        with torch.device("meta"):
+            mtp = MultiTokenPredictor(config, torch.float32, mtp_layers)
+        shapes |= {MTP_PREFIX + n: tuple(t.shape) for n, t in mtp.state_dict().items()}
 
     def normal(shape, std, mean=0.0):
         return torch.randn(shape, generator=generator) * std + mean
 
     weights = {}
-    for name, shape in expected_tensors(config).items():
+    for name, shape in shapes.items():
         if is_integer_tensor(name):  # distinct valid expert ids per token
             order = torch.rand(shape[0], config.n_routed_experts, generator=generator).argsort(dim=1)
             weights[name] = order[:, : shape[1]].contiguous()
@@ -290,3 +300,18 @@ def embedded_tiny_model_dir() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+MODEL_FAMILIES = ("v4", "v41")
+"""The embedded tiny models: DeepSeek-V4 and DeepSeek-V4.1."""
+
+
+def embedded_model_dir(family: str = "v4") -> Path:
+    """The embedded tiny model of `family` ("v4" or "v41"), built once under the user cache."""
+    if family == "v4":
+        return embedded_tiny_model_dir()
+    if family == "v41":
+        from deepinfer_core.models.v41_tiny import embedded_tiny_v41_model_dir
+
+        return embedded_tiny_v41_model_dir()
+    raise ValueError(f"unknown model family {family!r}; choose one of {MODEL_FAMILIES}")

@@ -1,7 +1,7 @@
 """Speculative decoding's machinery on the "v4flash-LxE" workload (bench/gpu_decode.py builds it).
 
     python bench/spec_decode.py [--layers 2] [--experts 256] [--batches 1,16,64] [--ks 1,2,3,4,5]
-        [--new-tokens 33] [--tiny]
+        [--new-tokens 33] [--eager] [--tiny]
 
 Random weights make real acceptance meaningless, so three drafters measure the machinery honestly:
 (a) an oracle that replays the target's own greedy continuation (every draft accepted): decode tokens/s
@@ -10,8 +10,9 @@ per request against no speculation for each k, printed beside the speed-up the m
 extra tokens touch; (b) an always-wrong drafter at k = 3 with the fixed and the confidence policy (its
 overhead against no speculation); (c) the n-gram drafter on a repetitive agent-like trace (prompts
 that quote a tool output back, greedy outputs that loop): acceptance length and speed-up.
-Every run also checks that its tokens equal those of no speculation. `--tiny` runs a small config on
-the CPU (checks the script). One JSON line per measurement.
+Every run also checks that its tokens equal those of no speculation. Verify steps (a request with
+drafts computes d + 1 tokens) run eagerly; decode steps without drafts replay CUDA graphs unless
+`--eager`. `--tiny` runs a small config on the CPU (checks the script). One JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import gpu_decode as workload  # noqa: E402  (the shared v4flash-LxE builders)
+import gpu_decode as workload
 
 
 class ReplayDrafter:
@@ -82,10 +82,10 @@ def generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[li
 generate.counter = 0
 
 
-def set_spec(engine, k: int, policy: str, drafter) -> None:
+def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02) -> None:
     speculator = engine.speculator
-    speculator.config = speculator.config.model_copy(update={"num_speculative_tokens": k,
-                                                             "draft_length_policy": policy})
+    speculator.config = speculator.config.model_copy(update={
+        "num_speculative_tokens": k, "draft_length_policy": policy, "verify_cost_per_token": verify_cost})
     speculator.drafter = drafter
 
 
@@ -115,12 +115,13 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
                 "of_allowed": round(speed / base / allowed_speedup(counts, batch, k, context), 3),
                 "tokens_equal": out == reference})
     for policy in ("fixed", "confidence"):
-        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab))
+        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost)
         if args.warmup:
             generate(spec, prompts, new)
         out, seconds = generate(spec, prompts, new)
         speed = batch * (new - 1) / seconds
-        report({"case": "always_wrong", "policy": policy, "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
+        report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
+                "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
                 "slowdown": round(1 - speed / base, 3), "tokens_equal": out == reference})
 
 
@@ -164,6 +165,12 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,3,4,5")
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
+    parser.add_argument("--verify-cost", type=float, default=0.02,
+                        help="the confidence policy's verify_cost_per_token (a verified token's cost relative "
+                        "to a step's fixed cost)")
+    parser.add_argument("--eager", action="store_true",
+                        help="no CUDA graphs on either side (verify steps always run eagerly; this compares like "
+                        "with like)")
     args = parser.parse_args()
     args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -177,8 +184,9 @@ def main() -> None:
     counts = workload.count(model, config)
     max_batch = max(args.batches)
     # the extra new tokens leave room for k drafts past the last one
-    plain = workload.build_engine(config, model, device, dtype, max_batch, args.new_tokens + max(args.ks))
-    spec = build_spec_engine(config, model, device, dtype, max_batch, args.new_tokens + max(args.ks), max(args.ks))
+    new = args.new_tokens + max(args.ks)
+    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager)
+    spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager)
     vocab = config.vocab_size
     generator = torch.Generator().manual_seed(0)
     for batch in args.batches:
@@ -187,10 +195,11 @@ def main() -> None:
     run_ngram(args, plain, spec, vocab)
 
 
-def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k):
+def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager):
     """`gpu_decode.build_engine`'s engine with speculation on (n-gram, k drafts at most)."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
-    return workload.build_engine(config, model, device, dtype, max_batch, new_tokens, speculative_config=spec)
+    return workload.build_engine(config, model, device, dtype, max_batch, new_tokens, enforce_eager=eager,
+                                 speculative_config=spec)
 
 
 if __name__ == "__main__":

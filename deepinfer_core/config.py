@@ -17,8 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from deepinfer_core.engine.spec.config import SpeculativeConfig
 from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig
+from deepinfer_core.engine.spec.config import SpeculativeConfig
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

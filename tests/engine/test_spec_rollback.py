@@ -39,7 +39,7 @@ def changed_rows(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[
 
 
 @pytest.mark.parametrize("k", [2, 5])
-def test_rejected_drafts_leave_the_cache_as_a_run_that_never_drafted(tmp_path, greedy_reference, k):
+def test_rejected_drafts_leave_the_cache_as_a_run_that_never_drafted(tmp_path, greedy_reference, k):  # noqa: F811
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     plain = make_engine(tmp_path / "a", enable_prefix_caching=True)
     spec = make_engine(tmp_path / "b", {"method": "ngram", "num_speculative_tokens": k}, enable_prefix_caching=True)

@@ -58,11 +58,10 @@ def with_speculation(params: SamplingParams, rejection: bool) -> list[tuple[int,
     emitted: dict[int, list[int]] = {}
     for i, token in zip(verified.sampled, verified.output.token_ids.tolist()):
         emitted.setdefault(i, []).append(token)
-    pairs = []
-    for seed in range(NUM_SEEDS):
-        first, *rest = emitted[seed]
-        second = rest[0] if rest else int(sample([params], [seed], [1], SECOND[first][None])[0])
-        pairs.append((first, second))
+    rejected = [seed for seed in range(NUM_SEEDS) if len(emitted[seed]) == 1]  # their next step draws token 1
+    firsts = torch.tensor([emitted[seed][0] for seed in rejected])
+    seconds = dict(zip(rejected, sample([params] * len(rejected), rejected, [1] * len(rejected), SECOND[firsts]).tolist()))
+    pairs = [(emitted[seed][0], emitted[seed][1] if seed not in seconds else seconds[seed]) for seed in range(NUM_SEEDS)]
     return pairs, sum(verified.num_accepted)
 
 
@@ -100,3 +99,13 @@ def test_chi_square_detects_a_biased_sampler():
     """The test has power: emitting the bad draft whenever it was proposed fails it."""
     biased = [(BAD_DRAFT, b) if seed % 3 == 0 else (a, b) for seed, (a, b) in enumerate(no_speculation(PARAMS))]
     assert chi_square(biased, PARAMS) > critical_value(VOCAB * VOCAB - 1)
+
+
+def test_both_rules_accept_a_one_hot_draft_as_often_as_the_target_draws_it():
+    """For a drafter without probabilities (q one-hot) rejection sampling accepts with p(d), exactly the
+    seeded rule's rate: each within 4 standard deviations of N p(d)."""
+    p_bad = float(torch.softmax(FIRST / PARAMS.temperature, -1)[BAD_DRAFT])
+    sigma = math.sqrt(NUM_SEEDS * p_bad * (1 - p_bad))
+    for rejection in (False, True):
+        _, accepted = with_speculation(PARAMS, rejection)
+        assert abs(accepted - NUM_SEEDS * p_bad) < 4 * sigma

@@ -106,7 +106,7 @@ class MTPDrafter:
         for c in lens:
             loc.append(loc[-1] + c)
         device = self.device
-        t = lambda v: host_tensor(v).to(device, non_blocking=True)  # noqa: E731
+        t = lambda v: host_tensor(v).to(device, non_blocking=True)
         return runner.make_context(
             ids, t(positions), t(ends), t([0] * len(requests)),
             query_start_loc=t(loc), start_positions=t(starts), slots=t([states[i].slot for i, _, _ in requests]),

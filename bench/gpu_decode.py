@@ -494,6 +494,7 @@ def build_engine(
                     "attention": names(net.attention_backends),
                     "moe": names(net.moe_backends),
                     "sampler": type(engine.runner.sampler).__name__,
+                    "linear": names(engine.runner.linear_backends),
                 },
                 "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,

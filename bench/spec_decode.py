@@ -82,10 +82,10 @@ def generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[li
 generate.counter = 0
 
 
-def set_spec(engine, k: int, policy: str, drafter) -> None:
+def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02) -> None:
     speculator = engine.speculator
-    speculator.config = speculator.config.model_copy(update={"num_speculative_tokens": k,
-                                                             "draft_length_policy": policy})
+    speculator.config = speculator.config.model_copy(update={
+        "num_speculative_tokens": k, "draft_length_policy": policy, "verify_cost_per_token": verify_cost})
     speculator.drafter = drafter
 
 
@@ -115,12 +115,13 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
                 "of_allowed": round(speed / base / allowed_speedup(counts, batch, k, context), 3),
                 "tokens_equal": out == reference})
     for policy in ("fixed", "confidence"):
-        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab))
+        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost)
         if args.warmup:
             generate(spec, prompts, new)
         out, seconds = generate(spec, prompts, new)
         speed = batch * (new - 1) / seconds
-        report({"case": "always_wrong", "policy": policy, "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
+        report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
+                "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
                 "slowdown": round(1 - speed / base, 3), "tokens_equal": out == reference})
 
 
@@ -164,6 +165,9 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,3,4,5")
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
+    parser.add_argument("--verify-cost", type=float, default=0.02,
+                        help="the confidence policy's verify_cost_per_token (a verified token's cost relative "
+                        "to a step's fixed cost)")
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs on either side (verify steps always run eagerly; this compares like "
                         "with like)")

@@ -448,12 +448,19 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
+    cuda_graph_sizes: tuple[PositiveInt, ...] | None = Field(
+        None,
+        description="Decode batch sizes captured as CUDA graphs (vLLM's name). None: 1, 2, 4, 8, then steps "
+        "of 8 to 32, 16 to 64, 32 to 128, 64 beyond, up to max_num_seqs; one value N: that ladder up to "
+        "min(N, max_num_seqs); several: exactly those. Fewer sizes start faster; larger batches than the "
+        "largest size decode eagerly.",
+    )
     quantized_weights: Literal["native", "dequantize"] = Field(
         "native",
         description='Quantised checkpoint weights: "native" keeps FP4 routed experts in their packed bytes '
-        "(the MoE backend decodes them per step; the reference dequantises per call), \"dequantize\" "
-        "expands every quantised tensor to the compute dtype at load. FP8 dense projections are "
-        "dequantised at load either way (no FP8 GEMM path yet).",
+        "(the MoE backend decodes them per step; the reference dequantises per call) and FP8 projections "
+        "in theirs (run by the make_linear backend; the reference dequantises per call); FP8 routed experts "
+        "are dequantised at load. \"dequantize\" expands every quantised tensor to the compute dtype at load.",
     )
     async_scheduling: bool | None = Field(
         None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -40,7 +41,7 @@ from deepinfer_core.models.interface import (
     checkpoint_identity,
     tensors_identity,
 )
-from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, deterministic_plans, layer_ops_spec
 from deepinfer_core.models.mtp import split_mtp_weights
 from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
@@ -104,7 +105,9 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
-        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
+        self.plans = deterministic_plans(
+            weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt),
+            engine_config.deterministic)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -131,14 +134,22 @@ class ModelRunner:
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
+        native = self.engine_config.quantized_weights == "native"
         if weights is None:  # a model class with its own checkpoint layout brings its loader
-            load = getattr(model_cls, "load_checkpoint", None) or load_weights
-            weights = load(self.engine_config.model, self.config, self.dtype, self.device,
-                           keep_fp4=self.plans[0].moe.expert_format == "fp4")
+            own_loader = getattr(model_cls, "load_checkpoint", None)
+            if own_loader is not None:
+                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device,
+                                     keep_fp4=self.plans[0].moe.expert_format == "fp4")
+            else:
+                weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
+                                       keep_fp4=self.plans[0].moe.expert_format == "fp4",
+                                       keep_fp8=weight_formats.fp8_projection_names(model) if native else ())
             self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
         else:
             weights, self._mtp_weights = split_mtp_weights(weights)
-        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
+        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
+                                                 keep_fp8=native, block=weight_formats.fp8_layout(self.config)[0])
+        weight_formats.hold_fp8_linears(model, weights, self.config, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)
         model.load_state_dict(weights, strict=True, assign=True)
@@ -152,7 +163,9 @@ class ModelRunner:
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
-        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype, self.engine_config.deterministic),
+                                     self.device)
+        self.linear_backends = weight_formats.bind_linears(self.model, plugins.make_linear, self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
 
@@ -183,7 +196,7 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type == "cpu" or self.engine_config.enforce_eager:
             return None
-        if not all(supports_cuda_graphs(b) for b in self.model.backends()):
+        if not all(supports_cuda_graphs(b) for b in [*self.model.backends(), *self.linear_backends]):
             logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
             return None
         api = plugins.graph_api(self.device)
@@ -191,9 +204,12 @@ class ModelRunner:
             logger.info("decode runs eagerly: no plugin offers graph capture on %s", self.device)
             return None
         max_len = self.engine_config.max_model_len
-        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api)
-        graphs.capture()
-        logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
+        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api,
+                              sizes=self.engine_config.cuda_graph_sizes)
+        start = time.perf_counter()
+        graphs.capture(progress=logger.isEnabledFor(logging.INFO))
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s (first capture compiles the "
+                    "kernels; cuda_graph_sizes sets the sizes)", graphs.sizes, time.perf_counter() - start)
         return graphs
 
     # -- one step -----------------------------------------------------------------------------------

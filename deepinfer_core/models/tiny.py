@@ -157,6 +157,7 @@ def write_checkpoint(
     seed: int = 0,
     shards: int = 1,
     dtype: torch.dtype = torch.float32,
+    fp8_block: tuple[int, int] = (128, 128),
 ) -> Path:
     """Write config.json and safetensors weights; returns the directory.
 
@@ -165,6 +166,7 @@ def write_checkpoint(
     weights and the routed experts in FP8 e4m3 with float32 128x128 block scales (like Flash-Base);
     "fp8+fp4" uses power-of-two (ue8m0) FP8 scales and packed FP4 experts (like the instruct release).
     Scales are named `<name>.scale` in the official layout and `<name>_scale_inv` in the others.
+    `fp8_block` is the FP8 scale tile (V4.1 ships 32x32).
     """
     if quant not in (None, "fp8", "fp8+fp4"):
         raise ValueError(f"quant must be None, 'fp8' or 'fp8+fp4', got {quant!r}")
@@ -178,13 +180,13 @@ def write_checkpoint(
         raise ValueError(
             f"state_dict names differ from expected_tensors: {sorted(set(state_dict) ^ set(expected))}"
         )
-    tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype)
+    tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype, tuple(fp8_block))
     if quant is not None:
         config_dict["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
+            "weight_block_size": list(fp8_block),
             "scale_fmt": "ue8m0" if quant == "fp8+fp4" else None,
             "expert_dtype": "fp4" if quant == "fp8+fp4" else "fp8",
         }
@@ -196,7 +198,7 @@ def write_checkpoint(
     return directory
 
 
-def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype) -> dict[str, torch.Tensor]:
+def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype, fp8_block) -> dict[str, torch.Tensor]:
     tensors = {}
     fp8_scale_dtype = torch.float8_e8m0fnu if quant_mode == "fp8+fp4" else torch.float32
     for plan in source_plans(config, layout).values():
@@ -210,7 +212,7 @@ def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype) -> dict[str,
             if kind == "fp4":
                 values, scale = quant.quantize_fp4(tensor, torch.float8_e8m0fnu)
             else:
-                values, scale = quant.quantize_fp8(tensor, (128, 128), fp8_scale_dtype)
+                values, scale = quant.quantize_fp8(tensor, fp8_block, fp8_scale_dtype)
             scale_name = (
                 source.removesuffix(".weight") + ".scale" if layout == "official" else source + "_scale_inv"
             )

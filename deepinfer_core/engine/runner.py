@@ -23,6 +23,7 @@ from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cu
 from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
+from deepinfer_core.engine.eplb_state import make_expert_shards
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
@@ -101,6 +102,9 @@ class ModelRunner:
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
         self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
+        self.experts = make_expert_shards(self.parallel, model_config, device)  # None without EP
+        if self.experts is not None:
+            self.plans = self.experts.plans(self.plans)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -123,7 +127,10 @@ class ModelRunner:
             model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4")
+                                   keep_fp4=self.plans[0].moe.expert_format == "fp4",
+                                   local_experts=self.experts.local_experts if self.experts else None)
+        elif self.experts is not None:
+            weights = self.experts.select_local(weights)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)
@@ -141,6 +148,8 @@ class ModelRunner:
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
+        if self.experts is not None:
+            self.experts.attach(self.model.moe_weights)
 
     def available_blocks(self) -> int:
         """Cache blocks that fit: `num_kv_blocks`, else what device (or host) memory allows."""

@@ -164,3 +164,17 @@ def check_expert_format(backend: object, spec: MoESpec) -> None:
             f"{list(formats)}; its plugin should decline such specs. Load with "
             f"quantized_weights='dequantize' to run it on dequantised experts"
         )
+
+
+def check_expert_parallel(backend: object, spec: MoESpec) -> None:
+    """Raise unless `backend` (built for `spec`) declares `supports_expert_parallel` when `spec` is
+    expert-parallel: a backend that ignored `MoEWeights.placement` would run local slots as if they
+    were every expert.
+
+    :raises ValueError: naming the backend.
+    """
+    if spec.expert_parallel and not getattr(backend, "supports_expert_parallel", False):
+        raise ValueError(
+            f"{type(backend).__qualname__} was built for an expert-parallel MoE spec but does not declare "
+            f"supports_expert_parallel; its plugin should decline specs with expert_parallel=True"
+        )

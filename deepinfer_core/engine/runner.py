@@ -20,7 +20,7 @@ import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cuda_graphs
-from deepinfer_core.backends.moe import check_expert_format
+from deepinfer_core.backends.moe import check_expert_format, check_expert_parallel
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.eplb_state import make_expert_shards
@@ -145,6 +145,7 @@ class ModelRunner:
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
+                check_expert_parallel(moe[plan.moe], plan.moe)
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)

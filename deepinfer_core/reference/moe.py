@@ -59,6 +59,7 @@ class ReferenceMoE:
 
     supports_cuda_graphs = False  # the grouped path sizes expert batches from bincount(...).tolist()
     expert_formats = ("dense", "fp4")
+    supports_expert_parallel = True  # `moe_dispatch`: all-to-all over the placement's EP group
 
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
@@ -78,7 +79,7 @@ class ReferenceMoE:
         gate_up, down = expert_tensors(weights, ids.flatten(), x.dtype, self._fp4)
         h = torch.bmm(gate_up, x.repeat_interleave(ids.shape[1], dim=0)[:, :, None])
         h = swiglu(h.squeeze(-1), self.spec.swiglu_limit)
-        y = torch.bmm(down, h[:, :, None]).squeeze(-1).view(*ids.shape, -1)
+        y = torch.bmm(down, h[:, :, None]).squeeze(-1).view(*ids.shape, self.spec.hidden_size)
         return (y * routing[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
 
     def expert_outputs(self, rows: torch.Tensor, slots: torch.Tensor, weights: MoEWeights) -> torch.Tensor:

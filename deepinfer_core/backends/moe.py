@@ -110,6 +110,10 @@ class ExpertPlacement:
     slot_load: torch.Tensor
     """`[num_slots]` int64 token assignments this rank sent to each physical slot since the load was last
     read; the backend adds to it on the device, with no host sync (EPLB's load window reads it)."""
+    time_dispatch: bool = False
+    """Measure the dispatch's collectives (synchronising the device around each; benches only)."""
+    dispatch_s: float = 0.0
+    """Seconds spent in this layer's dispatch collectives while `time_dispatch` was on."""
 
     @property
     def num_slots(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from deepinfer_core import plugins
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine import engine as engine_module
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.executor import make_executor, parallel_stats
 from deepinfer_core.engine.plan import StepPlan, StepResult
@@ -42,7 +43,7 @@ def build_engine(config: EngineConfig, weights: dict[str, torch.Tensor] | None =
     """The engine `config` asks for: a `DataParallelEngine` when `data_parallel_size > 1`, else `Engine`."""
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, weights)
-    return Engine(config, weights)
+    return engine_module.Engine(config, weights)  # looked up on the module, so tests can stand in for it
 
 
 class Lockstep:

@@ -33,15 +33,19 @@ EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale")
 """The `MoEWeights` fields that hold one row per local expert slot."""
 
 
-def make_expert_shards(parallel: ParallelGroups, model_config, device: torch.device) -> ExpertShards | None:
+def make_expert_shards(parallel: ParallelGroups, model_config, device: torch.device,
+                       time_dispatch: bool = False) -> ExpertShards | None:
     """This rank's `ExpertShards` under expert parallelism (None without). Under torchrun the EP ranks
     span `WORLD_SIZE / LOCAL_WORLD_SIZE` nodes (hierarchical EPLB when that is above 1)."""
     if not parallel.config.enable_expert_parallel:
         return None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size))
     num_nodes = max(1, parallel.world_size // max(local_world, 1))
-    return ExpertShards(parallel.config, parallel.ep, model_config.num_hidden_layers, model_config.n_routed_experts,
-                        device, num_nodes)
+    shards = ExpertShards(parallel.config, parallel.ep, model_config.num_hidden_layers, model_config.n_routed_experts,
+                          device, num_nodes)
+    for placement in shards.placements:
+        placement.time_dispatch = time_dispatch
+    return shards
 
 
 def initial_slot_experts(num_experts: int, num_slots: int) -> list[int]:
@@ -127,6 +131,11 @@ class ExpertShards:
                 tensor = tensor.index_select(0, index)
             out[name] = tensor
         return out
+
+    @property
+    def dispatch_s(self) -> float:
+        """Seconds in the dispatch collectives of every layer (while timing is on)."""
+        return sum(p.dispatch_s for p in self.placements)
 
     def attach(self, moe_weights: list[MoEWeights]) -> None:
         """Give every MoE layer's weights its placement."""

@@ -115,8 +115,8 @@ class MultiprocExecutor:
         self.world_size = engine_config.num_ranks
         self.timeout_s = engine_config.worker_timeout_s
         self.layout = engine_config.parallel_config
-        self.eplb_stats: dict | None = None
-        """Rank 0's latest EPLB figures (`eplb_state.BalanceStats` as a dict), None without EPLB."""
+        self.rank_reports: list[dict | None] = [None] * self.world_size
+        """Per rank, its latest `worker.RankReport`: steps, step and dispatch seconds, EPLB figures."""
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._conns, self._procs = [], []
         self._is_shut_down = False
@@ -152,13 +152,13 @@ class MultiprocExecutor:
             except OSError as err:
                 self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].poll()}")
         answers = self._collect(timeout_s=self.timeout_s, what="a step")
-        results = []
-        for rank in self.leaders:
-            result, eplb_stats = answers[rank]
-            if rank == 0 and eplb_stats is not None:
-                self.eplb_stats = eplb_stats
-            results.append(result)
-        return results
+        self.rank_reports = [report for _, report in answers]
+        return [answers[rank][0] for rank in self.leaders]
+
+    @property
+    def eplb_stats(self) -> dict | None:
+        """Rank 0's latest EPLB figures (`eplb_state.BalanceStats` as a dict), None without EPLB."""
+        return self.rank_reports[0]["eplb"] if self.rank_reports[0] else None
 
     def _collect(self, timeout_s: float | None, what: str) -> list:
         """One answer from every rank; `WorkerError` on an error report, a dead rank or a timeout."""
@@ -237,6 +237,9 @@ def parallel_stats(executor) -> dict:
     eplb = getattr(executor, "eplb_stats", None)
     if eplb:
         stats["eplb"] = dict(eplb)
+    reports = getattr(executor, "rank_reports", None)
+    if reports and all(r is not None for r in reports):
+        stats["ranks"] = [{k: v for k, v in r.items() if k != "eplb"} for r in reports]
     return stats
 
 

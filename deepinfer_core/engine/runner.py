@@ -102,7 +102,8 @@ class ModelRunner:
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
         self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
-        self.experts = make_expert_shards(self.parallel, model_config, device)  # None without EP
+        self.experts = make_expert_shards(self.parallel, model_config, device,  # None without EP
+                                          engine_config.time_ep_dispatch)
         if self.experts is not None:
             self.plans = self.experts.plans(self.plans)
         self.cache_fingerprint = cache_fingerprint(

@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import asdict, fields, replace
 from datetime import timedelta
@@ -80,10 +81,29 @@ def run_plan(runner, plan: StepPlan) -> StepResult:
     return result
 
 
-def eplb_report(runner) -> dict | None:
-    """This rank's latest EPLB figures, when it balances experts."""
-    experts = runner.experts
-    return asdict(experts.stats) if experts is not None and experts.window is not None else None
+class RankReport:
+    """What a rank tells the engine after each step: its step count and time (the device synchronised
+    only when `time_ep_dispatch` is on), time in the expert-parallel dispatch, and its EPLB figures."""
+
+    def __init__(self, runner, rank: int) -> None:
+        self.runner, self.rank = runner, rank
+        self.num_steps, self.step_s = 0, 0.0
+        self.is_timed = runner.engine_config.time_ep_dispatch and runner.device.type != "cpu"
+
+    def run(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        result = run_plan(self.runner, plan)
+        if self.is_timed:
+            getattr(torch, self.runner.device.type).synchronize(self.runner.device)
+        self.num_steps += 1
+        self.step_s += time.perf_counter() - start
+        return result
+
+    def as_dict(self) -> dict:
+        experts = self.runner.experts
+        return {"rank": self.rank, "num_steps": self.num_steps, "step_s": self.step_s,
+                "dispatch_s": experts.dispatch_s if experts is not None else 0.0,
+                "eplb": asdict(experts.stats) if experts is not None and experts.window is not None else None}
 
 
 def is_dp_leader(engine_config: EngineConfig, rank: int) -> bool:
@@ -117,10 +137,10 @@ def worker_main(conn) -> None:
         runner = build_runner(model_config, engine_config, local_device, weights)
         del weights
         send("ready", runner_info(runner, rank))
-        is_leader = is_dp_leader(engine_config, rank)
+        is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
         while (plan := pickle.loads(conn.recv_bytes())) is not None:
-            result = run_plan(runner, plan)
-            send("result", (host_result(result) if is_leader else None, eplb_report(runner) if rank == 0 else None))
+            result = report.run(plan)
+            send("result", (host_result(result) if is_leader else None, report.as_dict()))
     except Exception as err:  # noqa: BLE001 -- reported to the engine, which names the rank
         traceback.print_exc()
         try:
@@ -167,7 +187,8 @@ class TorchrunExecutor:
         self.infos: list[ModelSideInfo] = [infos[r] for r in self.leaders]
         self.memory = [info.memory for info in infos]
         self.info: ModelSideInfo = self.infos[0]
-        self.eplb_stats: dict | None = None
+        self.report = RankReport(runner, 0)
+        self.rank_reports: list[dict | None] = [None] * world_size
         self._is_shut_down = False
         atexit.register(self.shutdown)
 
@@ -178,20 +199,24 @@ class TorchrunExecutor:
         dist.broadcast_object_list([plans], src=0)
         error, result = None, None
         try:
-            result = run_plan(self.runner, plans[0])
+            result = self.report.run(plans[0])
         except Exception as err:  # noqa: BLE001 -- the other ranks' answers are still collected
             error = f"{type(err).__name__}: {err}"
         answers = [None] * self.world_size
         try:
-            dist.gather_object((error, None), answers, dst=0)
+            dist.gather_object((error, None, self.report.as_dict()), answers, dst=0)
         except Exception as err:
             raise WorkerError(f"a worker rank did not answer a step: {err}") from err
-        for rank, (status, _) in enumerate(answers):
+        for rank, (status, _, _) in enumerate(answers):
             if status is not None:
                 self.shutdown()
                 raise WorkerError(f"worker rank {rank} raised during a step: {status}")
-        self.eplb_stats = eplb_report(self.runner)
+        self.rank_reports = [answer[2] for answer in answers]
         return [result if rank == 0 else answers[rank][1] for rank in self.leaders]
+
+    @property
+    def eplb_stats(self) -> dict | None:
+        return self.rank_reports[0]["eplb"] if self.rank_reports[0] else None
 
     def shutdown(self) -> None:
         if self._is_shut_down or not dist.is_initialized():
@@ -208,7 +233,7 @@ class TorchrunExecutor:
 def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
     """A torchrun rank other than 0: run its DP rank's plan of every broadcast, report errors (and its
     result when it answers for its DP rank), stop at `None`."""
-    is_leader = is_dp_leader(engine_config, rank)
+    is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
     dp = dp_rank_of(engine_config.parallel_config, rank)
     while True:
         box = [None]
@@ -217,10 +242,10 @@ def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
             break
         error, result = None, None
         try:
-            result = run_plan(runner, box[0][dp])
+            result = report.run(box[0][dp])
         except Exception as err:  # noqa: BLE001 -- reported to rank 0
             traceback.print_exc()
             error = f"{type(err).__name__}: {err}"
         answer = host_result(result) if is_leader and result is not None else None
-        dist.gather_object((error, answer), None, dst=0)  # after an error rank 0 stops everyone with `None`
+        dist.gather_object((error, answer, report.as_dict()), None, dst=0)  # after an error rank 0 stops everyone with `None`
     dist.destroy_process_group()

@@ -15,6 +15,8 @@ A plugin with a faster dispatch (DeepEP-style kernels) provides its own `MoEBack
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -74,10 +76,20 @@ class AllToAllDispatch:
         return out.view(*shape, y.shape[1])
 
     def _exchange(self, output, input, output_split=None, input_split=None) -> None:
-        if self.placement.group is None:  # a process of its own: everything stays here
+        placement = self.placement
+        if placement.group is None:  # a process of its own: everything stays here
             output.copy_(input)
             return
-        dist.all_to_all_single(output, input, output_split, input_split, group=self.placement.group)
+        start = _synchronized_time(output.device) if placement.time_dispatch else 0.0
+        dist.all_to_all_single(output, input, output_split, input_split, group=placement.group)
+        if placement.time_dispatch:
+            placement.dispatch_s += _synchronized_time(output.device) - start
+
+
+def _synchronized_time(device: torch.device) -> float:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+    return time.perf_counter()
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:

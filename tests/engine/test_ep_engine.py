@@ -130,3 +130,47 @@ def test_a_killed_rank_ends_the_engine_naming_it(tmp_path):
         while engine.has_unfinished_requests():
             engine.step()
     assert all(proc.poll() is not None for proc in engine.executor._procs)  # rank 0 did not hang in a collective
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.data_parallel import build_engine
+
+engine = build_engine(EngineConfig(model=sys.argv[1], dtype="float32", max_num_seqs=2, num_kv_blocks=4,
+                                   data_parallel_size=2, enable_expert_parallel=True))
+# only rank 0 gets here: rank 1 serves its plans inside build_engine(...) and exits when rank 0 shuts down
+for i, prompt in enumerate(json.loads(sys.argv[2])):
+    engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+done = {}
+while engine.has_unfinished_requests():
+    done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+print("TOKENS " + json.dumps(done), flush=True)
+engine.shutdown()
+"""
+
+
+def test_torchrun_ranks_run_data_and_expert_parallelism(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from deepinfer_core.testing.checkpoints import write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / "model", CONFIG, WEIGHTS)
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    batch = [p[:40] for p in prompts()[1:4]]
+    expected = build_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=2, num_kv_blocks=4))
+    want = run(expected, [(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
+                          for i, p in enumerate(batch)])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         str(model_dir), json.dumps(batch)],
+        check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, proc.stdout
+    assert json.loads(lines[0].removeprefix("TOKENS ")) == {i: tokens for i, (tokens, _) in want.items()}

@@ -24,8 +24,8 @@ from deepinfer_core.backends.moe import check_expert_format, check_expert_parall
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.eplb_state import make_expert_shards
-from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.structured_output import apply_bitmask
@@ -126,12 +126,16 @@ class ModelRunner:
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
             model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
-        if weights is None:
-            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4",
+        keep_fp4 = self.plans[0].moe.expert_format == "fp4"
+        if weights is None and not hasattr(model_cls, "load_checkpoint"):
+            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4,
                                    local_experts=self.experts.local_experts if self.experts else None)
-        elif self.experts is not None:
-            weights = self.experts.select_local(weights)
+        else:
+            if weights is None:  # a model class with its own checkpoint layout brings its loader
+                weights = model_cls.load_checkpoint(self.engine_config.model, self.config, self.dtype, self.device,
+                                                    keep_fp4=keep_fp4)
+            if self.experts is not None:
+                weights = self.experts.select_local(weights)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)

@@ -71,15 +71,15 @@ def run_plan(runner, plan: StepPlan) -> StepResult:
     """One step on this rank: `plan`, or with no requests a dummy step that still joins the MoE layers'
     collectives (a data-parallel rank with nothing to do); then the EPLB bookkeeping."""
     if plan.requests:
-        return_value = runner.execute(plan)
+        result = runner.execute(plan)
     else:
         runner.update_states(plan)
         if runner.experts is not None:  # only expert parallelism has collectives inside the model
             runner.model.forward_idle()
-        return_value = StepResult([], None)
+        result = StepResult([], None)
     if runner.experts is not None:
         runner.experts.after_step(runner.model.moe_weights)
-    return return_value
+    return result
 
 
 class RankReport:

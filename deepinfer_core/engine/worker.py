@@ -39,10 +39,16 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device(device.type, local_rank) if device.type in _ACCELERATOR_BACKENDS else device
 
 
+MIN_COLLECTIVE_TIMEOUT_S = 60.0
+"""Floor of the rendezvous and collective timeout: a loaded machine may take seconds to start a rank,
+and a rank that fails is ended by the executor (`worker_timeout_s`) long before its collectives time out."""
+
+
 def init_group(device: torch.device, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    """Join the world; collectives time out after `timeout_s` (at least `MIN_COLLECTIVE_TIMEOUT_S`)."""
     backend = _ACCELERATOR_BACKENDS.get(device.type, "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=max(timeout_s, MIN_COLLECTIVE_TIMEOUT_S)))
 
 
 def _set_device(device: torch.device) -> None:
@@ -54,7 +60,8 @@ def build_runner(model_config: ModelConfig, engine_config: EngineConfig, device:
     """This rank's `ModelRunner`, with its parallel groups (built here, collectively, on every rank)."""
     from deepinfer_core.engine.runner import ModelRunner
 
-    groups = build_groups(engine_config.parallel_config, dist.get_rank(), engine_config.worker_timeout_s)
+    groups = build_groups(engine_config.parallel_config, dist.get_rank(),
+                          max(engine_config.worker_timeout_s, MIN_COLLECTIVE_TIMEOUT_S))
 
     def agree(num_blocks: int) -> int:  # the ranks of one plan (a DP rank's TP x CP ranks) share one pool
         value = torch.tensor([num_blocks], dtype=torch.int64)

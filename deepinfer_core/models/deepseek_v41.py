@@ -16,6 +16,8 @@ PyTorch here (no backend contract for them yet).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -227,10 +229,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             routed = backend.forward(x, ctx.input_ids, weights)
         else:  # image positions select with bias_vl
             routed = torch.empty_like(x)
-            for mask, bias in ((~image_mask, weights.score_bias), (image_mask, ffn.gate.bias_vl)):
-                weights.score_bias = bias
-                routed[mask] = backend.forward(x[mask], ctx.input_ids[mask], weights)
-            weights.score_bias = ffn.gate.bias
+            for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):
+                routed[mask] = backend.forward(x[mask], ctx.input_ids[mask], chosen)
         return (routed.float() + ffn.shared_experts(x, limit).float()).to(x.dtype)
 
 

@@ -3,6 +3,8 @@ shot, a batch == each alone, reuse layers get their sources' tensors, reindex pi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,3 +152,22 @@ def test_the_two_level_indexer_keeps_decode_out_of_cuda_graphs(checkpoint):
     model = make_runner(*checkpoint).model
     assert not all(supports_cuda_graphs(b) for b in model.backends())  # the runner then decodes eagerly
     assert deepseek_v41.TWO_LEVEL_INDEXER in model.backends()
+
+
+def test_image_positions_route_with_bias_vl(checkpoint):
+    from types import SimpleNamespace
+
+    model = make_runner(*checkpoint).model
+    layer, x = 3, torch.randn(5, model.config.hidden_size) * 0.5
+    ffn = model.layers[layer].ffn
+    with torch.no_grad():
+        ffn.gate.bias_vl.copy_(-ffn.gate.bias - 5 * torch.arange(len(ffn.gate.bias)))  # favours low experts
+    ctx = SimpleNamespace(input_ids=torch.arange(5))
+    image = torch.tensor([False, True, False, True, True])
+    mixed = model.moe(layer, x, ctx, image)
+    text = model.moe(layer, x, ctx, None)
+    assert torch.equal(mixed[~image], text[~image])
+    weights, backend = model.moe_weights[layer], model.moe_backends[layer]
+    vl = dataclasses.replace(weights, score_bias=ffn.gate.bias_vl)
+    expected = backend.forward(x[image], ctx.input_ids[image], vl) + ffn.shared_experts(x[image], 10.0)
+    assert torch.allclose(mixed[image], expected, atol=1e-6) and not torch.allclose(mixed[image], text[image])

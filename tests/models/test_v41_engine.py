@@ -94,3 +94,33 @@ def test_bounded_replay_is_the_default_and_never_rewrites_cached_entries(checkpo
     for b, a in zip(before, after):  # the hit block is block 0, the first one handed out
         per_block = b.shape[0] // (engine.runner.num_blocks + 1)
         assert torch.equal(b[:per_block], a[:per_block]), "replay must never overwrite the cached block"
+
+
+def test_engram_hashes_are_the_same_whole_chunked_and_after_a_prefix_hit(checkpoint, monkeypatch):
+    from deepinfer_core.models.engram import EngramHasher
+
+    seen: list[dict[int, torch.Tensor]] = []
+    real = EngramHasher.hashes
+
+    def record(self, lookback):
+        out = real(self, lookback)
+        seen[-1]["rows"].append(out)
+        return out
+
+    monkeypatch.setattr(EngramHasher, "hashes", record)
+    prompt = SHARED + SUFFIX
+
+    def hashes_of(engine, prompts, warm=None):
+        if warm:
+            run(engine, [warm], [1])
+        seen.append({"rows": []})
+        run(engine, prompts, [1])
+        return torch.cat(seen[-1]["rows"])  # one request: its rows in position order
+
+    whole = hashes_of(make_engine(*checkpoint, max_num_seqs=1), [prompt])
+    chunked = hashes_of(make_engine(*checkpoint, max_num_seqs=1, max_num_batched_tokens=7), [prompt])
+    assert torch.equal(whole, chunked)
+    warm = make_engine(*checkpoint, max_num_seqs=1, enable_prefix_caching=True)
+    hit = hashes_of(warm, [prompt], warm=SHARED + [9, 9])
+    assert warm.stats()["prefix_cache_hit_tokens"] >= 128 and len(hit) == 8 + len(SUFFIX)  # bounded replay
+    assert torch.equal(hit, whole[-len(hit):])  # the replayed and new positions, from the cached ids

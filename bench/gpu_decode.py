@@ -434,6 +434,7 @@ def build_engine(
     max_batched_tokens: int | None = None,
     async_scheduling: bool | None = None,
     weights: dict | None = None,
+    speculative_config: dict | None = None,
 ):
     """The engine on the transformers model's own tensors (no second copy of the weights), or on
     `weights` (internal names) when given."""
@@ -453,6 +454,7 @@ def build_engine(
         enforce_eager=enforce_eager,
         max_num_batched_tokens=max_batched_tokens,
         async_scheduling=async_scheduling,
+        speculative_config=speculative_config,
     )
     weights = dict(model.state_dict()) if weights is None else weights
     start = time.perf_counter()
@@ -472,6 +474,7 @@ def build_engine(
                     "attention": names(net.attention_backends),
                     "moe": names(net.moe_backends),
                     "sampler": type(engine.runner.sampler).__name__,
+                    "linear": names(engine.runner.linear_backends),
                 },
                 "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig
+from deepinfer_core.engine.spec.config import SpeculativeConfig
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -447,12 +448,19 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
+    cuda_graph_sizes: tuple[PositiveInt, ...] | None = Field(
+        None,
+        description="Decode batch sizes captured as CUDA graphs (vLLM's name). None: 1, 2, 4, 8, then steps "
+        "of 8 to 32, 16 to 64, 32 to 128, 64 beyond, up to max_num_seqs; one value N: that ladder up to "
+        "min(N, max_num_seqs); several: exactly those. Fewer sizes start faster; larger batches than the "
+        "largest size decode eagerly.",
+    )
     quantized_weights: Literal["native", "dequantize"] = Field(
         "native",
         description='Quantised checkpoint weights: "native" keeps FP4 routed experts in their packed bytes '
-        "(the MoE backend decodes them per step; the reference dequantises per call), \"dequantize\" "
-        "expands every quantised tensor to the compute dtype at load. FP8 dense projections are "
-        "dequantised at load either way (no FP8 GEMM path yet).",
+        "(the MoE backend decodes them per step; the reference dequantises per call) and FP8 projections "
+        "in theirs (run by the make_linear backend; the reference dequantises per call); FP8 routed experts "
+        "are dequantised at load. \"dequantize\" expands every quantised tensor to the compute dtype at load.",
     )
     async_scheduling: bool | None = Field(
         None,
@@ -471,6 +479,10 @@ class EngineConfig(BaseModel):
     worker_timeout_s: float = Field(
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp", '
+        '"num_speculative_tokens": k, ...} (see `deepinfer_core.engine.spec.config.SpeculativeConfig`); '
+        "None decodes one token per request and step.")
     tensor_parallel_size: PositiveInt = Field(1, description="Ranks splitting attention heads and dense projections.")
     data_parallel_size: PositiveInt = Field(
         1, description="Attention data-parallel ranks, each with its own scheduler, requests and cache.")

@@ -27,6 +27,7 @@ from deepinfer_core.models.layers import (
     SharedExpert,
 )
 from deepinfer_core.models.rope import Rotary
+from deepinfer_core.reference.layer_ops import hyper_residual
 
 
 class Attention(nn.Module):
@@ -179,6 +180,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.moe_weights: list[MoEWeights] = []
         self.ops: LayerOps | None = None
         self.rotary: dict[str, Rotary] = {}
+        self.keeps_final_streams = False
+        """Keep every token's pre-`hc_head` residual streams in `final_streams` (the MTP drafter reads them)."""
+        self.final_streams: torch.Tensor | None = None
 
     def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], ops: LayerOps,
                       device: torch.device) -> None:
@@ -230,6 +234,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             if i + 1 < len(layers):
                 streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i + 1][0],
                                                          layers[i + 1].input_layernorm.weight)
+        if self.keeps_final_streams:
+            self.final_streams = hyper_residual(streams, out, post, comb)
         hidden = ops.hc_post_head(streams, out, post, comb, logits_indices, self.head_weights,
                                   self.model.norm.weight)
         return F.linear(hidden, self.lm_head.weight).float()

@@ -13,7 +13,7 @@ the file or the tensors.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -85,6 +85,7 @@ def load_weights(
     progress: bool | None = None,
     keep_fp4: bool = False,
     local_experts: Callable[[int], list[int]] | None = None,
+    keep_fp8: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint into internal names, dequantised, on `device`.
 
@@ -95,6 +96,8 @@ def load_weights(
     With `keep_fp4` the routed experts stay in their packed FP4 bytes instead: `<name>` holds the int8
     codes and `<name>_scale` the float8_e8m0fnu group scales (`layers.FP4Experts`' parameters); an
     expert stored otherwise, or with scales that are not powers of two, raises `CheckpointError`.
+    The tensors named in `keep_fp8` that are stored as block-scaled FP8 stay so: `<name>` holds the
+    float8_e4m3fn values and `<name>_scale` the block scales as float32 (`layers.FP8Linear`'s parameters).
 
     Each tensor comes back in the dtype the model's module declares at compute dtype `dtype` (norms,
     mHC parameters and sinks stay float32; `tid2eid` is int64). Every tensor is checked before any is
@@ -103,7 +106,8 @@ def load_weights(
     (None: only for checkpoints over 512 MiB).
     """
     return _read_checkpoint(
-        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4, local_experts
+        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4,
+        frozenset(keep_fp8), local_experts,
     )
 
 
@@ -135,7 +139,9 @@ def match_param_dtypes(
 
 def _read_checkpoint(
     model_dir: Path, config: ModelConfig, schema: dict[str, TensorSpec], device, progress: bool | None,
-    keep_fp4: bool = False, local_experts: Callable[[int], list[int]] | None = None,
+    keep_fp4: bool = False,
+    keep_fp8: frozenset[str] = frozenset(),
+    local_experts: Callable[[int], list[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     layout = detect_layout(list(files))
@@ -159,6 +165,13 @@ def _read_checkpoint(
                 weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device)
                 if keep_rows is not None:
                     weights[name], weights[f"{name}_scale"] = weights[name][keep_rows], weights[f"{name}_scale"][keep_rows]
+                finite.add(f"{name}_scale", weights[f"{name}_scale"])
+                continue
+            if name in keep_fp8 and plan.join == "copy" and reader.dtype(plan.sources[0]) == FP8_DTYPE:
+                source = plan.sources[0]
+                weights[name] = reader.read(source).to(device)
+                weights[f"{name}_scale"] = reader.read(reader.scale_name(source)).to(device, torch.float32)
+                finite.add(name, weights[name])
                 finite.add(f"{name}_scale", weights[f"{name}_scale"])
                 continue
             weights[name] = _build(plan, reader, config, schema[name].dtype, device)
@@ -318,7 +331,7 @@ class _FiniteCheck:
         bad = [
             f"{name} ({self.tensors[name].dtype})"
             for name in suspects
-            if not self.tensors[name].isfinite().all()
+            if not self.tensors[name].float().isfinite().all()  # float8 has no isfinite
         ]
         if bad:
             raise CheckpointError(

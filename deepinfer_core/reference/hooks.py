@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.backends import (
+    AttentionSpec,
+    EplbSpec,
+    LayerOpsSpec,
+    LinearSpec,
+    MoESpec,
+    SamplingSpec,
+    VerifySpec,
+)
 from deepinfer_core.hookspecs import hookimpl
 
 
@@ -41,6 +49,13 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device):
     from deepinfer_core.reference.layer_ops import ReferenceLayerOps
 
     return ReferenceLayerOps(spec)
+
+
+@hookimpl(trylast=True)
+def make_linear(spec: LinearSpec, device: torch.device):
+    from deepinfer_core.reference.linear import ReferenceLinear
+
+    return ReferenceLinear(spec, device)
 
 
 @hookimpl(trylast=True)

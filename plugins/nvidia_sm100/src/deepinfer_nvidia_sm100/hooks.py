@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
+from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem, linear_problem, use_kernel_cache
 
 if TYPE_CHECKING:
     from deepinfer_core.backends import (
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
         AttentionSpec,
         LayerOps,
         LayerOpsSpec,
+        LinearBackend,
+        LinearSpec,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -45,7 +47,12 @@ def detect_device(decline: Callable[[str], None]) -> torch.device | None:
 
 
 def _spec_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    return device_problem(device) or dtype_problem(dtype)
+    """Why kernels cannot serve `dtype` on `device`, or None; when they can, Triton's kernel cache is set
+    up first (`platform.use_kernel_cache`), before any kernel module imports Triton."""
+    problem = device_problem(device) or dtype_problem(dtype)
+    if problem is None:
+        use_kernel_cache()
+    return problem
 
 
 @hookimpl
@@ -94,10 +101,21 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[
 
 
 @hookimpl
+def make_linear(spec: LinearSpec, device: torch.device, decline: Callable[[str], None]) -> LinearBackend | None:
+    problem = _spec_problem(device, spec.dtype) or linear_problem(spec)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.linear import TritonFP8Linear
+
+    return TritonFP8Linear(spec, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@hookimpl
 def make_sampler(
     spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]
 ) -> SamplingBackend | None:
-    problem = device_problem(device)
+    problem = _spec_problem(device, torch.float32)
     if problem is not None:
         decline(problem)
         return None

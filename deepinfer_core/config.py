@@ -496,6 +496,12 @@ class EngineConfig(BaseModel):
     eplb_config: EplbConfig = Field(
         default_factory=EplbConfig,
         description='EPLB knobs: {"num_redundant_experts": R, "window_size": W, "step_interval": S}.')
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant inference: a request's greedy tokens and logprobs are bit-identical "
+        "whatever shares its batch, however its prompt is chunked, after a preemption and after a prefix-cache "
+        "hit (every backend is built in its invariant variant; prefix hits replay exactly). Costs throughput.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -515,6 +521,11 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step; raise it or lower "
                 f"max_num_seqs"
+            )
+        if self.deterministic and self.swa_replay == "bounded":
+            raise ValueError(
+                'deterministic=True needs exact window replay on prefix hits: swa_replay="bounded" changes a '
+                'hit\'s outputs by design; leave swa_replay unset or set it to "exact"'
             )
         return self
 
@@ -546,7 +557,8 @@ class EngineConfig(BaseModel):
                 f"({model_config.max_position_embeddings}); lower max_model_len"
             )
         budget = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
-        replay = self.swa_replay or SWA_REPLAY_DEFAULTS.get(model_config.model_type, "bounded")
+        replay = self.swa_replay or ("exact" if self.deterministic
+                                     else SWA_REPLAY_DEFAULTS.get(model_config.model_type, "bounded"))
         try:
             return EngineConfig.model_validate(
                 {**self.model_dump(), "max_model_len": max_model_len, "max_num_batched_tokens": budget,

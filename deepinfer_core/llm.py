@@ -39,7 +39,7 @@ class LLM:
         checkpoint that is not (vLLM's online quantisation) is not implemented. `dtype` sets activations.
     :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
         `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device`, `cuda_graph_sizes`,
-        `quantized_weights`, and the parallel layout
+        `quantized_weights`, `deterministic` (batch-invariant outputs), and the parallel layout
         `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
         `eplb_config` (see `EngineConfig` and `deepinfer_core.engine.parallel`); a layout this build
         cannot run raises `NotImplementedError` naming it.

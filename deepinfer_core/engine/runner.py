@@ -41,7 +41,7 @@ from deepinfer_core.models.interface import (
     checkpoint_identity,
     tensors_identity,
 )
-from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, deterministic_plans, layer_ops_spec
 from deepinfer_core.models.mtp import split_mtp_weights
 from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
@@ -105,7 +105,9 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
-        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
+        self.plans = deterministic_plans(
+            weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt),
+            engine_config.deterministic)
         self.experts = make_expert_shards(self.parallel, model_config, device,  # None without EP
                                           engine_config.time_ep_dispatch)
         if self.experts is not None:
@@ -169,7 +171,8 @@ class ModelRunner:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
                 check_expert_parallel(moe[plan.moe], plan.moe)
-        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype, self.engine_config.deterministic),
+                                     self.device)
         self.linear_backends = weight_formats.bind_linears(self.model, plugins.make_linear, self.device)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)

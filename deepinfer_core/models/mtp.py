@@ -102,7 +102,7 @@ class MultiTokenPredictor(nn.ModuleList):
         out = layer.self_attn(x, ctx, cache, self.attention, ops)
         streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, ffn_hc,
                                                  layer.post_attention_layernorm.weight)
-        out = layer.mlp(x, input_ids, self.moe, moe_weights)
+        out = layer.mlp(x, input_ids, self.moe, moe_weights, ops)
         new_streams = hyper_residual(streams, out, post, comb)
         hidden = ops.hc_post_head(streams, out, post, comb, rows, head, layer.norm.weight)
         return F.linear(hidden, lm_head.weight).float(), new_streams

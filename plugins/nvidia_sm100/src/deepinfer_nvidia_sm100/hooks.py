@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_core.backends.deterministic import deterministic_problem
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem, linear_problem, use_kernel_cache
 
@@ -59,7 +60,7 @@ def _spec_problem(device: torch.device, dtype: torch.dtype) -> str | None:
 def make_attention(
     spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]
 ) -> AttentionBackend | None:
-    problem = _spec_problem(device, spec.dtype)
+    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
     if problem is not None:
         decline(problem)
         return None
@@ -70,7 +71,7 @@ def make_attention(
 
 @hookimpl
 def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
-    problem = _spec_problem(device, spec.dtype)
+    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
     if problem is None and spec.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
         problem = f"scoring_func {spec.scoring_func!r} not supported"
     if problem is None and spec.expert_format not in ("dense", "fp4"):
@@ -89,7 +90,7 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
 
 @hookimpl
 def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
-    problem = _spec_problem(device, spec.dtype)
+    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
     if problem is None and spec.hc_mult > 8:
         problem = f"hc_mult {spec.hc_mult} > 8 not supported"
     if problem is not None:

@@ -27,7 +27,7 @@ from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
-from deepinfer_core.engine.executor import make_executor
+from deepinfer_core.engine.executor import make_executor, parallel_stats
 from deepinfer_core.engine.kv_blocks import layout_bytes
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan
@@ -96,13 +96,15 @@ class _Request:
 class Engine:
     """Synchronous engine; not thread-safe (see `deepinfer_core.engine.async_engine` for serving)."""
 
-    def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None,
+                 executor=None) -> None:
+        """`executor`: the model side to run on (a data-parallel rank's share); None builds one."""
         _show_info_logs()
         model_config = registry.load_model_config(engine_config.model)
         self.config = engine_config.resolve(model_config)
         self.model_config: ModelConfig = model_config
         device = torch.device(self.config.device) if self.config.device else plugins.select_device()
-        self.executor = make_executor(model_config, self.config, device, weights)
+        self.executor = executor if executor is not None else make_executor(model_config, self.config, device, weights)
         info = self.executor.info
         self.tokenizer = load_tokenizer(self.config.model, model_config)
         self.eos_token_ids = model_config.eos_token_ids
@@ -497,6 +499,7 @@ class Engine:
             **{f"prefix_cache_hit_tokens_{tier}": n for tier, n in self.block_manager.hit_tokens.items()},
             **(self.prefix_tiers.stats() if self.prefix_tiers is not None else {}),
             **(_spec_stats(self.speculator.totals) if self.speculator is not None else {}),
+            **parallel_stats(self.executor),
         }
 
 

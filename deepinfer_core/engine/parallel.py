@@ -100,10 +100,6 @@ class ParallelConfig(BaseModel):
             missing.append(f"tensor_parallel_size={self.tensor_parallel_size} (tensor parallelism)")
         if self.context_parallel_size > 1:
             missing.append(f"context_parallel_size={self.context_parallel_size} (context parallelism)")
-        if self.data_parallel_size > 1:
-            missing.append(f"data_parallel_size={self.data_parallel_size} (attention data parallelism)")
-        if self.enable_expert_parallel:
-            missing.append("enable_expert_parallel=True (expert parallelism)")
         if missing:
             raise NotImplementedError("not implemented yet: " + "; ".join(missing))
 

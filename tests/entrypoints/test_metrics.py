@@ -42,3 +42,12 @@ def test_render_reports_the_prefix_tiers() -> None:
     assert samples["deepinfer_prefix_store_size_bytes"] == "4096" and samples["deepinfer_num_requests_loading"] == "1"
     assert "# TYPE deepinfer_prefix_store_load_seconds_total counter" in text
     assert "host_cache_evictions" not in text  # the engine reported no host tier
+
+
+def test_render_reports_expert_load_balance_when_the_engine_rebalances() -> None:
+    eplb = {"num_rebalances": 2, "balance_before": 1.8, "balance_after": 1.05, "pause_s": 0.25, "num_moved": 3}
+    text = ServerMetrics().render({"eplb": eplb})
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples["deepinfer_eplb_balance"] == "1.8" and samples["deepinfer_eplb_balance_after_rebalance"] == "1.05"
+    assert samples["deepinfer_eplb_rebalances"] == "2" and samples["deepinfer_eplb_last_pause_seconds"] == "0.25"
+    assert "eplb" not in ServerMetrics().render({})

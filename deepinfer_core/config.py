@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -460,14 +462,34 @@ class EngineConfig(BaseModel):
         "rank (world_size ranks, joined by torch.distributed). Under torchrun the ranks are torchrun's.",
     )
     world_size: PositiveInt = Field(
-        1, description="Worker ranks of the mp executor; today each holds the whole model and runs every plan."
+        1, description="Worker ranks of the mp executor when no parallel layout is set (each then holds the whole "
+        "model and runs every plan); with tensor/data/context parallel sizes the world is their product."
     )
     worker_timeout_s: float = Field(
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
+    tensor_parallel_size: PositiveInt = Field(1, description="Ranks splitting attention heads and dense projections.")
+    data_parallel_size: PositiveInt = Field(
+        1, description="Attention data-parallel ranks, each with its own scheduler, requests and cache.")
+    context_parallel_size: PositiveInt = Field(1, description="Ranks splitting one long prompt's prefill.")
+    enable_expert_parallel: bool = Field(
+        False, description="Spread the routed experts over every rank (EP size = TP x DP x CP).")
+    enable_eplb: bool = Field(False, description="Rebalance expert replicas by observed load (needs expert parallelism).")
+    eplb_config: EplbConfig = Field(
+        default_factory=EplbConfig,
+        description='EPLB knobs: {"num_redundant_experts": R, "window_size": W, "step_interval": S}.')
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        try:
+            parallel = self.parallel_config
+        except ValidationError as err:
+            raise ValueError(f"parallel layout: {err}") from err
+        if parallel.world_size > 1 and self.world_size not in (1, parallel.world_size):
+            raise ValueError(
+                f"world_size={self.world_size} does not match the parallel layout's {parallel.world_size} ranks "
+                f"(tensor x data x context parallel sizes); leave world_size at 1 or set it to that product"
+            )
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model!r} is not a checkpoint directory (no config.json in it)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -477,6 +499,19 @@ class EngineConfig(BaseModel):
                 f"max_num_seqs"
             )
         return self
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel layout these options describe (`deepinfer_core.engine.parallel`)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+            context_parallel_size=self.context_parallel_size, enable_expert_parallel=self.enable_expert_parallel,
+            enable_eplb=self.enable_eplb, eplb_config=self.eplb_config)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of the world: the parallel layout's, else `world_size` (replicas of the whole model)."""
+        return max(self.parallel_config.world_size, self.world_size)
 
     def load_model_config(self) -> ModelConfig:
         """Read the checkpoint's config.json."""

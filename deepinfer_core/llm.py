@@ -31,9 +31,12 @@ class LLM:
     :param dtype: "auto", "float32", "bfloat16" or "float16" (or vLLM's "half", "float", a `torch.dtype`).
     :param seed: seeds the per-request seeds of requests that give none; None draws one at random.
     :param max_model_len: longest prompt + output.
-    :param tensor_parallel_size: 1 (tensor parallelism is not implemented yet).
+    :param tensor_parallel_size: ranks splitting attention heads and dense projections.
     :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
-        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device` (see `EngineConfig`).
+        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device`, and the parallel layout
+        `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
+        `eplb_config` (see `EngineConfig` and `deepinfer_core.engine.parallel`); a layout this build
+        cannot run raises `NotImplementedError` naming it.
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", seed: int | None = 0,
@@ -47,15 +50,14 @@ class LLM:
             raise NotImplementedError("tokenizer: a tokenizer directory other than the model's")
         if expert_parallel_size != 1:
             raise NotImplementedError("expert_parallel_size > 1 (expert parallelism)")
-        if tensor_parallel_size != 1:
-            raise NotImplementedError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism (use 1)")
         dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         seed = secrets.randbits(63) if seed is None else operator.index(seed)
         del trust_remote_code  # nothing here runs checkpoint code
         unknown = set(engine_options) - set(EngineConfig.model_fields)
         if unknown:
             raise TypeError(f"LLM() got unknown options {sorted(unknown)}; valid: {sorted(EngineConfig.model_fields)}")
-        config = EngineConfig(model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len, **engine_options)
+        config = EngineConfig(model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                              tensor_parallel_size=tensor_parallel_size, **engine_options)
         self.engine = Engine(config)
         self.decode_sequence = decode_sequence
         self._counter = 0

@@ -85,7 +85,7 @@ class MultiprocExecutor:
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
-        self.world_size = engine_config.world_size
+        self.world_size = engine_config.num_ranks
         self.timeout_s = engine_config.worker_timeout_s
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._conns, self._procs = [], []
@@ -169,12 +169,14 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     """The executor `engine_config.distributed_executor_backend` names (torchrun's when launched by it)."""
     from deepinfer_core.engine import worker
 
+    engine_config.parallel_config.check_implemented()
     if worker.launched_by_torchrun():
         return worker.TorchrunExecutor(model_config, engine_config, device, weights)
-    if engine_config.distributed_executor_backend == "mp":
-        return MultiprocExecutor(model_config, engine_config, device, weights)
-    if engine_config.world_size != 1:
-        raise ValueError(f"world_size={engine_config.world_size} needs distributed_executor_backend='mp'")
+    parallel = engine_config.parallel_config
+    if engine_config.distributed_executor_backend == "mp" or parallel.world_size > 1 or parallel.enable_expert_parallel:
+        return MultiprocExecutor(model_config, engine_config, device, weights)  # a layout needs its ranks
+    if engine_config.num_ranks != 1:
+        raise ValueError(f"world_size={engine_config.num_ranks} needs distributed_executor_backend='mp'")
     return UniExecutor(model_config, engine_config, device, weights)
 
 

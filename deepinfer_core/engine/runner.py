@@ -23,6 +23,7 @@ from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cu
 from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
@@ -89,10 +90,13 @@ class CarriedTokens:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  weights: dict[str, torch.Tensor] | None = None,
-                 agree_num_blocks: Callable[[int], int] | None = None) -> None:
+                 agree_num_blocks: Callable[[int], int] | None = None,
+                 parallel: ParallelGroups | None = None) -> None:
         """`weights` (internal names) replaces loading from `engine_config.model` when given;
-        `agree_num_blocks` turns this rank's cache size into the one every rank uses (the minimum)."""
+        `agree_num_blocks` turns this rank's cache size into the one every rank uses (the minimum);
+        `parallel`: this rank's groups (None: a world of one rank)."""
         self.config, self.engine_config, self.device = model_config, engine_config, device
+        self.parallel = parallel if parallel is not None else ParallelGroups.single()
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
@@ -116,7 +120,7 @@ class ModelRunner:
 
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
-            model = model_cls(self.config, self.plans, self.dtype)
+            model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
                                    keep_fp4=self.plans[0].moe.expert_format == "fp4")
@@ -262,6 +266,7 @@ class ModelRunner:
             rope=self.model.rope_tables(positions),
             num_entries={rate: totals // rate for rate in self.compress_rates},
             no_write_before=no_write_before,
+            parallel=self.parallel,
         )
 
     def prepare_inputs(self, plan: StepPlan, states: list[RequestState]):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.executor import ModelSideInfo, WorkerError, runner_info
+from deepinfer_core.engine.parallel import build_groups
 from deepinfer_core.engine.plan import StepResult
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,18 @@ def _set_device(device: torch.device) -> None:
 
 
 def build_runner(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device, weights):
+    """This rank's `ModelRunner`, with its parallel groups (built here, collectively, on every rank)."""
     from deepinfer_core.engine.runner import ModelRunner
+
+    groups = build_groups(engine_config.parallel_config, dist.get_rank(), engine_config.worker_timeout_s)
 
     def agree(num_blocks: int) -> int:  # every rank must allocate the same pool
         value = torch.tensor([num_blocks], dtype=torch.int64)
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return int(value)
 
-    return ModelRunner(model_config, engine_config, device, weights=weights, agree_num_blocks=agree)
+    return ModelRunner(model_config, engine_config, device, weights=weights, agree_num_blocks=agree,
+                       parallel=groups)
 
 
 def host_result(result: StepResult) -> StepResult:

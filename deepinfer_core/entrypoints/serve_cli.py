@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import threading
 import time
@@ -29,7 +30,8 @@ from deepinfer_core.entrypoints.serve import build_app
 
 # `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "enable_prefix_caching")
+                  "enforce_eager", "enable_prefix_caching", "tensor_parallel_size", "data_parallel_size",
+                  "context_parallel_size", "enable_expert_parallel", "enable_eplb", "eplb_config")
 
 
 def _dtype_choices() -> list[str]:
@@ -63,6 +65,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
+    add_parallel_arguments(engine)
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
@@ -77,6 +80,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
     parser.set_defaults(handler=run_serve)
     return parser
+
+
+def add_parallel_arguments(group: Any) -> None:
+    """The parallel layout's options (vLLM's spellings; `deepinfer_core.engine.parallel`)."""
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                       help="ranks splitting attention heads and dense projections")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                       help="attention data-parallel ranks, each with its own requests and cache")
+    group.add_argument("--context-parallel-size", type=int, default=None, help="ranks splitting a long prefill")
+    group.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                       help="spread the routed experts over every rank (EP size = TP x DP)")
+    group.add_argument("--enable-eplb", action="store_true", default=None, help="rebalance expert replicas by load")
+    group.add_argument("--eplb-config", type=json.loads, default=None,
+                       help='JSON, e.g. \'{"num_redundant_experts": 32, "window_size": 1000, "step_interval": 3000}\'')
 
 
 def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:

@@ -12,6 +12,7 @@ from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.compressor import Compressor, Indexer
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
@@ -164,9 +165,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """V4's plan: every layer owns its caches (see `build_layer_plan`)."""
         return build_layer_plan(config, dtype)
 
-    def __init__(self, config, plans: list[LayerPlan], dtype: torch.dtype) -> None:
+    def __init__(self, config, plans: list[LayerPlan], dtype: torch.dtype,
+                 parallel: ParallelGroups | None = None) -> None:
         super().__init__()
         self.config, self.plans, self.hc_mult = config, plans, config.hc_mult
+        self.parallel = parallel if parallel is not None else ParallelGroups.single()
+        """This rank's parallel groups (tp, dp, ep, cp)."""
         self.model = DeepseekV4Backbone(config, plans, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.attention_backends: list[AttentionBackend] = []

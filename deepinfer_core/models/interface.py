@@ -1,7 +1,8 @@
 """What the engine, the cache and the graphs know of a model: this interface and its layer plan.
 
 A model class (found through `deepinfer_core.models.registry`) is built on the meta device as
-`cls(config, plans, dtype)` from `cls.layer_plan(config, dtype)`, loaded with `load_state_dict`, bound
+`cls(config, plans, dtype, parallel=groups)` from `cls.layer_plan(config, dtype)` (`groups`: the rank's
+`deepinfer_core.engine.parallel.ParallelGroups`), loaded with `load_state_dict`, bound
 to its backends once, and then run one step at a time on a `ForwardContext` and the cache's
 `LayerCache`s. Nothing else of it is read outside `deepinfer_core/models/`.
 """
@@ -18,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from deepinfer_core.backends import AttentionBackend, AttentionMetadata, LayerOps, MoEBackend
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
 
@@ -47,12 +49,15 @@ class ForwardContext:
     no_write_before: torch.Tensor
     """`[num_seqs]` int64: per request, entries of windows ending at or before this position are
     already cached and must not be rewritten."""
+    parallel: ParallelGroups | None = None
+    """This rank's parallel groups (`deepinfer_core.engine.parallel`); None: a world of one rank."""
 
 
 @runtime_checkable
 class CausalLM(Protocol):
     """The model side of a step. Classes also provide `layer_plan(config, dtype) -> list[LayerPlan]`
-    (a classmethod) and are constructed as `cls(config, plans, dtype)`."""
+    (a classmethod) and are constructed as `cls(config, plans, dtype, parallel=groups)` (`groups`: the
+    rank's `ParallelGroups`)."""
 
     plans: list[LayerPlan]
 

@@ -28,7 +28,7 @@ from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_s
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.structured_output import apply_bitmask
-from deepinfer_core.models import registry, weight_formats
+from deepinfer_core.models import registry, tensor_parallel, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
 from deepinfer_core.models.interface import (
     CausalLM,
@@ -100,7 +100,9 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
-        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt)
+        # this rank's part of the model (its query heads, output groups and expert width under TP)
+        self.local_config = tensor_parallel.shard_config(model_config, self.parallel.tp.size)
+        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(self.local_config, self.dtype), fmt)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -120,10 +122,13 @@ class ModelRunner:
 
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
-            model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
+            model = model_cls(self.local_config, self.plans, self.dtype, parallel=self.parallel)
+        shards = tensor_parallel.tensor_shards(tensor_schema(model), self.parallel.tp.rank, self.parallel.tp.size)
         if weights is None:
             weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4")
+                                   keep_fp4=self.plans[0].moe.expert_format == "fp4", shards=shards)
+        else:
+            weights = tensor_parallel.shard_weights(weights, shards)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)

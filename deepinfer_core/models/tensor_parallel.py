@@ -167,3 +167,16 @@ def read_fp8_slices(reader, name: str, shard: Shard, block: tuple[int, int], dev
         scale_index = _index(len(reader.shape(scale_name)), scale_dim, a // size, -(-b // size))
         pieces.append(quant.dequantize_fp8(raw, reader.read_slice(scale_name, scale_index).to(device), block))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+
+
+# ---------------------------------------------------------------------- where the partial sums meet
+
+
+def all_reduce(x: torch.Tensor, group_info) -> torch.Tensor:
+    """Sum a row-parallel block's partial outputs over the tensor-parallel ranks of `group_info` (the
+    rank's `GroupInfo` for "tp"), in place; a group of one returns `x` untouched."""
+    if group_info.size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=group_info.group)
+    return x

@@ -22,6 +22,8 @@ from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cuda_graphs
 from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.context_parallel import ContextParallel
+from deepinfer_core.engine.context_parallel_ops import ContextParallelAttention, ContextParallelLayerOps
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
@@ -108,6 +110,7 @@ class ModelRunner:
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
         self.model: CausalLM = self._load_model(model_cls, weights)
         self._bind_backends()
+        self.context_parallel = ContextParallel(self.parallel.cp, device) if self.parallel.cp.size > 1 else None
         self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
         self.num_slots = engine_config.max_num_seqs
         self.num_blocks = self.available_blocks()
@@ -144,6 +147,9 @@ class ModelRunner:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        if self.parallel.cp.size > 1:  # split prefill steps exchange window keys and compressed entries
+            attention = {spec: ContextParallelAttention(backend) for spec, backend in attention.items()}
+            ops = ContextParallelLayerOps(ops)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
 
@@ -216,6 +222,12 @@ class ModelRunner:
             sampled = list(range(len(states)))
             tensors = self._sampling_tensors(plan, states, sampled)  # before the launch: no wait on copies
             return self._sample(plan, sampled, self.graphs.run(plan.requests, states, self._carried), tensors, {})
+        layout = self.context_parallel.layout(plan, states) if self.context_parallel is not None else None
+        if layout is not None:  # a prefill step split over the cp ranks
+            logits, sampled, prompt_spans = self.context_parallel.forward(self, layout, self._carried)
+            prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
+            tensors = self._sampling_tensors(plan, states, sampled)
+            return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
         ctx, logits_indices, sampled, prompt_spans, pending = self.prepare_inputs(plan, states)
         if pending:
             if self._carried is None:

@@ -117,7 +117,7 @@ class StepLayout:
         spans = {}
         for i in sorted({i for kind, i, _ in where if kind == "prompt"}):
             positions = sorted(p for kind, j, p in where if kind == "prompt" and j == i)
-            spans[i] = (positions[0] + 1, len(order) - len(sampled), len(positions))
+            spans[i] = (positions[0] + 1, len(order), len(positions))
             order += [where[("prompt", i, p)] for p in positions]
         return order, sampled, spans
 
@@ -127,7 +127,6 @@ class StepLayout:
         """Index tensors of the per-layer exchange of every piece's last `ring` rows (see `RingPlan`)."""
         sources = {}  # (request, position) -> row of the gathered [size, max_pieces, ring] tails
         tail_src, tail_dst = [], []
-        token_of = {}  # this rank's pieces: (request, position) -> its local flat token index
         flat = 0
         for r, pieces in enumerate(self.pieces):
             for j, piece in enumerate(pieces):

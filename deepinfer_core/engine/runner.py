@@ -25,8 +25,8 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.context_parallel import ContextParallel
 from deepinfer_core.engine.context_parallel_ops import ContextParallelAttention, ContextParallelLayerOps
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
-from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.structured_output import apply_bitmask

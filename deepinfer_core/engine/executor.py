@@ -28,6 +28,7 @@ import torch
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.plan import StepPlan, StepResult
+from deepinfer_core.models import tensor_parallel
 
 
 class WorkerError(RuntimeError):
@@ -170,6 +171,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     from deepinfer_core.engine import worker
 
     engine_config.parallel_config.check_implemented()
+    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size)  # before any rank starts
     if worker.launched_by_torchrun():
         return worker.TorchrunExecutor(model_config, engine_config, device, weights)
     parallel = engine_config.parallel_config

@@ -24,3 +24,4 @@ def test_two_tensor_parallel_ranks_give_the_single_process_outputs(tmp_path):
     # each rank sums half the heads' and half the expert width's contributions, so the fp32 sums round
     # differently from one rank's: identical tokens, logprobs equal to ~1e-6
     workload.assert_same_outputs(got, want, logprob_tol=1e-5)
+

@@ -1,7 +1,7 @@
 """The "v4flash-LxE" GPU workload (shared/BENCH.md): DeepInfer's engine against transformers' `generate`.
 
     python bench/gpu_decode.py [--layers 2] [--experts 256] [--batches 1,16,64,256] [--new-tokens 33]
-        [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16]
+        [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16] [--model v41]
 
 DeepSeek-V4-Flash per-layer shapes, `--layers` layers alternating CSA/HCA, `--experts` routed experts,
 random weights (normal, std 0.02; random hash tables), bf16, 512-token random prompts, greedy with
@@ -333,7 +333,17 @@ def main() -> None:
         default=None,
         help="our per-step token budget (default: the engine's)",
     )
+    parser.add_argument("--model", choices=["v4", "v41"], default="v4",
+                        help='"v41": the v41flash-LxE workload against our V4 path (bench/v41_workload.py)')
     args = parser.parse_args()
+    if args.model == "v41":
+        from v41_workload import run_v41
+
+        device_name = "cpu" if args.tiny else torch.cuda.get_device_name()
+        run_v41(args, {"date": datetime.date.today().isoformat(), "device": device_name, "commit": args.commit,
+                       "torch": torch.__version__, "new_tokens": args.new_tokens, "prompt_len": PROMPT_LEN,
+                       "eager": args.eager})
+        return
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     config = build_config(args)

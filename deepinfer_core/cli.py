@@ -39,9 +39,10 @@ def run_plugins(args: argparse.Namespace) -> int:
 
     from deepinfer_core import plugins
     from deepinfer_core.config import ModelConfig
+    from deepinfer_core.models import registry
     from deepinfer_core.plugin_report import plugin_report
 
-    config = ModelConfig.from_dir(args.model) if args.model else ModelConfig()
+    config = registry.load_model_config(args.model) if args.model else ModelConfig()
     device = plugins.select_device()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     print(format_report(plugin_report(device, representative_specs(config, dtype))))
@@ -54,9 +55,10 @@ def representative_specs(config: ModelConfig, dtype: torch.dtype) -> dict[str, l
     Attention and MoE specs come from the model's layer plan, one per distinct layer kind.
     """
     from deepinfer_core.backends import EplbSpec, SamplingSpec, VerifySpec
-    from deepinfer_core.models.layer_plan import build_layer_plan, layer_ops_spec
+    from deepinfer_core.models import registry
+    from deepinfer_core.models.layer_plan import layer_ops_spec
 
-    plans = build_layer_plan(config, dtype)
+    plans = registry.model_class(config).layer_plan(config, dtype)
     return {
         "make_attention": list(dict.fromkeys(plan.attention for plan in plans)),
         "make_moe": list(dict.fromkeys(plan.moe for plan in plans)),

@@ -179,6 +179,9 @@ class ModelConfig(BaseModel):
             return data
         data = copy.deepcopy(data)
         model_type = data.get("model_type", "deepseek_v4")
+        if model_type == "deepseek_v41":  # its own config class (nested config.json)
+            raise ValueError("model_type 'deepseek_v41' is read by deepinfer_core.models.v41_config.V41Config; "
+                             "load it with deepinfer_core.models.registry.load_model_config(model_dir)")
         if model_type != "deepseek_v4":
             raise ValueError(
                 f"model_type {model_type!r} is not supported: this loader reads DeepSeek-V4 "
@@ -514,8 +517,10 @@ class EngineConfig(BaseModel):
         return max(self.parallel_config.world_size, self.world_size)
 
     def load_model_config(self) -> ModelConfig:
-        """Read the checkpoint's config.json."""
-        return ModelConfig.from_dir(self.model)
+        """Read the checkpoint's config.json with its model family's config class (V4: `ModelConfig`)."""
+        from deepinfer_core.models import registry
+
+        return registry.load_model_config(self.model)
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Return a copy with every None default made concrete for `model_config` (and checked)."""

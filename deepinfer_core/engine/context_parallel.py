@@ -33,6 +33,13 @@ from deepinfer_core.backends.attention import BLOCK_SIZE, AttentionMetadata
 from deepinfer_core.engine.plan import StepPlan
 
 
+def check_context_parallel(model_config, size: int) -> None:
+    """Raise `NotImplementedError` for context parallelism on a model family it is not built for."""
+    if size > 1 and model_config.model_type != "deepseek_v4":
+        raise NotImplementedError(f"context_parallel_size={size} for {model_config.model_type!r} (context "
+                                  "parallelism is implemented for deepseek_v4)")
+
+
 def balanced_pieces(num_tokens: int, size: int) -> list[tuple[int, int]]:
     """`2 * size` consecutive `(start, stop)` offsets covering `num_tokens`, sizes differing by at most one."""
     n = 2 * size

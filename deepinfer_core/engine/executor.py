@@ -27,6 +27,7 @@ import torch
 
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine import context_parallel
 from deepinfer_core.engine.plan import StepPlan, StepResult
 from deepinfer_core.models import tensor_parallel
 
@@ -172,6 +173,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
 
     engine_config.parallel_config.check_implemented()
     tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size)  # before any rank starts
+    context_parallel.check_context_parallel(model_config, engine_config.context_parallel_size)
     if worker.launched_by_torchrun():
         return worker.TorchrunExecutor(model_config, engine_config, device, weights)
     parallel = engine_config.parallel_config

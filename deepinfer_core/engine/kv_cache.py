@@ -5,7 +5,8 @@ Per layer (see `deepinfer_core.backends.attention` for how backends read it):
 - CSA/HCA: `compressed` `[num_blocks * 128 / rate + 1, head_dim]`, paged by 128-token blocks (the last
   row is a scratch row decode steps write to when they close no window), plus the
   compressor tail rings `kv_tail` / `gate_tail` `[num_slots, tail_rows, proj]` (gate in fp32);
-- CSA: `index_keys` `[num_blocks * 32, index_head_dim]` and the indexer's own tail rings.
+- CSA: `index_keys` `[num_blocks * 32, index_head_dim]` and the indexer's own tail rings;
+- a plan with `owns_token_ids`: `token_ids` `[num_blocks * 128]` int64, one id per position, paged.
 Blocks are per request (block tables); slots are per running request. A layer whose plan names a
 `kv_source` owns no compressed pool and no tails: its `LayerCache` holds the source layer's pools.
 """
@@ -17,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from deepinfer_core.models.interface import LayerCache
-from deepinfer_core.models.layer_plan import LayerPlan
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -32,7 +33,8 @@ def bytes_per_block(plans: list[LayerPlan], dtype: torch.dtype) -> int:
             total += plan.attention.entries_per_block * plan.attention.head_dim
         if plan.owns_compressed and plan.has_indexer:
             total += plan.attention.entries_per_block * plan.attention.index_head_dim
-    return total * _dtype_bytes(dtype)
+    token_ids = sum(BLOCK_SIZE * 8 for plan in plans if plan.owns_token_ids)
+    return total * _dtype_bytes(dtype) + token_ids
 
 
 def bytes_per_slot(plans: list[LayerPlan], dtype: torch.dtype) -> int:
@@ -43,10 +45,8 @@ def bytes_per_slot(plans: list[LayerPlan], dtype: torch.dtype) -> int:
         total += spec.sliding_window * spec.head_dim * item
         if not plan.owns_compressed:
             continue
-        proj = spec.head_dim * (2 if plan.has_indexer else 1)
-        total += plan.tail_rows * proj * (item + 4)
-        if plan.has_indexer:
-            total += plan.tail_rows * 2 * spec.index_head_dim * (item + 4)
+        kv_item = 4 if plan.fp32_tails else item
+        total += plan.tail_rows * (plan.tail_width * (kv_item + 4) + plan.index_tail_width * (item + 4))
     return total
 
 
@@ -85,12 +85,15 @@ class KVCache:
         cache = LayerCache(window=zeros(num_slots, spec.sliding_window, spec.head_dim))
         if plan.has_compressor:
             rows = num_blocks * spec.entries_per_block + 1
-            proj = spec.head_dim * (2 if plan.has_indexer else 1)
             cache.compressed = zeros(rows, spec.head_dim)
-            cache.kv_tail = zeros(num_slots, plan.tail_rows, proj)
-            cache.gate_tail = zeros(num_slots, plan.tail_rows, proj, dt=torch.float32)
+            cache.kv_tail = zeros(num_slots, plan.tail_rows, plan.tail_width,
+                                  dt=torch.float32 if plan.fp32_tails else dtype)
+            cache.gate_tail = zeros(num_slots, plan.tail_rows, plan.tail_width, dt=torch.float32)
         if plan.has_indexer:
             cache.index_keys = zeros(num_blocks * spec.entries_per_block + 1, spec.index_head_dim)
-            cache.index_kv_tail = zeros(num_slots, plan.tail_rows, 2 * spec.index_head_dim)
-            cache.index_gate_tail = zeros(num_slots, plan.tail_rows, 2 * spec.index_head_dim, dt=torch.float32)
+        if plan.owns_token_ids:
+            cache.token_ids = zeros(num_blocks * BLOCK_SIZE, dt=torch.int64)
+        if plan.index_tail_width:
+            cache.index_kv_tail = zeros(num_slots, plan.tail_rows, plan.index_tail_width)
+            cache.index_gate_tail = zeros(num_slots, plan.tail_rows, plan.index_tail_width, dt=torch.float32)
         return cache

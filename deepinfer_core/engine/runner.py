@@ -127,9 +127,11 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_cls(self.local_config, self.plans, self.dtype, parallel=self.parallel)
         shards = tensor_parallel.tensor_shards(tensor_schema(model), self.parallel.tp.rank, self.parallel.tp.size)
-        if weights is None:
-            weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                   keep_fp4=self.plans[0].moe.expert_format == "fp4", shards=shards)
+        if weights is None:  # a model class with its own checkpoint layout brings its loader
+            load = getattr(model_cls, "load_checkpoint", None) or load_weights
+            sliced = {"shards": shards} if shards else {}  # tensor parallelism: only this rank's slices
+            weights = load(self.engine_config.model, self.config, self.dtype, self.device,
+                           keep_fp4=self.plans[0].moe.expert_format == "fp4", **sliced)
         else:
             weights = tensor_parallel.shard_weights(weights, shards)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)

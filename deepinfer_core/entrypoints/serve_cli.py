@@ -139,10 +139,10 @@ def require_chat_encoding(model_dir: str) -> None:
     :raises ChatEncodingUnavailableError: with the install hint (the recipe plugin is missing).
     """
     from deepinfer_core import plugins
-    from deepinfer_core.config import ModelConfig
     from deepinfer_core.entrypoints.chat import RECIPE_HINT, ChatEncodingUnavailableError
+    from deepinfer_core.models import registry
 
-    model_type = ModelConfig.from_dir(model_dir).model_type
+    model_type = registry.load_model_config(model_dir).model_type
     if model_type not in plugins.chat_encodings():
         raise ChatEncodingUnavailableError(f"no installed plugin serves chats of model_type {model_type!r}; "
                                            f"{RECIPE_HINT}")

@@ -34,6 +34,8 @@ class LayerCache:
     index_keys: torch.Tensor | None = None
     index_kv_tail: torch.Tensor | None = None
     index_gate_tail: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+    """Paged per-position ids (`LayerPlan.owns_token_ids`), read back by look-back models."""
 
 
 @dataclass

@@ -55,6 +55,28 @@ class LayerPlan:
         """Compressor tail ring length: CSA keeps the previous window too (overlap)."""
         return 2 * self.compress_rate if self.kind == "csa" else self.compress_rate
 
+    @property
+    def tail_width(self) -> int:
+        """Width of a compressor tail row: CSA projects both overlap halves."""
+        return self.attention.head_dim * (2 if self.has_indexer else 1)
+
+    @property
+    def fp32_tails(self) -> bool:
+        """Compressor kv tails held in float32 (else the cache dtype; gate tails are always float32)."""
+        return False
+
+    @property
+    def owns_token_ids(self) -> bool:
+        """The layer's cache holds a paged pool of every position's (model-defined) token id, for models
+        that look back at earlier tokens (DeepSeek-V4.1's Engram); prefix hits share it like the
+        compressed entries."""
+        return False
+
+    @property
+    def index_tail_width(self) -> int:
+        """Width of an indexer-compressor tail row; 0: the layer has no indexer tails."""
+        return 2 * self.attention.index_head_dim if self.has_indexer else 0
+
 
 def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
     """One `LayerPlan` per decoder layer of `config` (a `ModelConfig`)."""

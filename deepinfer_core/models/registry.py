@@ -31,6 +31,8 @@ class ModelEntry:
 
 BUILTIN_MODELS = (
     ModelEntry("deepseek_v4", ("DeepseekV4ForCausalLM",), "deepinfer_core.models.deepseek_v4:DeepseekV4ForCausalLM"),
+    ModelEntry("deepseek_v41", ("DeepseekV41ForCausalLM",), "deepinfer_core.models.deepseek_v41:DeepseekV41ForCausalLM",
+               "deepinfer_core.models.v41_config:V41Config"),
 )
 
 

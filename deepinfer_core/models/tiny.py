@@ -8,7 +8,8 @@ is given; the tests and benches build their checkpoints with the same functions 
 - `random_state_dict(config)`: deterministic random weights for every tensor in `expected_tensors`.
 - `write_checkpoint(dir, config_dict, ...)`: safetensors in any layout, optionally FP8 / FP8+FP4
   quantised the way DeepSeek ships them, single file or sharded with an index.
-- `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache.
+- `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache;
+  `embedded_model_dir("v41")` the DeepSeek-V4.1 one (`deepinfer_core.models.v41_tiny`).
 """
 
 from __future__ import annotations
@@ -288,3 +289,18 @@ def embedded_tiny_model_dir() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+MODEL_FAMILIES = ("v4", "v41")
+"""The embedded tiny models: DeepSeek-V4 and DeepSeek-V4.1."""
+
+
+def embedded_model_dir(family: str = "v4") -> Path:
+    """The embedded tiny model of `family` ("v4" or "v41"), built once under the user cache."""
+    if family == "v4":
+        return embedded_tiny_model_dir()
+    if family == "v41":
+        from deepinfer_core.models.v41_tiny import embedded_tiny_v41_model_dir
+
+        return embedded_tiny_v41_model_dir()
+    raise ValueError(f"unknown model family {family!r}; choose one of {MODEL_FAMILIES}")

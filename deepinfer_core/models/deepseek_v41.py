@@ -1,0 +1,242 @@
+"""DeepSeek-V4.1-Flash forward over a flat batch of tokens from many requests, through the backend objects.
+
+What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` decides where they differ):
+- single-pass mHC: each sublayer's input is collapsed with the *previous* site's pre-mix (the first
+  one-hot on stream 0), and the head collapses with the last FFN site's; no `hc_head`;
+- only KV-source layers compress (ratio 2 pairs, ratio 1 projection; `v41_compressor`), and their
+  latent also gives the index keys; reindex layers run their own indexer over the source's keys
+  (inside the candidate source's blocks), reuse layers attend the source's entries at the latest index
+  source's picks, unchanged; no per-head query norm; every compressed layer uses the YaRN rope;
+- Engram before the attention of its layers (`models/engram.py`); MoE with `bias` (and `bias_vl` at
+  image positions) selecting the experts.
+The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
+bound backends; the V4.1 compressor close, the two-level indexer and the single-pass mixing are plain
+PyTorch here (no backend contract for them yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
+from deepinfer_core.backends.attention import BLOCK_SIZE
+from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec
+from deepinfer_core.engine.parallel import ParallelGroups
+from deepinfer_core.models.engram import EngramHasher, EngramTable, engram_forward
+from deepinfer_core.models.interface import ForwardContext, LayerCache
+from deepinfer_core.models.layers import FP32, RMSNorm
+from deepinfer_core.models.rope import Rotary
+from deepinfer_core.models.v41_compressor import closed_groups, two_level_topk, write_entries
+from deepinfer_core.models.v41_modules import Block
+from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
+from deepinfer_core.reference.layer_ops import collapse, hyper_mix, hyper_residual, write_rings
+
+
+class _TwoLevelIndexer:
+    """Stands for `v41_compressor.two_level_topk` among the backends: it reads each request's entry
+    count on the host, so decode steps that run it cannot be captured in a CUDA graph yet."""
+
+    supports_cuda_graphs = False
+
+
+TWO_LEVEL_INDEXER = _TwoLevelIndexer()
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The whole text model (a `deepinfer_core.models.interface.CausalLM`); DSpark and vision not run."""
+
+    engram_placement = "device"
+    """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
+
+    @classmethod
+    def layer_plan(cls, config, dtype: torch.dtype) -> list[V41LayerPlan]:
+        return build_v41_plan(config, dtype)
+
+    @classmethod
+    def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False):
+        """Weights from an official-layout checkpoint, in this model's names (`v41_weights`)."""
+        from deepinfer_core.models.v41_weights import load_v41_checkpoint
+
+        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4)
+
+    def __init__(self, config, plans: list[V41LayerPlan], dtype: torch.dtype,
+                 parallel: ParallelGroups | None = None) -> None:
+        super().__init__()
+        self.config, self.plans, self.hc_mult = config, plans, config.hc_mult
+        self.parallel = parallel if parallel is not None else ParallelGroups.single()
+        for name in ("tp", "ep", "cp"):
+            if getattr(self.parallel, name).size > 1:
+                raise NotImplementedError(f"DeepSeek-V4.1 with {name} size {getattr(self.parallel, name).size}: "
+                                          "the V4.1 model runs whole on each rank for now")
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Block(config, plan, dtype) for plan in plans)
+        self.norm = RMSNorm(config.hidden_size)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=FP32)
+        if config.engram_layer_ids:
+            self.register_buffer("engram_token_map", torch.zeros(config.vocab_size, dtype=torch.long))
+        self.ops: LayerOps | None = None
+
+    # ------------------------------------------------------------------ binding
+
+    def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], ops: LayerOps,
+                      device: torch.device) -> None:
+        """Attach the backends once the weights are loaded; build the ropes, the Engram hasher and tables."""
+        rope_dim = self.config.qk_rope_head_dim
+        self.rotary = {"main": Rotary(self.config.rope(0), rope_dim, device),
+                       "compress": Rotary(self.config.rope(1), rope_dim, device)}
+        self.attention_backends, self.moe_backends, self.ops = list(attention), list(moe), ops
+        self.moe_weights = [_moe_weights(layer.ffn) for layer in self.layers]
+        self.hc = [(HyperWeights(b.hc_attn_fn, b.hc_attn_base, b.hc_attn_scale),
+                    HyperWeights(b.hc_ffn_fn, b.hc_ffn_base, b.hc_ffn_scale)) for b in self.layers]
+        self.mix_spec = LayerOpsSpec(self.config.hidden_size, self.hc_mult, self.config.hc_sinkhorn_iters,
+                                     self.config.hc_eps, self.config.rms_norm_eps)
+        self.hasher = self.tables = None
+        if self.config.engram_layer_ids:
+            self.hasher = EngramHasher(self.config, self.engram_token_map.tolist()).to(device)
+            self.tables = {p.index: EngramTable(self.layers[p.index].engram.embed.weight,
+                                                self.layers[p.index].engram.embed.scale, device,
+                                                self.engram_placement)
+                           for p in self.plans if p.has_engram}
+
+    def backends(self) -> list[object]:
+        """Every bound backend, plus the two-level indexer when the plan uses it (it is not graph-safe)."""
+        two_level = [TWO_LEVEL_INDEXER] if any(p.is_candidate_source for p in self.plans) else []
+        return [*self.attention_backends, *self.moe_backends, self.ops, *two_level]
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        tables = {}
+        for name, rotary in self.rotary.items():
+            cos, sin = rotary.cos_sin(positions)
+            tables[name] = (cos, sin, -sin)
+        return tables
+
+    # ------------------------------------------------------------------ the forward pass
+
+    @torch.inference_mode()
+    def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Every layer over the step's tokens; fp32 logits `[len(logits_indices), vocab]`. `image_mask`
+        `[T]` marks image-span positions (none without a vision input)."""
+        hashes = self.engram_hashes(ctx, caches, image_mask) if self.hasher is not None else None
+        x = self.embed(ctx.input_ids)
+        streams = x.unsqueeze(1).repeat(1, self.hc_mult, 1)
+        pre = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0
+        shared: dict = {}
+        for i, (block, plan) in enumerate(zip(self.layers, self.plans)):
+            if plan.has_engram:
+                streams = self.engram(i, streams, hashes, image_mask)
+            pre_a, post_a, comb_a = hyper_mix(streams, self.hc[i][0], self.mix_spec)
+            out = self.attention(i, self.ops.rms_norm(collapse(streams, pre), block.attn_norm.weight), ctx,
+                                 caches[i], shared)
+            streams = hyper_residual(streams, out, post_a, comb_a)
+            pre, post_f, comb_f = hyper_mix(streams, self.hc[i][1], self.mix_spec)
+            out = self.moe(i, self.ops.rms_norm(collapse(streams, pre_a), block.ffn_norm.weight), ctx, image_mask)
+            streams = hyper_residual(streams, out, post_f, comb_f)
+        hidden = self.ops.rms_norm(collapse(streams[logits_indices], pre[logits_indices]), self.norm.weight)
+        return F.linear(hidden.float(), self.head.weight)
+
+    def engram_hashes(self, ctx: ForwardContext, caches: list[LayerCache], image_mask) -> torch.Tensor:
+        """`[T, engram layers, columns]` table rows. Each position's compressed id is stored in the paged
+        token pool first, so the look-back of any token (this step's, or cached by an earlier request
+        sharing the prefix) reads the pool: chunking and prefix hits see the same ids."""
+        pool = next(c.token_ids for c, p in zip(caches, self.plans) if p.holds_token_ids)
+        meta, positions = ctx.metadata, ctx.metadata.positions
+        ids = self.hasher.token_map[ctx.input_ids]
+        if image_mask is not None:
+            ids = torch.where(image_mask, -1, ids)
+        lens = meta.query_start_loc.diff()
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=ids.device), lens, output_size=len(positions))
+
+        def rows(pos: torch.Tensor) -> torch.Tensor:
+            page = meta.block_tables[seq, (pos.clamp(min=0) // BLOCK_SIZE).clamp(max=meta.block_tables.shape[1] - 1)]
+            return page.clamp(min=0) * BLOCK_SIZE + pos.clamp(min=0) % BLOCK_SIZE
+
+        pool[rows(positions)] = ids
+        back = [torch.where(positions - k >= 0, pool[rows(positions - k)], -2) for k in range(self.hasher.max_ngram)]
+        return self.hasher.hashes(torch.stack(back, dim=1))
+
+    def engram(self, i: int, streams: torch.Tensor, hashes: torch.Tensor, image_mask) -> torch.Tensor:
+        weights = self.layers[i].engram
+        column = self.config.engram_layer_ids.index(i)
+        keep = None if image_mask is None else ~image_mask
+        return engram_forward(streams, hashes[:, column], self.tables[i], weights.wkv.weight,
+                              weights.q_weight * weights.k_weight, self.config.rms_norm_eps, keep)
+
+    def attention(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, shared: dict) -> torch.Tensor:
+        plan, weights, ops, meta = self.plans[i], self.layers[i].attn, self.ops, ctx.metadata
+        num_tokens = x.shape[0]
+        cos, sin, minus_sin = ctx.rope[plan.rope]
+        qr = ops.rms_norm(weights.wq_a(x), weights.q_norm.weight)
+        q = ops.rotary(weights.wq_b(qr).view(num_tokens, -1, self.config.head_dim), cos, sin)
+        kv = ops.rms_norm(weights.wkv(x), weights.kv_norm.weight, cos, sin)
+        topk = num_entries = None
+        if plan.ratio:
+            num_entries = ctx.num_entries[plan.ratio]
+            if plan.role == "full":
+                self.compress(i, x, ctx, cache)
+            if plan.runs_indexer:
+                shared[i] = self.indexer(i, x, qr, ctx, cache, shared, num_entries)
+            topk = shared[plan.index_source]
+        out = self.attention_backends[i].forward(q, kv, cache.window, cache.compressed, weights.attn_sink, meta,
+                                                 topk, num_entries)
+        ops.write_window(meta, cache.window, kv)
+        out = ops.rotary(out, cos, minus_sin)
+        return weights.wo_b(weights.wo_a(out.reshape(num_tokens, self.config.o_groups, -1)))
+
+    def compress(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
+        """Close this step's groups: compressed entries (RoPE'd at `g * ratio`) and index keys from the
+        pre-RoPE latent; the open group's rows to the tail ring."""
+        plan, compressor, meta = self.plans[i], self.layers[i].attn.compressor, ctx.metadata
+        ratio, rotary = plan.ratio, self.rotary["compress"]
+        if ratio > 1:
+            kv, gate = compressor.wkv(x.float()), compressor.wgate(x.float())
+        else:
+            kv, gate = compressor.wkv(x), None
+        pooled, entry, seq, keep = closed_groups(kv, gate, ratio, meta, cache.kv_tail, cache.gate_tail,
+                                                 ctx.no_write_before)
+        if ratio > 1:
+            write_rings(meta, cache.kv_tail, kv, cache.gate_tail, gate)
+        latent = self.ops.rms_norm(pooled.to(x.dtype), compressor.norm.weight)
+        cos, sin = rotary.cos_sin(entry * ratio)
+        indexer = self.layers[i].attn.indexer
+        keys = self.ops.rms_norm(indexer.wk(latent), indexer.k_norm.weight, cos, sin)
+        write_entries(cache.index_keys, keys, entry, seq, keep, meta, ratio)
+        write_entries(cache.compressed, self.ops.rotary(latent, cos, sin), entry, seq, keep, meta, ratio)
+
+    def indexer(self, i: int, x, qr, ctx: ForwardContext, cache: LayerCache, shared: dict, num_entries):
+        plan, indexer = self.plans[i], self.layers[i].attn.indexer
+        cos, sin, _ = ctx.rope[plan.rope]
+        q = self.ops.rotary(indexer.wq_b(qr).view(x.shape[0], indexer.num_heads, -1), cos, sin)
+        weights = indexer.weights_proj(x).float() * indexer.num_heads**-0.5
+        if not (plan.is_candidate_source or plan.uses_candidates):
+            return self.attention_backends[i].indexer_topk(q, weights, cache.index_keys, ctx.metadata, num_entries)
+        scale = self.config.index_head_dim**-0.5
+        picks, masks = two_level_topk(q, weights * scale, cache.index_keys, ctx.metadata, num_entries, plan,
+                                      self.config, shared.get("candidates"))
+        if masks is not None:
+            shared["candidates"] = masks
+        return picks
+
+    def moe(self, i: int, x: torch.Tensor, ctx: ForwardContext, image_mask) -> torch.Tensor:
+        ffn, backend, weights = self.layers[i].ffn, self.moe_backends[i], self.moe_weights[i]
+        limit = float(self.config.swiglu_limit)
+        if image_mask is None:
+            routed = backend.forward(x, ctx.input_ids, weights)
+        else:  # image positions select with bias_vl
+            routed = torch.empty_like(x)
+            for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):
+                routed[mask] = backend.forward(x[mask], ctx.input_ids[mask], chosen)
+        return (routed.float() + ffn.shared_experts(x, limit).float()).to(x.dtype)
+
+
+def _moe_weights(ffn) -> MoEWeights:
+    experts = ffn.experts
+    return MoEWeights(router=ffn.gate.weight, gate_up=experts.gate_up_proj, down=experts.down_proj,
+                      score_bias=ffn.gate.bias, tid2eid=None,
+                      gate_up_scale=getattr(experts, "gate_up_proj_scale", None),
+                      down_scale=getattr(experts, "down_proj_scale", None))

@@ -1,0 +1,45 @@
+"""A tiny DeepSeek-V4.1 model (every layer role) on the Triton attention and indexer gives the reference's
+logits: prefill, then decode steps that close ratio-2 groups and reuse the sources' pools and picks."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.models.v41_config import V41Config
+from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
+from deepinfer_core.models.v41_weights import load_v41_checkpoint
+
+
+def build(directory, device):
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.runner import ModelRunner
+
+    config = V41Config.from_dir(directory)
+    weights = load_v41_checkpoint(directory, config, torch.float32, "cpu")
+    engine_config = EngineConfig(model=str(directory), dtype="float32", max_num_seqs=1, num_kv_blocks=2)
+    return ModelRunner(config, engine_config.resolve(config), device, weights=weights)
+
+
+def step(runner, tokens: list[int], start: int) -> torch.Tensor:
+    device, n = runner.device, len(tokens)
+    ids = torch.tensor(tokens, device=device)
+    positions = torch.arange(start, start + n, device=device)
+    totals = torch.tensor([start + n], device=device)
+    ctx = runner.make_context(
+        ids, positions, totals, torch.zeros(1, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor([0, n], device=device), start_positions=torch.tensor([start], device=device),
+        slots=torch.zeros(1, dtype=torch.long, device=device), block_tables=torch.tensor([[0]], device=device),
+        query_lens=[n], start_positions_host=[start], max_seq_len=start + n)
+    return runner.model(ctx, runner.kv_cache.layers, torch.arange(n, device=device))
+
+
+def test_the_v41_model_on_triton_attention_matches_the_reference(kernel_device, tmp_path):
+    from deepinfer_nvidia_sm100.attention import TritonAttention
+
+    directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(hidden_size=32, moe_intermediate_size=32), seed=1)
+    reference, triton = build(directory, torch.device("cpu")), build(directory, kernel_device)
+    triton.model.attention_backends = [TritonAttention(plan.attention) for plan in triton.model.plans]
+    prompt = torch.randint(3, 129000, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    for tokens, start in ((prompt[:11], 0), (prompt[11:12], 11), (prompt[12:13], 12)):
+        expected, got = step(reference, tokens, start), step(triton, tokens, start).cpu()
+        assert (got - expected).abs().max().item() < 1e-3

@@ -1,0 +1,126 @@
+"""DeepSeek-V4.1 through the engine: generate and chat from the official layout, batching with chunked
+prefill and preemption, prefix hits (exact replay bit for bit, bounded replay by default)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.entrypoints.chat import chat_encoding_of
+from tests.models.v41_helpers import make_engine, make_runner, random_prompt, tiny_checkpoint
+from tests.oracle import run_chunked
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def run(engine, prompts, max_tokens):
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def chosen_logprobs(output):
+    completion = output.outputs[0]
+    return [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
+
+
+def test_generate_and_chat_load_the_official_layout_and_follow_the_forward(checkpoint):
+    directory, weights = checkpoint
+    llm = LLM(model=str(directory), dtype="float32", max_num_seqs=2, num_kv_blocks=8)
+    prompt = random_prompt(20, seed=1)
+    tokens = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    # every greedy token is the argmax of a full forward over what came before it
+    forward = run_chunked(make_runner(directory, weights), [prompt + tokens[:-1]], chunk=1000)[0]
+    assert forward[len(prompt) - 1 :].argmax(-1).tolist() == tokens
+    encoding = chat_encoding_of(llm)
+    assert encoding.model_names[0] == "DeepSeek-V4.1-Flash"
+    answer = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                      SamplingParams(temperature=0, max_tokens=3))[0]
+    assert answer.usage["completion_tokens"] == 3 and answer.usage["prompt_tokens"] > 5
+
+
+def test_batching_chunked_prefill_and_preemption_change_nothing(checkpoint):
+    lengths, max_tokens = (118, 120, 122, 124, 126), [14, 12, 12, 10, 8]  # all decode across the block edge
+    prompts = [random_prompt(n, seed=n) for n in lengths]
+    alone = [run(make_engine(*checkpoint, max_num_seqs=1), [p], [n])[0] for p, n in zip(prompts, max_tokens)]
+    engine = make_engine(*checkpoint, max_num_seqs=5, max_num_batched_tokens=93, num_kv_blocks=6)
+    together = run(engine, prompts, max_tokens)
+    assert engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
+    for mine, theirs in zip(together, alone):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(chosen_logprobs(mine), chosen_logprobs(theirs))) < 1e-4
+
+
+SHARED = random_prompt(128, seed=42)
+SUFFIX = random_prompt(10, seed=43)
+
+
+def test_a_prefix_hit_with_exact_replay_equals_a_cold_run_bit_for_bit(checkpoint):
+    # chunks of one window on both sides; the replay starts at 128 - 9 layers x 8 = 56, a chunk edge
+    options = {"max_num_seqs": 1, "max_num_batched_tokens": 8, "num_kv_blocks": 4}
+    cold = run(make_engine(*checkpoint, **options), [SHARED + SUFFIX], [4])[0]
+    engine = make_engine(*checkpoint, enable_prefix_caching=True, swa_replay="exact", **options)
+    run(engine, [SHARED + [9, 9]], [1])
+    replayed = engine.stats()["prefix_cache_replay_tokens"]
+    warm = run(engine, [SHARED + SUFFIX], [4])[0]
+    assert warm.num_cached_tokens == 128
+    assert engine.stats()["prefix_cache_replay_tokens"] - replayed == 9 * 8
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert chosen_logprobs(warm) == chosen_logprobs(cold)
+
+
+def test_bounded_replay_is_the_default_and_never_rewrites_cached_entries(checkpoint):
+    engine = make_engine(*checkpoint, max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=4,
+                         enable_prefix_caching=True)
+    assert engine.config.swa_replay == "bounded"  # V4.1 was trained for SWA Bounded Replay
+    run(engine, [SHARED + [9, 9]], [1])
+    caches = engine.runner.kv_cache.layers
+    pools = [(c.compressed, c.index_keys, c.token_ids) for c in caches]
+    before = [t.clone() for group in pools for t in group if t is not None]
+    replayed = engine.stats()["prefix_cache_replay_tokens"]
+    warm = run(engine, [SHARED + SUFFIX], [3])[0]
+    assert warm.num_cached_tokens == 128 and engine.stats()["prefix_cache_replay_tokens"] - replayed == 8
+    after = [t for group in pools for t in group if t is not None]
+    for b, a in zip(before, after):  # the hit block is block 0, the first one handed out
+        per_block = b.shape[0] // (engine.runner.num_blocks + 1)
+        assert torch.equal(b[:per_block], a[:per_block]), "replay must never overwrite the cached block"
+
+
+def test_engram_hashes_are_the_same_whole_chunked_and_after_a_prefix_hit(checkpoint, monkeypatch):
+    from deepinfer_core.models.engram import EngramHasher
+
+    seen: list[dict[int, torch.Tensor]] = []
+    real = EngramHasher.hashes
+
+    def record(self, lookback):
+        out = real(self, lookback)
+        seen[-1]["rows"].append(out)
+        return out
+
+    monkeypatch.setattr(EngramHasher, "hashes", record)
+    prompt = SHARED + SUFFIX
+
+    def hashes_of(engine, prompts, warm=None):
+        if warm:
+            run(engine, [warm], [1])
+        seen.append({"rows": []})
+        run(engine, prompts, [1])
+        return torch.cat(seen[-1]["rows"])  # one request: its rows in position order
+
+    whole = hashes_of(make_engine(*checkpoint, max_num_seqs=1), [prompt])
+    chunked = hashes_of(make_engine(*checkpoint, max_num_seqs=1, max_num_batched_tokens=7), [prompt])
+    assert torch.equal(whole, chunked)
+    warm = make_engine(*checkpoint, max_num_seqs=1, enable_prefix_caching=True)
+    hit = hashes_of(warm, [prompt], warm=SHARED + [9, 9])
+    assert warm.stats()["prefix_cache_hit_tokens"] >= 128 and len(hit) == 8 + len(SUFFIX)  # bounded replay
+    assert torch.equal(hit, whole[-len(hit):])  # the replayed and new positions, from the cached ids

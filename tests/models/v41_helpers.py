@@ -1,0 +1,43 @@
+"""Shared V4.1 test fixtures: one tiny official-layout checkpoint per session, runners and engines on it."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.models.v41_config import V41Config
+from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
+from deepinfer_core.models.v41_weights import load_v41_checkpoint
+
+
+@functools.lru_cache(maxsize=2)
+def _checkpoint(root: str, key: str) -> tuple[Path, dict]:
+    config = tiny_v41_config()
+    directory = write_v41_checkpoint(Path(root) / f"tiny-v41-{key}", config, seed=5)
+    weights = load_v41_checkpoint(directory, V41Config.from_dict(config), torch.float32, "cpu")
+    return directory, weights
+
+
+def tiny_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
+    """(directory, weights in the model's names, dequantised fp32) of the session's tiny V4.1 model."""
+    return _checkpoint(str(tmp_path_factory.getbasetemp()), "main")
+
+
+def make_runner(directory: Path, weights: dict, num_slots: int = 4, num_blocks: int = 40) -> ModelRunner:
+    engine_config = EngineConfig(model=str(directory), dtype="float32", max_num_seqs=num_slots, num_kv_blocks=num_blocks)
+    config = V41Config.from_dir(directory)
+    return ModelRunner(config, engine_config.resolve(config), torch.device("cpu"), weights=dict(weights))
+
+
+def make_engine(directory: Path, weights: dict, **options) -> Engine:
+    options = {"dtype": "float32", "max_num_seqs": 4, "num_kv_blocks": 16} | options
+    return Engine(EngineConfig(model=str(directory), **options), weights=dict(weights))
+
+
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 129000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()

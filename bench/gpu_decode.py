@@ -2,6 +2,7 @@
 
     python bench/gpu_decode.py [--layers 2] [--experts 256] [--batches 1,16,64,256] [--new-tokens 33]
         [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16] [--model v41]
+        [--deterministic]
 
 DeepSeek-V4-Flash per-layer shapes, `--layers` layers alternating CSA/HCA, `--experts` routed experts,
 random weights (normal, std 0.02; random hash tables), bf16, 512-token random prompts, greedy with
@@ -16,6 +17,9 @@ fraction of its floor, computed from the counts below: decode is memory-bound (b
 check the script itself. Our decode steps replay CUDA graphs when every backend supports them (`--eager`
 turns that off); `--parity` compares their greedy tokens with eager decode, `--profile` prints the
 device time of decode steps by kernel (graphs and eager), `--profile-prefill` that of a prefill.
+`--deterministic` also measures a second engine in deterministic mode (`EngineConfig.deterministic`) at
+each batch size, prints its decode and prefill throughput as fractions of the default engine's (target:
+decode >= 0.8), and checks that a request's greedy tokens are the same alone and inside the largest batch.
 """
 
 # Timing lambdas are called within the loop iteration that defines them.
@@ -324,6 +328,8 @@ def main() -> None:
         help="greedy tokens of the engine with CUDA-graph decode against the same engine run eagerly",
     )
     parser.add_argument("--eager", action="store_true", help="never capture CUDA graphs (enforce_eager)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also measure deterministic (batch-invariant) mode against the default engine")
     parser.add_argument(
         "--sync-steps", action="store_true", help="no overlapped decode (async_scheduling=False)"
     )
@@ -374,6 +380,12 @@ def main() -> None:
         if "deepinfer" in sides
         else None
     )
+    deterministic = (
+        build_engine(config, model, device, dtype, max(batches), args.new_tokens, args.eager,
+                     args.max_batched_tokens, False if args.sync_steps else None, deterministic=True)
+        if args.deterministic and engine is not None
+        else None
+    )
     for batch in batches:
         batch_prompts = prompts[:batch]
         if "transformers" in sides:
@@ -399,6 +411,10 @@ def main() -> None:
                     steady=lambda: steady_decode(engine, lists, args.new_tokens),
                 )
             )
+        if deterministic is not None:
+            rows.append(measure("deepinfer-deterministic", lambda n: engine_generate(deterministic, lists, n),
+                                batch, args.new_tokens, counts,
+                                steady=lambda: steady_decode(deterministic, lists, args.new_tokens)))
     if engine is not None and "transformers" in sides:
         ours = engine_generate(engine, prompts[:1].tolist(), 8)[0]
         theirs = hf_generate(model, prompts[:1].to(device), 8)[0].tolist()
@@ -407,6 +423,8 @@ def main() -> None:
                 {"greedy_tokens_equal_bs1_8": ours == theirs, "deepinfer": ours, "transformers": theirs}
             )
         )
+    if deterministic is not None:
+        deterministic_summary(rows, deterministic, prompts[: max(batches)].tolist(), min(16, args.new_tokens))
     print_table(rows)
     profile_batches = [int(b) for b in args.profile.split(",") if b]
     eager = None
@@ -434,6 +452,8 @@ def build_engine(
     max_batched_tokens: int | None = None,
     async_scheduling: bool | None = None,
     weights: dict | None = None,
+    speculative_config: dict | None = None,
+    deterministic: bool = False,
 ):
     """The engine on the transformers model's own tensors (no second copy of the weights), or on
     `weights` (internal names) when given."""
@@ -453,6 +473,8 @@ def build_engine(
         enforce_eager=enforce_eager,
         max_num_batched_tokens=max_batched_tokens,
         async_scheduling=async_scheduling,
+        speculative_config=speculative_config,
+        deterministic=deterministic,
     )
     weights = dict(model.state_dict()) if weights is None else weights
     start = time.perf_counter()
@@ -472,6 +494,7 @@ def build_engine(
                     "attention": names(net.attention_backends),
                     "moe": names(net.moe_backends),
                     "sampler": type(engine.runner.sampler).__name__,
+                    "linear": names(engine.runner.linear_backends),
                 },
                 "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
@@ -482,6 +505,22 @@ def build_engine(
         flush=True,
     )
     return engine
+
+
+def deterministic_summary(rows: list[dict], engine, prompts: list[list[int]], new_tokens: int) -> None:
+    """Per batch, deterministic throughput over default; and the first prompt's greedy tokens alone and
+    inside the whole batch (they must be equal in deterministic mode)."""
+    by_side = {(r["side"], r["batch"]): r for r in rows}
+    for (side, batch), row in by_side.items():
+        default = by_side.get(("deepinfer", batch))
+        if side != "deepinfer-deterministic" or default is None:
+            continue
+        ratio = {key: round(row[key] / default[key], 4) for key in ("decode_tok_s", "prefill_tok_s", "steady_decode_tok_s")
+                 if row.get(key) and default.get(key)}
+        print(json.dumps({"deterministic_over_default": ratio, "batch": batch, "target_decode": ">= 0.8"}), flush=True)
+    alone = engine_generate(engine, prompts[:1], new_tokens)[0]
+    batched = engine_generate(engine, prompts, new_tokens)[0]
+    print(json.dumps({"deterministic_alone_equals_batched": alone == batched, "batch": len(prompts)}), flush=True)
 
 
 def profile_decode(engine, prompts: list[list[int]], label: str, steps: int = 4) -> None:

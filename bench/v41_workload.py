@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from gpu_decode import (  # bench/ is on sys.path: gpu_decode.py runs this module
     BANDWIDTH,
     MATMUL_FLOPS,
@@ -175,7 +174,7 @@ def prefill_floor(f: dict, batch: int) -> float:
 
 def measure(name: str, engine, f: dict, prompts: list[list[int]], new_tokens: int) -> dict:
     batch = len(prompts)
-    run = lambda n: engine_generate(engine, prompts, n)  # noqa: E731
+    run = lambda n: engine_generate(engine, prompts, n)
     run(new_tokens)  # warm-up
     peak_reset()
     ttft = timed(lambda: run(1))

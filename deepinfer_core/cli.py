@@ -52,17 +52,20 @@ def run_plugins(args: argparse.Namespace) -> int:
 def representative_specs(config: ModelConfig, dtype: torch.dtype) -> dict[str, list[Any]]:
     """The specs the engine would ask for with `config`, by factory hook.
 
-    Attention and MoE specs come from the model's layer plan, one per distinct layer kind.
+    Attention and MoE specs come from the model's layer plan, one per distinct layer kind; linear specs
+    (FP8 checkpoints only) from its projections.
     """
     from deepinfer_core.backends import EplbSpec, SamplingSpec, VerifySpec
     from deepinfer_core.models import registry
     from deepinfer_core.models.layer_plan import layer_ops_spec
+    from deepinfer_core.models.weight_formats import fp8_linear_specs
 
     plans = registry.model_class(config).layer_plan(config, dtype)
     return {
         "make_attention": list(dict.fromkeys(plan.attention for plan in plans)),
         "make_moe": list(dict.fromkeys(plan.moe for plan in plans)),
         "make_layer_ops": [layer_ops_spec(config, dtype)],
+        "make_linear": fp8_linear_specs(config, dtype),
         "make_eplb": [EplbSpec(num_layers=len(plans), num_experts=config.n_routed_experts,
                                num_slots=config.n_routed_experts)],
         "make_sampler": [SamplingSpec(vocab_size=config.vocab_size)],

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig
+from deepinfer_core.engine.spec.config import SpeculativeConfig
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -447,12 +448,19 @@ class EngineConfig(BaseModel):
     )
     device: str | None = Field(None, description='Torch device string ("cpu", "cuda:0"); None detects it.')
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs for decode steps.")
+    cuda_graph_sizes: tuple[PositiveInt, ...] | None = Field(
+        None,
+        description="Decode batch sizes captured as CUDA graphs (vLLM's name). None: 1, 2, 4, 8, then steps "
+        "of 8 to 32, 16 to 64, 32 to 128, 64 beyond, up to max_num_seqs; one value N: that ladder up to "
+        "min(N, max_num_seqs); several: exactly those. Fewer sizes start faster; larger batches than the "
+        "largest size decode eagerly.",
+    )
     quantized_weights: Literal["native", "dequantize"] = Field(
         "native",
         description='Quantised checkpoint weights: "native" keeps FP4 routed experts in their packed bytes '
-        "(the MoE backend decodes them per step; the reference dequantises per call), \"dequantize\" "
-        "expands every quantised tensor to the compute dtype at load. FP8 dense projections are "
-        "dequantised at load either way (no FP8 GEMM path yet).",
+        "(the MoE backend decodes them per step; the reference dequantises per call) and FP8 projections "
+        "in theirs (run by the make_linear backend; the reference dequantises per call); FP8 routed experts "
+        "are dequantised at load. \"dequantize\" expands every quantised tensor to the compute dtype at load.",
     )
     async_scheduling: bool | None = Field(
         None,
@@ -471,6 +479,10 @@ class EngineConfig(BaseModel):
     worker_timeout_s: float = Field(
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp", '
+        '"num_speculative_tokens": k, ...} (see `deepinfer_core.engine.spec.config.SpeculativeConfig`); '
+        "None decodes one token per request and step.")
     tensor_parallel_size: PositiveInt = Field(1, description="Ranks splitting attention heads and dense projections.")
     data_parallel_size: PositiveInt = Field(
         1, description="Attention data-parallel ranks, each with its own scheduler, requests and cache.")
@@ -481,6 +493,12 @@ class EngineConfig(BaseModel):
     eplb_config: EplbConfig = Field(
         default_factory=EplbConfig,
         description='EPLB knobs: {"num_redundant_experts": R, "window_size": W, "step_interval": S}.')
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant inference: a request's greedy tokens and logprobs are bit-identical "
+        "whatever shares its batch, however its prompt is chunked, after a preemption and after a prefix-cache "
+        "hit (every backend is built in its invariant variant; prefix hits replay exactly). Costs throughput.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -500,6 +518,11 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step; raise it or lower "
                 f"max_num_seqs"
+            )
+        if self.deterministic and self.swa_replay == "bounded":
+            raise ValueError(
+                'deterministic=True needs exact window replay on prefix hits: swa_replay="bounded" changes a '
+                'hit\'s outputs by design; leave swa_replay unset or set it to "exact"'
             )
         return self
 
@@ -531,7 +554,8 @@ class EngineConfig(BaseModel):
                 f"({model_config.max_position_embeddings}); lower max_model_len"
             )
         budget = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
-        replay = self.swa_replay or SWA_REPLAY_DEFAULTS.get(model_config.model_type, "bounded")
+        replay = self.swa_replay or ("exact" if self.deterministic
+                                     else SWA_REPLAY_DEFAULTS.get(model_config.model_type, "bounded"))
         try:
             return EngineConfig.model_validate(
                 {**self.model_dump(), "max_model_len": max_model_len, "max_num_batched_tokens": budget,

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
         GraphApi,
         LayerOps,
         LayerOpsSpec,
+        LinearBackend,
+        LinearSpec,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -107,6 +109,21 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[
     :param device: the device the model runs on.
     :param decline: call with a reason when returning `None`.
     :returns: an object satisfying `LayerOps`, or `None` to let the next plugin try.
+    """
+
+
+@hookspec(firstresult=True)
+def make_linear(spec: LinearSpec, device: torch.device, decline: Callable[[str], None]) -> LinearBackend | None:
+    """Build the projection backend (`x @ W.T` on FP8 block-scaled weights) for `spec`.
+
+    Called once per distinct projection kind of a model whose checkpoint keeps FP8 weights
+    (`quantized_weights="native"`); dense projections never ask. The reference dequantises the weight
+    per call; a plugin without an FP8 GEMM for `spec` declines, and start-up says who serves each spec.
+
+    :param spec: the projection's `LinearSpec` (shapes, groups, weight format, scale tile and format).
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning `None`.
+    :returns: an object satisfying `LinearBackend`, or `None` to let the next plugin try.
     """
 
 

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.sampling import check_sampling_params, finished_text
+from deepinfer_core.models.weight_formats import check_quantization
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -32,8 +33,13 @@ class LLM:
     :param seed: seeds the per-request seeds of requests that give none; None draws one at random.
     :param max_model_len: longest prompt + output.
     :param tensor_parallel_size: ranks splitting attention heads and dense projections.
+    :param quantization: None (vLLM's default) keeps the checkpoint's own precision: FP8 projections and
+        FP4 experts stay in their bytes where a backend runs them (start-up says which, and who runs them),
+        a bf16 checkpoint runs in bf16; "fp8" asks for the same of a checkpoint quantised so. Quantising a
+        checkpoint that is not (vLLM's online quantisation) is not implemented. `dtype` sets activations.
     :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
-        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device`, and the parallel layout
+        `gpu_memory_utilization`, `enable_prefix_caching`, `swa_replay`, `device`, `cuda_graph_sizes`,
+        `quantized_weights`, `deterministic` (batch-invariant outputs), and the parallel layout
         `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
         `eplb_config` (see `EngineConfig` and `deepinfer_core.engine.parallel`); a layout this build
         cannot run raises `NotImplementedError` naming it.
@@ -42,7 +48,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: Any = "auto", seed: int | None = 0,
                  max_model_len: int | None = None, *, tokenizer: str | None = None, trust_remote_code: bool = False,
                  expert_parallel_size: int = 1, tensor_parallel_size: int = 1, decode_sequence: bool = False,
-                 **engine_options: Any) -> None:
+                 quantization: str | None = None, **engine_options: Any) -> None:
         model = model or os.environ.get(MODEL_DIR_ENV)
         if not model:
             raise ValueError(f"no model given: pass LLM(model=<checkpoint dir>) or set {MODEL_DIR_ENV}")
@@ -58,6 +64,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown options {sorted(unknown)}; valid: {sorted(EngineConfig.model_fields)}")
         config = EngineConfig(model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len,
                               tensor_parallel_size=tensor_parallel_size, **engine_options)
+        check_quantization(quantization, config.load_model_config())
         self.engine = Engine(config)
         self.decode_sequence = decode_sequence
         self._counter = 0

@@ -6,7 +6,7 @@ per-step `logprobs` and `finish_reason`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -74,6 +74,8 @@ class RequestMetrics:
     """When it finished."""
     num_generation_tokens: int = 0
     """Tokens generated so far, over all completions."""
+    spec_decode: SpecDecodeMetrics | None = None
+    """Speculative decoding counters, over all completions (None without speculation)."""
 
     @property
     def time_in_queue(self) -> float | None:
@@ -88,6 +90,45 @@ class RequestMetrics:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class SpecDecodeMetrics:
+    """Speculative decoding of one request (or, summed, of the engine)."""
+
+    num_drafted_tokens: int = 0
+    """Drafts the drafter proposed."""
+    num_verified_tokens: int = 0
+    """Drafts sent to the target (the draft-length policy may verify fewer than were proposed)."""
+    num_accepted_tokens: int = 0
+    """Verified drafts the target accepted."""
+    num_verify_steps: int = 0
+    """Steps that verified at least one draft."""
+    acceptance_histogram: list[int] = field(default_factory=list)
+    """`acceptance_histogram[a]`: verify steps that accepted exactly `a` drafts."""
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's own token; DSpark's tau);
+        0 before the first verify step."""
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified drafts (0 before any was verified)."""
+        return self.num_accepted_tokens / self.num_verified_tokens if self.num_verified_tokens else 0.0
+
+    def record(self, num_proposed: int, num_verified: int, num_accepted: int | None) -> None:
+        """Count one step: drafts proposed, verified, and accepted (None when none was verified)."""
+        self.num_drafted_tokens += num_proposed
+        self.num_verified_tokens += num_verified
+        if num_accepted is None:
+            return
+        self.num_accepted_tokens += num_accepted
+        self.num_verify_steps += 1
+        if len(self.acceptance_histogram) <= num_accepted:
+            self.acceptance_histogram += [0] * (num_accepted + 1 - len(self.acceptance_histogram))
+        self.acceptance_histogram[num_accepted] += 1
 
 
 @dataclass

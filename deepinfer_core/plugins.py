@@ -42,6 +42,8 @@ from deepinfer_core.backends import (
     GraphApi,
     LayerOps,
     LayerOpsSpec,
+    LinearBackend,
+    LinearSpec,
     MoEBackend,
     MoESpec,
     SamplingBackend,
@@ -61,6 +63,7 @@ FACTORY_PROTOCOLS: dict[str, type] = {
     "make_attention": AttentionBackend,
     "make_moe": MoEBackend,
     "make_layer_ops": LayerOps,
+    "make_linear": LinearBackend,
     "make_eplb": EplbBackend,
     "make_sampler": SamplingBackend,
     "make_verifier": VerifyBackend,
@@ -367,6 +370,11 @@ def make_moe(spec: MoESpec, device: torch.device) -> MoEBackend:
 def make_layer_ops(spec: LayerOpsSpec, device: torch.device) -> LayerOps:
     """Build the layer ops for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_layer_ops", spec, device)
+
+
+def make_linear(spec: LinearSpec, device: torch.device) -> LinearBackend:
+    """Build the projection backend for `spec` on `device`; raises `BackendUnavailableError` if none can."""
+    return _make("make_linear", spec, device)
 
 
 def make_eplb(spec: EplbSpec, device: torch.device) -> EplbBackend:

@@ -33,14 +33,26 @@ def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
     assert engine["max_num_batched_tokens"] == 8192 and engine["async_scheduling"] is False  # CPU defaults
 
 
-def test_quant_decode_tiny_runs_fp4_experts_packed_with_their_smaller_floor():
+def test_quant_decode_tiny_runs_fp8_projections_and_fp4_experts_with_their_smaller_floor():
     rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--new-tokens", "3"))
     engines = {r["engine"]: r for r in rows if "engine" in r}
-    assert engines["fp4"]["expert_format"] == ["fp4"] and engines["bf16"]["expert_format"] == ["dense"]
-    assert engines["fp4"]["weight_gib"] < engines["bf16"]["weight_gib"]
+    quantised, dense = engines["fp8+fp4"], engines["bf16"]
+    assert quantised["expert_format"] == ["fp4"] and dense["expert_format"] == ["dense"]
+    assert quantised["fp8_projections"] > 0 and quantised["linear_backends"] == ["ReferenceLinear"]
+    assert dense["fp8_projections"] == 0 and quantised["weight_gib"] < dense["weight_gib"]
     assert next(r for r in rows if "greedy_tokens_equal_bs1_8" in r)["greedy_tokens_equal_bs1_8"]
     floors = {r["side"]: r["step_floor_bytes"] for r in rows if "step_floor_bytes" in r}
-    assert floors["deepinfer-fp4"] < floors["deepinfer-bf16"]
+    assert floors["deepinfer-fp8+fp4"] < floors["deepinfer-bf16"]
+
+
+def test_quant_decode_startup_times_a_cold_and_a_warm_start():
+    rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--startup",
+                                 "--startup-engines", "quant"))
+    starts = {(r["startup"], r["cache"]): r for r in rows if "startup" in r}
+    assert set(starts) == {("fp8+fp4", "cold"), ("fp8+fp4", "warm")}
+    for row in starts.values():
+        assert "error" not in row, row.get("error")
+        assert row["ready_s"] >= row["build_s"] > 0 and row["first_request_s"] > 0
 
 
 def test_host_overhead_reports_every_mode_and_batch():

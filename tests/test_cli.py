@@ -84,6 +84,14 @@ def test_representative_specs_follow_the_model_config():
     assert specs["make_eplb"] == [EplbSpec(num_layers=3, num_experts=8, num_slots=8)]
     assert specs["make_sampler"] == [SamplingSpec(vocab_size=100)]
     assert [(s.hidden_size, s.hc_mult, s.dtype) for s in specs["make_layer_ops"]] == [(4096, 4, torch.bfloat16)]
+    assert specs["make_linear"] == []  # an unquantised checkpoint asks for no FP8 projection
+    fp8 = ModelConfig.from_dict({**config.to_hf_dict(), "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}})
+    linear = cli.representative_specs(fp8, torch.bfloat16)["make_linear"]
+    assert linear and all((s.block, s.scale_format, s.weight_format) == ((32, 32), "ue8m0", "fp8") for s in linear)
+    q_a = (config.hidden_size, config.q_lora_rank)
+    assert q_a in {(s.in_features, s.out_features) for s in linear}
+    assert any(s.groups == config.o_groups for s in linear)
 
 
 def test_serve_subcommand_is_registered():

@@ -13,6 +13,7 @@ from tests.test_plugins import (
     CPU,
     EPLB,
     LAYER_OPS,
+    LINEAR,
     MOE,
     SAMPLING,
     VERIFY,
@@ -26,7 +27,7 @@ def test_plugin_report_names_winners_and_declines(isolated_plugin_manager):
     isolated_plugin_manager.register(DecliningPlugin(), name="decliner")
     wide = AttentionSpec(num_heads=2, head_dim=8, sliding_window=16, compress_rate=0)
     specs = {"make_attention": [ATTENTION, wide], "make_moe": [MOE], "make_layer_ops": [LAYER_OPS],
-             "make_eplb": [EPLB], "make_sampler": [SAMPLING], "make_verifier": [VERIFY]}
+             "make_linear": [LINEAR], "make_eplb": [EPLB], "make_sampler": [SAMPLING], "make_verifier": [VERIFY]}
     report = plugin_report(CPU, specs)
     assert {info.name for info in report.plugins} == {"reference", "chip", "decliner"}
     by_hook = {}

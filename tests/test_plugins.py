@@ -10,11 +10,20 @@ import pytest
 import torch
 
 from deepinfer_core import plugins
-from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.backends import (
+    AttentionSpec,
+    EplbSpec,
+    LayerOpsSpec,
+    LinearSpec,
+    MoESpec,
+    SamplingSpec,
+    VerifySpec,
+)
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.reference.attention import ReferenceAttention
 from deepinfer_core.reference.eplb import ReferenceEplb
 from deepinfer_core.reference.layer_ops import ReferenceLayerOps
+from deepinfer_core.reference.linear import ReferenceLinear
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.reference.sampling import ReferenceSampler
 from deepinfer_core.reference.verify import ReferenceVerifier
@@ -28,6 +37,7 @@ EPLB = EplbSpec(num_layers=2, num_experts=4, num_slots=6, num_ranks=2)
 SAMPLING = SamplingSpec(vocab_size=16)
 VERIFY = VerifySpec(vocab_size=16, max_draft_tokens=2)
 LAYER_OPS = LayerOpsSpec(hidden_size=8, hc_mult=2, hc_sinkhorn_iters=3, hc_eps=1e-6, rms_norm_eps=1e-6)
+LINEAR = LinearSpec(in_features=256, out_features=128)
 
 
 class ChipAttention(ReferenceAttention):
@@ -89,6 +99,7 @@ def test_reference_serves_every_factory_hook(isolated_plugin_manager):
     assert type(plugins.make_layer_ops(LAYER_OPS, CPU)) is ReferenceLayerOps
     assert type(plugins.make_sampler(SAMPLING, CPU)) is ReferenceSampler
     assert type(plugins.make_verifier(VERIFY, CPU)) is ReferenceVerifier
+    assert type(plugins.make_linear(LINEAR, CPU)) is ReferenceLinear
 
 
 def test_plugin_beats_the_reference(isolated_plugin_manager):
@@ -139,6 +150,26 @@ def test_plugin_wins_layer_ops_for_its_dtype_only(isolated_plugin_manager):
     assert type(plugins.make_layer_ops(bf16, CPU)) is ChipLayerOps
     assert plugins.make_layer_ops(bf16, CPU).spec == bf16
     assert type(plugins.make_layer_ops(LAYER_OPS, CPU)) is ReferenceLayerOps
+
+
+def test_plugin_wins_linear_for_its_block_only(isolated_plugin_manager):
+    class ChipLinear(ReferenceLinear):
+        pass
+
+    class Chip:
+        @hookimpl
+        def make_linear(self, spec, device, decline):
+            if spec.block != (128, 128):
+                decline("128x128 scale tiles only")
+                return None
+            return ChipLinear(spec, device)
+
+    isolated_plugin_manager.register(Chip(), name="chip")
+    assert type(plugins.make_linear(LINEAR, CPU)) is ChipLinear
+    small_tiles = LinearSpec(in_features=64, out_features=64, block=(32, 32))
+    outcome = plugins.ask("make_linear", spec=small_tiles, device=CPU)
+    assert outcome.winner == "reference" and outcome.declines == {"chip": "128x128 scale tiles only"}
+    assert type(outcome.result) is ReferenceLinear
 
 
 def test_declining_plugin_falls_through_to_the_reference(isolated_plugin_manager):

@@ -10,6 +10,7 @@ from deepinfer_core.backends.attention import AttentionBackend, AttentionMetadat
 from deepinfer_core.backends.eplb import EplbBackend, EplbSpec
 from deepinfer_core.backends.graphs import GraphApi, GraphCapturable, supports_cuda_graphs
 from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOps, LayerOpsSpec
+from deepinfer_core.backends.linear import LinearBackend, LinearSpec
 from deepinfer_core.backends.moe import MoEBackend, MoESpec, MoEWeights
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingBackend, SamplingSpec, SamplingTensors
 from deepinfer_core.backends.verify import VerifyBackend, VerifyOutput, VerifySpec
@@ -26,6 +27,8 @@ __all__ = [
     "HyperWeights",
     "LayerOps",
     "LayerOpsSpec",
+    "LinearBackend",
+    "LinearSpec",
     "MoEBackend",
     "MoESpec",
     "MoEWeights",

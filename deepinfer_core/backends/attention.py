@@ -49,6 +49,10 @@ class AttentionSpec:
     """Compressed entries each query keeps after indexer scoring (CSA only, else 0)."""
     dtype: torch.dtype = torch.float32
     """Activation and cache dtype."""
+    deterministic: bool = False
+    """Batch-invariant mode (`EngineConfig.deterministic`): a query's output must be bit-identical
+    whatever else shares the step and however its request's tokens are split into steps (prefill,
+    chunked prefill, decode). A backend without such a variant declines the spec."""
 
     @property
     def is_sparse(self) -> bool:

@@ -12,8 +12,9 @@ of the trailing `rope_dim` channels (`rope_dim = 2 * cos.shape[-1]`); cos/sin ta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +34,10 @@ class LayerOpsSpec:
     rms_norm_eps: float
     dtype: torch.dtype = torch.float32
     """Activation dtype (the streams, block inputs and outputs)."""
+    deterministic: bool = False
+    """Batch-invariant mode (`EngineConfig.deterministic`): every per-token op (and `map_rows`) must give
+    a token bit-identical results whatever other tokens share the call, e.g. by running in fixed-size row
+    tiles. A backend without such a variant declines the spec."""
 
 
 @dataclass
@@ -108,6 +113,13 @@ class LayerOps(GraphCapturable, Protocol):
         :param rows: `[R]` int64 token indices whose logits are wanted.
         :returns: `[R, D]` in the stream dtype.
         """
+        ...
+
+    def map_rows(self, fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
+        """Run `fn(*rows)`, a per-token computation of the model (its projections, the shared expert, the
+        head): every tensor in `rows` and in the result (a tensor or a tuple of them) has one row per token.
+        A default backend simply calls `fn`; a deterministic one (`spec.deterministic`) runs it on
+        fixed-size row tiles, so the kernels `fn` launches never see a batch-dependent shape."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor | None = None,

@@ -40,6 +40,10 @@ class MoESpec:
     """Routed-expert storage: "dense" (in `dtype`) or "fp4" (packed e2m1 codes with one power-of-two
     scale per 32 inputs, the checkpoint's own bytes; see `MoEWeights` and `deepinfer_core.models.quant`).
     A backend that cannot read a format declines the spec."""
+    deterministic: bool = False
+    """Batch-invariant mode (`EngineConfig.deterministic`): a token's output must be bit-identical
+    whatever other tokens share the call (fixed-shape GEMMs, experts combined in ascending expert order,
+    no atomics). A backend without such a variant declines the spec."""
 
 
 @dataclass

@@ -114,6 +114,11 @@ class BlockManager:
         return len(self._free_uncached) + len(self._evictable)
 
     @property
+    def num_free_uncached_blocks(self) -> int:
+        """Free blocks that hold no prefix-cache entry (taking one evicts nothing)."""
+        return len(self._free_uncached)
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache (referenced or not)."""
         return len(self._hash_to_block)
@@ -183,6 +188,19 @@ class BlockManager:
                 self._free_uncached.append(block_id)
         seq.block_table = []
         self._chains.pop(seq.request_id, None)
+
+    def release_tail(self, seq: Sequence, num_kept: int) -> None:
+        """Give back `seq`'s blocks past its first `num_kept`, taken this step from the never-cached free
+        blocks (speculative drafts that were rejected): they return to the front of that queue in the
+        order they left it, so the pool is as if they had never been taken."""
+        for block_id in reversed(seq.block_table[num_kept:]):
+            block = self._blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise RuntimeError(f"block {block_id} of {seq.request_id!r} is shared or cached; only blocks "
+                                   "taken for drafts may be released")
+            block.ref_count = 0
+            self._free_uncached.appendleft(block_id)
+        del seq.block_table[num_kept:]
 
     # -- prefix cache --------------------------------------------------------------------------
 

@@ -12,8 +12,10 @@ the block ids appended since the last one and gathers its rows by slot on the de
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from deepinfer_core.engine.sampling import host_tensor
 
@@ -21,8 +23,22 @@ NO_WRITE = 2**62  # padding rows never write a compressed entry
 
 
 def batch_ladder(max_batch: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
-    return sorted(set(sizes))
+    """The default capture sizes up to `max_batch`: 1, 2, 4, 8, then steps of 8 to 32, of 16 to 64, of 32
+    to 128 and of 64 beyond, and `max_batch` itself (13 graphs for 256, where steps of 16 took 20: each
+    capture costs start-up time, a padded row costs little in a memory-bound decode step)."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, *range(192, max_batch, 64)]
+    return sorted({b for b in sizes if b < max_batch} | {max_batch})
+
+
+def capture_sizes(max_batch: int, requested: Sequence[int] | None) -> list[int]:
+    """The batch sizes to capture, vLLM's `cuda_graph_sizes` rule: None, the default ladder up to
+    `max_batch`; one value N, that ladder up to min(N, max_batch); several, exactly those up to `max_batch`
+    (batches above the largest run eagerly)."""
+    if not requested:
+        return batch_ladder(max_batch)
+    if len(requested) == 1:
+        return batch_ladder(min(requested[0], max_batch))
+    return sorted({size for size in requested if size <= max_batch}) or [min(min(requested), max_batch)]
 
 
 class SlotBlockTables:
@@ -77,9 +93,11 @@ class DecodeGraphs:
     """Captured decode steps for a ladder of batch sizes, through a device's `GraphApi` (None: the same
     padded steps run eagerly, which the CPU tests use)."""
 
-    def __init__(self, runner, max_batch: int, max_blocks: int, max_seq_len: int, api=None) -> None:
+    def __init__(self, runner, max_batch: int, max_blocks: int, max_seq_len: int, api=None,
+                 sizes: Sequence[int] | None = None) -> None:
+        """`sizes`: the batch sizes to capture (`capture_sizes`' rule; None: the default ladder)."""
         self.runner, self.max_seq_len, self.api = runner, max_seq_len, api
-        self.sizes = batch_ladder(max_batch)
+        self.sizes = capture_sizes(max_batch, sizes)
         dev, n = runner.device, max_batch
 
         def buffer(*shape, fill=0):
@@ -93,9 +111,11 @@ class DecodeGraphs:
         self.slot_tables = SlotBlockTables(cache.scratch_slot, max_blocks, cache.scratch_block, dev)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
 
-    def capture(self) -> None:
+    def capture(self, progress: bool = False) -> None:
+        """Capture every size, the largest first (the others share its memory pool); `progress` shows a bar."""
         api, pool = self.api, None
-        for size in reversed(self.sizes):
+        for size in tqdm(list(reversed(self.sizes)), desc="Capturing decode CUDA graphs", unit="graph",
+                         disable=not progress, dynamic_ncols=True):
             self._pad(0, size)
             stream = api.Stream()
             stream.wait_stream(api.current_stream())

@@ -33,9 +33,10 @@ from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.engine.spec.proposer import Speculator
 from deepinfer_core.engine.structured_output import GrammarError, StructuredOutputManager
 from deepinfer_core.models import registry
-from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.tokenizer import load_tokenizer
 
@@ -107,6 +108,9 @@ class Engine:
                                                          self.eos_token_ids)
         self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
                                           info.cache_fingerprint)
+        spec = self.config.speculative_config
+        self.speculator = Speculator.from_config(spec) if spec is not None else None
+        """Speculative decoding's drafts and statistics (None without `speculative_config`)."""
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
@@ -121,11 +125,14 @@ class Engine:
             self.block_manager,
             info.num_slots,
             is_admissible=self.structured_output.is_ready,  # a constrained request waits for its grammar
+            choose_drafts=self.speculator.choose_drafts if self.speculator is not None else None,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, _Completion] = {}
         overlap = self.config.async_scheduling
         self._overlap = info.device.type == "cuda" if overlap is None else overlap
+        if self.speculator is not None:
+            self._overlap = False  # a verify step's emitted count is known only on the host: no overlap yet
         self._in_flight: InFlightStep | None = None
         self._seed_source = random.Random(self.config.seed)
         self._token_texts: dict[int, str] = {}
@@ -167,6 +174,8 @@ class Engine:
         grammar = self.structured_output.submit(params.structured_outputs) if params.structured_outputs else None
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
+        if self.speculator is not None:
+            request.metrics.spec_decode = SpecDecodeMetrics()
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_token_ids)
         for index in range(params.n):
@@ -179,6 +188,8 @@ class Engine:
             self.scheduler.add(completion.seq)
         for seq_id, completion in zip(request.seq_ids, request.completions):
             self._seq_owner[seq_id] = completion
+            if self.speculator is not None:
+                self.speculator.track(seq_id, request.metrics.spec_decode)
             if grammar is not None:
                 self.structured_output.track(seq_id, grammar, prompt_token_ids)
         self._requests[request_id] = request
@@ -191,6 +202,8 @@ class Engine:
         for seq_id in request.seq_ids:
             self.scheduler.abort(seq_id)
             self._seq_owner.pop(seq_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(seq_id)
             self.structured_output.remove(seq_id)
 
     @property
@@ -255,8 +268,16 @@ class Engine:
         for i, (first, logits) in result.prompt_logits.items():
             self._record_prompt_logprobs(seqs[i], first, logits)
         if result.output is not None:
-            sampled = seqs if len(result.sampled) == len(seqs) else [seqs[i] for i in result.sampled]
+            is_identity = len(result.sampled) == len(seqs) and result.num_accepted is None
+            sampled = seqs if is_identity else [seqs[i] for i in result.sampled]
             self._append_tokens(sampled, result.output, touched)
+        if result.drafts is not None:  # the model side's drafter (MTP) proposed what follows each request
+            for i, (drafts, confidences) in zip(dict.fromkeys(result.sampled), result.drafts, strict=True):
+                seqs[i].draft_token_ids, seqs[i].draft_confidences = drafts, confidences
+        if self.speculator is not None:
+            if result.num_accepted is not None:  # drafts accepted: computed now that they are tokens
+                self.scheduler.accept_drafts(plan, result.num_accepted)
+            self.speculator.record(plan, result.num_accepted)
         return [self._finish_output(request) for request in touched.values()]
 
     def _end_failed_grammars(self, touched: dict[str, _Request]) -> None:
@@ -372,6 +393,8 @@ class Engine:
             for seq_id in request.seq_ids:
                 self._seq_owner.pop(seq_id, None)
                 self.structured_output.remove(seq_id)
+                if self.speculator is not None:
+                    self.speculator.forget(seq_id)
         return self.make_output(request, finished)
 
     def make_output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
@@ -435,7 +458,20 @@ class Engine:
             "num_prefill_tokens": s.num_prefill_tokens,
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
+            **(_spec_stats(self.speculator.totals) if self.speculator is not None else {}),
         }
+
+
+def _spec_stats(totals: SpecDecodeMetrics) -> dict:
+    """The engine's speculative decoding counters, for `stats()` and `/metrics`."""
+    return {
+        "spec_drafted_tokens": totals.num_drafted_tokens,
+        "spec_verified_tokens": totals.num_verified_tokens,
+        "spec_accepted_tokens": totals.num_accepted_tokens,
+        "spec_verify_steps": totals.num_verify_steps,
+        "spec_mean_acceptance_length": totals.mean_acceptance_length,
+        "spec_acceptance_histogram": list(totals.acceptance_histogram),
+    }
 
 
 def _host_lists(output: SamplerOutput) -> SamplerOutput:

@@ -172,8 +172,10 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     from deepinfer_core.engine import worker
 
     engine_config.parallel_config.check_implemented()
-    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size)  # before any rank starts
-    context_parallel.check_context_parallel(model_config, engine_config.context_parallel_size)
+    # refused before any rank starts
+    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size,
+                                          getattr(engine_config.speculative_config, "method", None))
+    context_parallel.check_context_parallel(model_config, engine_config)
     if worker.launched_by_torchrun():
         return worker.TorchrunExecutor(model_config, engine_config, device, weights)
     parallel = engine_config.parallel_config

@@ -127,3 +127,5 @@ class StepResult:
     token predicted, fp32 logits `[count, vocab]` predicting the prompt tokens from there on)."""
     num_accepted: list[int] | None = None
     """Per sampled request, how many drafts were accepted (None without speculation)."""
+    drafts: list[tuple[list[int], list[float]]] | None = None
+    """Per sampled request, the model-side drafter's next drafts and their confidences (MTP; else None)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -29,6 +30,8 @@ from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_s
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.spec import verify as spec_verify
+from deepinfer_core.engine.spec.runner_side import SpecVerifier, build_mtp_drafter
 from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, tensor_parallel, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
@@ -39,7 +42,8 @@ from deepinfer_core.models.interface import (
     checkpoint_identity,
     tensors_identity,
 )
-from deepinfer_core.models.layer_plan import BLOCK_SIZE, layer_ops_spec
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, deterministic_plans, layer_ops_spec
+from deepinfer_core.models.mtp import split_mtp_weights
 from deepinfer_core.models.weights import load_weights, match_param_dtypes
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -104,7 +108,9 @@ class ModelRunner:
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
         # this rank's part of the model (its query heads, output groups and expert width under TP)
         self.local_config = tensor_parallel.shard_config(model_config, self.parallel.tp.size)
-        self.plans = weight_formats.with_expert_format(model_cls.layer_plan(self.local_config, self.dtype), fmt)
+        self.plans = deterministic_plans(
+            weight_formats.with_expert_format(model_cls.layer_plan(self.local_config, self.dtype), fmt),
+            engine_config.deterministic)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -119,6 +125,10 @@ class ModelRunner:
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
         self.requests: dict[str, RequestState] = {}
         self._carried: CarriedTokens | None = None
+        self.spec = SpecVerifier.build(engine_config, model_config, self.plans, self.kv_cache, device)
+        """Speculative verification (None without `speculative_config`)."""
+        self.mtp = build_mtp_drafter(self, self._mtp_weights)
+        """The MTP drafter (None unless `speculative_config.method == "mtp"`)."""
         self.graphs = self._capture_graphs()
 
     # -- build phases -------------------------------------------------------------------------------
@@ -127,14 +137,28 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_cls(self.local_config, self.plans, self.dtype, parallel=self.parallel)
         shards = tensor_parallel.tensor_shards(tensor_schema(model), self.parallel.tp.rank, self.parallel.tp.size)
+        native = self.engine_config.quantized_weights == "native"
+        block = weight_formats.fp8_layout(self.config)[0]
         if weights is None:  # a model class with its own checkpoint layout brings its loader
-            load = getattr(model_cls, "load_checkpoint", None) or load_weights
-            sliced = {"shards": shards} if shards else {}  # tensor parallelism: only this rank's slices
-            weights = load(self.engine_config.model, self.config, self.dtype, self.device,
-                           keep_fp4=self.plans[0].moe.expert_format == "fp4", **sliced)
+            own_loader = getattr(model_cls, "load_checkpoint", None)
+            if own_loader is not None:
+                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device,
+                                     keep_fp4=self.plans[0].moe.expert_format == "fp4")
+            else:  # under tensor parallelism only this rank's slices are read
+                weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
+                                       keep_fp4=self.plans[0].moe.expert_format == "fp4",
+                                       keep_fp8=weight_formats.fp8_projection_names(model) if native else (),
+                                       shards=shards)
+            self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
         else:
-            weights = tensor_parallel.shard_weights(weights, shards)
-        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype)
+            weights, self._mtp_weights = split_mtp_weights(weights)
+            if shards:  # FP8 projections are cut dequantised (their scales are not cut with them)
+                weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
+                                                         keep_fp8=False, block=block)
+                weights = tensor_parallel.shard_weights(weights, shards)
+        weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
+                                                 keep_fp8=native, block=block)
+        weight_formats.hold_fp8_linears(model, weights, self.config, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)
         model.load_state_dict(weights, strict=True, assign=True)
@@ -148,7 +172,9 @@ class ModelRunner:
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
-        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype), self.device)
+        ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype, self.engine_config.deterministic),
+                                     self.device)
+        self.linear_backends = weight_formats.bind_linears(self.model, plugins.make_linear, self.device)
         if self.parallel.cp.size > 1:  # split prefill steps exchange window keys and compressed entries
             attention = {spec: ContextParallelAttention(backend) for spec, backend in attention.items()}
             ops = ContextParallelLayerOps(ops)
@@ -182,7 +208,7 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type == "cpu" or self.engine_config.enforce_eager:
             return None
-        if not all(supports_cuda_graphs(b) for b in self.model.backends()):
+        if not all(supports_cuda_graphs(b) for b in [*self.model.backends(), *self.linear_backends]):
             logger.info("decode runs eagerly: a backend does not declare supports_cuda_graphs")
             return None
         api = plugins.graph_api(self.device)
@@ -190,9 +216,12 @@ class ModelRunner:
             logger.info("decode runs eagerly: no plugin offers graph capture on %s", self.device)
             return None
         max_len = self.engine_config.max_model_len
-        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api)
-        graphs.capture()
-        logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
+        graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api,
+                              sizes=self.engine_config.cuda_graph_sizes)
+        start = time.perf_counter()
+        graphs.capture(progress=logger.isEnabledFor(logging.INFO))
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s (first capture compiles the "
+                    "kernels; cuda_graph_sizes sets the sizes)", graphs.sizes, time.perf_counter() - start)
         return graphs
 
     # -- one step -----------------------------------------------------------------------------------
@@ -235,22 +264,31 @@ class ModelRunner:
             if self._carried is None:
                 raise RuntimeError("the plan has pending tokens but no step sampled before it")
             self._carried.fill(ctx.input_ids, pending)
-        tensors = self._sampling_tensors(plan, states, sampled)
+        rows = spec_verify.logits_row_requests(plan, sampled)  # d + 1 rows for a request with d drafts
+        tensors = self._sampling_tensors(plan, states, rows)
+        saved = self.spec.capture(plan, states) if self.spec is not None else None
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
+        result = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
+        if saved is not None:
+            result = self.spec.finish(plan, states, rows, logits[: len(rows)], tensors, result, saved)
+        if self.mtp is not None and result.output is not None:
+            result.drafts = self.mtp.propose(self, plan, states, ctx.input_ids, self.model.final_streams, result)
+        return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
+        """`sampled`: per logits row, its request's index in `plan.requests` (repeated for drafts)."""
         if not sampled:
             return None
         rows = [states[i] for i in sampled]
+        offsets = spec_verify.row_token_offsets(plan, sampled)
         history = {}
         if any(s.token_ids is not None for s in rows):  # penalties read the ids (never pending: no overlap)
             history = {"output_token_ids": [s.token_ids[s.num_prompt_tokens :] if s.token_ids else [] for s in rows],
                        "prompt_token_ids": [s.token_ids[: s.num_prompt_tokens] if s.token_ids else [] for s in rows]}
         return prepare_sampling_tensors(
             [s.sampling_params for s in rows], [s.seed for s in rows],
-            [plan.requests[i].end - states[i].num_prompt_tokens for i in sampled],
+            [plan.requests[i].end - states[i].num_prompt_tokens + j for i, j in zip(sampled, offsets)],
             self.config.eos_token_ids, self.device, self.config.vocab_size, **history,
         )
 
@@ -268,7 +306,9 @@ class ModelRunner:
         return StepResult(sampled, replace(output, token_ids=token_ids), prompt_logits)
 
     def _is_graph_step(self, plan: StepPlan) -> bool:
-        return self.graphs is not None and self.graphs.can_run(len(plan.requests)) and plan.is_all_decodes
+        # the MTP drafter reads every step's residual streams: its steps run eagerly
+        return (self.graphs is not None and self.mtp is None and self.graphs.can_run(len(plan.requests))
+                and plan.is_all_decodes)
 
     @functools.cached_property
     def compress_rates(self) -> set[int]:
@@ -304,9 +344,9 @@ class ModelRunner:
                 pending.append((offset + n - 1, request.request_id))
             positions += range(start, end)
             totals.append(end)
-            if request.is_sampled:
+            if request.is_sampled:  # a row for the last token and one for each draft before it
                 sampled.append(i)
-                ends.append(offset + n - 1)
+                ends += range(offset + n - 1 - request.num_draft_tokens, offset + n)
             if state.sampling_params.prompt_logprobs is not None:
                 count = min(end, state.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
                 if count > 0:

@@ -27,6 +27,7 @@ from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.engine.block_manager import SWA_REPLAY_MODES, BlockManager
 from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.engine.spec.rollback import kept_blocks
 
 
 @dataclass
@@ -95,6 +96,8 @@ class _Step:
     scheduled: set[str] = field(default_factory=set)
     is_memory_short: bool = False
     """Something was preempted, or a chunk shrank or waited, for lack of blocks."""
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Speculative drafts verified this step, per request id (its last token's step computes them too)."""
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -111,10 +114,13 @@ class Scheduler:
     :param num_slots: per-request state slots (sliding window + compressor tails) in the cache.
     :param is_admissible: whether a waiting sequence may be admitted now (False: it is skipped this
         step and later ones are considered; a structured-output request waits for its grammar).
+    :param choose_drafts: speculative decoding: given the step's decoding sequences and the token budget
+        left beyond their own tokens, the drafts each verifies this step (`engine.spec.proposer`).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_slots: int,
-                 is_admissible: Callable[[Sequence], bool] | None = None) -> None:
+                 is_admissible: Callable[[Sequence], bool] | None = None,
+                 choose_drafts: Callable[[list[Sequence], int], list[tuple[int, ...]]] | None = None) -> None:
         if block_manager.block_size != config.block_size:
             raise ValueError(
                 f"block manager block_size {block_manager.block_size} != scheduler block_size {config.block_size}"
@@ -136,6 +142,7 @@ class Scheduler:
         self._planned: set[str] = set()  # requests the runner holds state for
         self._freed: list[str] = []  # of those, released since the last plan
         self._is_admissible = is_admissible
+        self._choose_drafts = choose_drafts
 
     # -- queues --------------------------------------------------------------------------------
 
@@ -209,10 +216,13 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Pick this step's work (see the module docstring) as a plan; None when nothing can run."""
         step = _Step(budget=self.config.max_num_batched_tokens)
+        drafts = self._drafts_of_decodes(step)
         self._schedule_decodes(step)
         self._schedule_prefill_chunks(step)
         if not step.is_memory_short:
             self._admit_waiting(step)
+        if drafts:
+            self._add_drafts(step, drafts)
         return self._plan(step) if step.seqs else None
 
     def _plan(self, step: _Step) -> StepPlan:
@@ -229,9 +239,11 @@ class Scheduler:
             else:
                 new_blocks = tuple(table[seq.num_planned_blocks :])
             seq.num_planned_blocks = len(table)
+            drafts = step.drafts.get(seq.request_id, ())
             requests.append(ScheduledRequest(
-                seq.request_id, start, tuple(seq.token_ids[start : start + n]), start + n == seq.num_tokens,
-                new_blocks, seq.replay_start, seq.no_write_before,
+                seq.request_id, start, tuple(seq.token_ids[start : start + n - len(drafts)]) + drafts,
+                start + n - len(drafts) == seq.num_tokens, new_blocks, seq.replay_start, seq.no_write_before,
+                num_draft_tokens=len(drafts),
             ))
         freed, self._freed = tuple(self._freed), []
         return StepPlan(tuple(requests), tuple(new_requests), freed)
@@ -243,9 +255,25 @@ class Scheduler:
             seq = self._seqs.get(request.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and postprocess
-            seq.num_computed_tokens += request.num_tokens
+            seq.num_computed_tokens += request.num_tokens - request.num_draft_tokens
             if is_caching:
                 self.block_manager.cache_full_blocks(seq)
+
+    def accept_drafts(self, plan: StepPlan, num_accepted: list[int]) -> None:
+        """After `postprocess` and after the emitted tokens were appended: count each request's accepted
+        drafts as computed (they are now its tokens), cache the blocks they filled, and give back the
+        blocks only its rejected drafts needed. `num_accepted`: per sampled request of `plan`."""
+        sampled = [r for r in plan.requests if r.is_sampled]
+        for request, accepted in zip(sampled, num_accepted, strict=True):
+            seq = self._seqs.get(request.request_id)
+            if not request.num_draft_tokens or seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # finished inside its accepted run (its blocks are freed) or aborted
+            seq.num_computed_tokens += accepted
+            self.block_manager.cache_full_blocks(seq)
+            keep = kept_blocks(len(seq.block_table), len(request.new_block_ids), seq.num_computed_tokens,
+                               self.config.block_size)
+            self.block_manager.release_tail(seq, keep)
+            seq.num_planned_blocks = min(seq.num_planned_blocks, keep)
 
     def _has_room(self, step: _Step) -> bool:
         return step.budget > 0 and len(step.seqs) < self.config.max_num_seqs
@@ -267,6 +295,39 @@ class Scheduler:
             elif seq.status is SequenceStatus.RUNNING:
                 self._preempt(seq)
                 step.is_memory_short = True
+
+    def _drafts_of_decodes(self, step: _Step) -> dict[str, tuple[int, ...]]:
+        """The drafts the speculative policy picks for this step's decodes (none without speculation)."""
+        if self._choose_drafts is None:
+            return {}
+        decoding = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING and not seq.is_prefill
+                    and not seq.waits_for_host][: self.config.max_num_seqs]
+        if not decoding:
+            return {}
+        chosen = self._choose_drafts(decoding, max(0, step.budget - len(decoding)))
+        return {seq.request_id: tuple(d) for seq, d in zip(decoding, chosen, strict=True) if d}
+
+    def _add_drafts(self, step: _Step, drafts: dict[str, tuple[int, ...]]) -> None:
+        """Last in a step, once every decode, chunk and admission has its tokens and blocks: give each
+        scheduled decode the drafts that fit the budget left, the context, and blocks still free without
+        evicting a cached block (so drafts never cost another request memory or budget)."""
+        for index, seq in enumerate(step.seqs):
+            proposed = drafts.get(seq.request_id)
+            is_decode = step.num_new_tokens[index] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            if not proposed or not is_decode or seq.status is not SequenceStatus.RUNNING:
+                continue
+            proposed = proposed[: max(0, min(step.budget, self.config.max_model_len - seq.num_tokens))]
+            while proposed:
+                missing = self.block_manager.blocks_for(seq.num_computed_tokens + 1 + len(proposed)) - len(seq.block_table)
+                if missing <= self.block_manager.num_free_uncached_blocks:
+                    break
+                proposed = proposed[:-1]
+            if not proposed:
+                continue
+            self.block_manager.allocate(seq, 1 + len(proposed))
+            step.drafts[seq.request_id] = proposed
+            step.num_new_tokens[index] += len(proposed)
+            step.budget -= len(proposed)
 
     def _schedule_prefill_chunks(self, step: _Step) -> None:
         if len(step.seqs) == len(self.running):

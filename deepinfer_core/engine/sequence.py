@@ -105,6 +105,10 @@ class Sequence:
         self.no_write_before = 0
         """Compressed entries of windows ending at or before this position are already cached (shared
         with other requests): the runner must not write them (0 normally)."""
+        self.draft_token_ids: list[int] = []
+        """Speculative decoding: drafts the model side proposed to follow `token_ids` (MTP), if any."""
+        self.draft_confidences: list[float] | None = None
+        """The drafter's per-draft survival probabilities for `draft_token_ids` (None: none given)."""
 
     # -- token counts ------------------------------------------------------------------------
 

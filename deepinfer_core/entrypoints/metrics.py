@@ -86,6 +86,7 @@ class ServerMetrics:
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {value}"]
         for name, value, text in self._gauges(engine_stats):
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"]
+        lines += _spec_decode_lines(engine_stats)
         for name, histogram, text in (
             ("time_to_first_token_seconds", self.time_to_first_token, "Seconds from arrival to the first token."),
             ("e2e_request_latency_seconds", self.e2e_latency, "Seconds from arrival to the last token."),
@@ -104,3 +105,33 @@ class ServerMetrics:
             ("prefix_cache_hit_rate", hits / queries if queries else 0.0,
              "Prompt tokens found in the prefix cache / prompt tokens looked up, since start."),
         ]
+
+
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens proposed by the drafter."),
+    ("spec_decode_num_verified_tokens_total", "spec_verified_tokens", "Draft tokens sent to the target to verify."),
+    ("spec_decode_num_accepted_tokens_total", "spec_accepted_tokens", "Verified draft tokens the target accepted."),
+    ("spec_decode_num_verify_steps_total", "spec_verify_steps", "Request steps that verified at least one draft."),
+)
+
+
+def _spec_decode_lines(stats: dict[str, Any]) -> list[str]:
+    """Speculative decoding's counters, mean acceptance length and acceptance histogram (none without it)."""
+    if "spec_verify_steps" not in stats:
+        return []
+    lines = []
+    for name, key, text in _SPEC_COUNTERS:
+        lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {stats[key]}"]
+    name = f"{PREFIX}_spec_decode_mean_acceptance_length"
+    lines += [f"# HELP {name} Tokens emitted per verify step (accepted drafts + 1).", f"# TYPE {name} gauge",
+              f"{name} {stats['spec_mean_acceptance_length']}"]
+    name = f"{PREFIX}_spec_decode_accepted_per_step"
+    histogram = stats["spec_acceptance_histogram"]
+    lines += [f"# HELP {name} Verify steps by drafts accepted.", f"# TYPE {name} histogram"]
+    total = 0
+    for accepted, count in enumerate(histogram):
+        total += count
+        lines.append(f'{name}_bucket{{le="{accepted}"}} {total}')
+    lines += [f'{name}_bucket{{le="+Inf"}} {total}', f"{name}_count {total}",
+              f"{name}_sum {sum(a * c for a, c in enumerate(histogram))}"]
+    return lines

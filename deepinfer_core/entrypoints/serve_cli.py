@@ -30,8 +30,9 @@ from deepinfer_core.entrypoints.serve import build_app
 
 # `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
 ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "enable_prefix_caching", "tensor_parallel_size", "data_parallel_size",
-                  "context_parallel_size", "enable_expert_parallel", "enable_eplb", "eplb_config")
+                  "enforce_eager", "cuda_graph_sizes", "enable_prefix_caching", "tensor_parallel_size",
+                  "data_parallel_size", "context_parallel_size", "enable_expert_parallel", "enable_eplb",
+                  "eplb_config", "speculative_config", "deterministic")
 
 
 def _dtype_choices() -> list[str]:
@@ -63,8 +64,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of device memory to use (0, 1]")
     engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
+    engine.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                        help="decode batch sizes captured as CUDA graphs: one value caps the default ladder, "
+                             "several are used as given")
+    engine.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
                         help="reuse cached prompt prefixes")
+    engine.add_argument("--deterministic", action="store_true", default=None,
+                        help="batch-invariant inference: a request's tokens and logprobs do not depend on what "
+                             "shares its batch (costs throughput)")
     add_parallel_arguments(engine)
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

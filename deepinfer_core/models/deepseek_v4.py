@@ -7,7 +7,6 @@ as is (`deepinfer_core.models.weights` maps the official DeepSeek names onto the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
@@ -28,6 +27,7 @@ from deepinfer_core.models.layers import (
     SharedExpert,
 )
 from deepinfer_core.models.rope import Rotary
+from deepinfer_core.reference.layer_ops import hyper_residual
 
 
 class Attention(nn.Module):
@@ -70,9 +70,10 @@ class Attention(nn.Module):
                 ops: LayerOps) -> torch.Tensor:
         meta, num_tokens = ctx.metadata, x.shape[0]
         cos, sin, minus_sin = ctx.rope[self.plan.rope]
-        q_a, kv, *compressor_rows = self.x_projections(x)
+        # per-token matmuls go through `ops.map_rows` (fixed row tiles in deterministic mode)
+        q_a, kv, *compressor_rows = ops.map_rows(self.x_projections, x)
         q_residual = ops.rms_norm(q_a, self.q_a_norm.weight)
-        q, *index_q = self.q_projections(q_residual)
+        q, *index_q = ops.map_rows(self.q_projections, q_residual)
         q = ops.rms_norm(q.view(num_tokens, self.num_heads, self.head_dim), None, cos, sin)
         kv = ops.rms_norm(kv, self.kv_norm.weight, cos, sin)
 
@@ -93,7 +94,10 @@ class Attention(nn.Module):
         out = backend.forward(q, kv, cache.window, cache.compressed, self.sinks, meta, topk, num_entries)
         ops.write_window(meta, cache.window, kv)
         out = ops.rotary(out, cos, minus_sin)
-        return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, self.o_groups, -1)))
+        return ops.map_rows(self._output, out.reshape(num_tokens, self.o_groups, -1))
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_b_proj(self.o_a_proj(out))
 
 
 class Router(nn.Module):
@@ -133,8 +137,9 @@ class MoE(nn.Module):
             down_scale=getattr(self.experts, "down_proj_scale", None),
         )
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, backend: MoEBackend, weights: MoEWeights) -> torch.Tensor:
-        return backend.forward(x, input_ids, weights) + self.shared_experts(x)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, backend: MoEBackend, weights: MoEWeights,
+                ops: LayerOps) -> torch.Tensor:
+        return backend.forward(x, input_ids, weights) + ops.map_rows(self.shared_experts, x)
 
 
 class DecoderLayer(nn.Module):
@@ -179,6 +184,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.moe_weights: list[MoEWeights] = []
         self.ops: LayerOps | None = None
         self.rotary: dict[str, Rotary] = {}
+        self.keeps_final_streams = False
+        """Keep every token's pre-`hc_head` residual streams in `final_streams` (the MTP drafter reads them)."""
+        self.final_streams: torch.Tensor | None = None
 
     def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], ops: LayerOps,
                       device: torch.device) -> None:
@@ -218,10 +226,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             out = tensor_parallel.all_reduce(layer.self_attn(x, ctx, caches[i], self.attention_backends[i], ops), tp)
             streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i][1],
                                                      layer.post_attention_layernorm.weight)
-            out = tensor_parallel.all_reduce(layer.mlp(x, ctx.input_ids, self.moe_backends[i], self.moe_weights[i]), tp)
+            out = tensor_parallel.all_reduce(layer.mlp(x, ctx.input_ids, self.moe_backends[i], self.moe_weights[i], ops), tp)
             if i + 1 < len(layers):
                 streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i + 1][0],
                                                          layers[i + 1].input_layernorm.weight)
+        if self.keeps_final_streams:
+            self.final_streams = hyper_residual(streams, out, post, comb)
         hidden = ops.hc_post_head(streams, out, post, comb, logits_indices, self.head_weights,
                                   self.model.norm.weight)
-        return F.linear(hidden, self.lm_head.weight).float()
+        return ops.map_rows(self.lm_head, hidden).float()

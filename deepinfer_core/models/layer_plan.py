@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec
 from deepinfer_core.backends.attention import BLOCK_SIZE
 
-__all__ = ["BLOCK_SIZE", "LayerPlan", "build_layer_plan", "layer_ops_spec"]
+__all__ = ["BLOCK_SIZE", "LayerPlan", "build_layer_plan", "deterministic_plans", "layer_ops_spec"]
 
 ATTENTION_KINDS = {
     "sliding_attention": "sliding",
@@ -114,8 +114,17 @@ def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
     return plans
 
 
-def layer_ops_spec(config, dtype: torch.dtype) -> LayerOpsSpec:
+def layer_ops_spec(config, dtype: torch.dtype, deterministic: bool = False) -> LayerOpsSpec:
     """The model-wide `LayerOpsSpec` (mHC, norms, rope, compressors) for `config`."""
     return LayerOpsSpec(hidden_size=config.hidden_size, hc_mult=config.hc_mult,
                         hc_sinkhorn_iters=config.hc_sinkhorn_iters, hc_eps=config.hc_eps,
-                        rms_norm_eps=config.rms_norm_eps, dtype=dtype)
+                        rms_norm_eps=config.rms_norm_eps, dtype=dtype, deterministic=deterministic)
+
+
+def deterministic_plans(plans: list[LayerPlan], deterministic: bool) -> list[LayerPlan]:
+    """`plans` with every attention and MoE spec asking for its batch-invariant variant (when
+    `deterministic`), so the factory hooks build those (`EngineConfig.deterministic`)."""
+    if not deterministic:
+        return plans
+    return [replace(plan, attention=replace(plan.attention, deterministic=True),
+                    moe=replace(plan.moe, deterministic=True)) for plan in plans]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends.layer_ops import HyperWeights
+from deepinfer_core.backends.linear import LinearBackend, LinearSpec
 from deepinfer_core.models import quant
 
 FP32 = torch.float32
@@ -111,15 +114,51 @@ class GroupedLinear(nn.Module):
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
 
 
+class FP8Linear(nn.Module):
+    """A projection kept in the checkpoint's FP8 bytes (`quantized_weights="native"`): `weight`
+    float8_e4m3fn `[out, in]` and `weight_scale` float32 block scales (`LinearSpec.scale_shape`), run by
+    the `LinearBackend` bound after loading (`weight_formats.bind_linears`). It replaces an `nn.Linear`
+    (or a `GroupedLinear`, `spec.groups > 1`) whose checkpoint weight is FP8."""
+
+    def __init__(self, spec: LinearSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.zeros(spec.out_features, spec.in_features, dtype=quant.FP8_DTYPE),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.zeros(spec.scale_shape, dtype=FP32), requires_grad=False)
+        self.backend: LinearBackend | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend is None:
+            raise RuntimeError("FP8Linear has no LinearBackend: bind one (weight_formats.bind_linears) after loading")
+        return self.backend.forward(x, self.weight, self.weight_scale)
+
+
 class ConcatenatedLinears:
     """Bias-free projections of one input run as one matmul: each `nn.Linear`'s weight is re-pointed at
-    its rows of one concatenated matrix (no second copy stays), and the output is split back."""
+    its rows of one concatenated matrix (no second copy stays), and the output is split back.
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        self.weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.sizes = [linear.weight.shape[0] for linear in linears]
-        for linear, rows in zip(linears, self.weight.split(self.sizes)):
-            linear.weight = nn.Parameter(rows, requires_grad=False)
+    `FP8Linear` members run on their own (their block scales need not align where they would join);
+    each run of dense neighbours is still one matmul."""
+
+    def __init__(self, linears: list[nn.Module]) -> None:
+        self.parts: list[tuple[torch.Tensor | None, list[int], nn.Module | None]] = []
+        for is_fp8, run in itertools.groupby(linears, key=lambda linear: isinstance(linear, FP8Linear)):
+            run = list(run)
+            if is_fp8:
+                self.parts += [(None, [linear.spec.out_features], linear) for linear in run]
+                continue
+            weight = torch.cat([linear.weight.detach() for linear in run])
+            sizes = [linear.weight.shape[0] for linear in run]
+            for linear, rows in zip(run, weight.split(sizes)):
+                linear.weight = nn.Parameter(rows, requires_grad=False)
+            self.parts.append((weight, sizes, None))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+        if len(self.parts) == 1 and self.parts[0][2] is None:
+            weight, sizes, _ = self.parts[0]
+            return F.linear(x, weight).split(sizes, dim=-1)
+        outputs: list[torch.Tensor] = []
+        for weight, sizes, module in self.parts:
+            outputs += [module(x)] if module is not None else F.linear(x, weight).split(sizes, dim=-1)
+        return tuple(outputs)

@@ -76,6 +76,23 @@ def quantize_fp8(
     return values.to(FP8_DTYPE), scale
 
 
+def quantize_activations_fp8(
+    x: torch.Tensor, group: int = 128, power_of_two: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and `group` inputs: (float8_e4m3fn values, float32 scales `[..., ceil(K / group)]`),
+    `scale = amax / 448` (rounded up to a power of two with `power_of_two`), values rounded to nearest
+    even after saturating at +-448. What an FP8 GEMM that quantises its activations computes with."""
+    cols = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, -cols % group)).unflatten(-1, (-1, group))
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-30) / FP8_MAX
+    if power_of_two:  # from the bits: the exponent, plus one when any mantissa bit is set
+        bits = scale.view(torch.int32)
+        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+        scale = (exponent << 23).view(torch.float32)
+    values = (padded / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :cols]
+    return values.to(FP8_DTYPE), scale
+
+
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Float32 values of a packed e2m1 weight with one scale per 32 input columns."""
     codes = packed.view(torch.uint8)

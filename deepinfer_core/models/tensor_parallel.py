@@ -84,12 +84,15 @@ _PER_LAYER = {  # model.layers.N.<key> -> (dim, parts)
 _LAYER_NAME = re.compile(r"model\.layers\.\d+\.(.+)")
 
 
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+def check_tensor_parallel(config: ModelConfig, size: int, speculative_method: str | None = None) -> None:
     """Raise `ConfigError` unless `config`'s heads, output groups and expert width split over `size` ranks
-    (`NotImplementedError` for a model family other than DeepSeek-V4's)."""
+    (`NotImplementedError` for a model family other than DeepSeek-V4's, or with the MTP drafter, whose
+    layer is not split)."""
     if size > 1 and config.model_type != "deepseek_v4":
         raise NotImplementedError(f"tensor_parallel_size={size} for {config.model_type!r} (tensor parallelism "
                                   "is implemented for deepseek_v4)")
+    if size > 1 and speculative_method == "mtp":
+        raise NotImplementedError(f"tensor_parallel_size={size} with the MTP drafter (its layer is not split)")
     problems = [
         f"{name} ({value}) is not a multiple of tensor_parallel_size ({size})"
         for name, value in (("num_attention_heads", config.num_attention_heads), ("o_groups", config.o_groups),

@@ -113,18 +113,27 @@ def tiny_config(preset: str = "sliding_csa_hca", **overrides: Any) -> dict[str, 
 
 
 def random_state_dict(
-    config: ModelConfig | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
+    config: ModelConfig | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
+    mtp_layers: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights in internal names: linears ~N(0, 0.02), norms ~1, and non-zero
-    sinks, position biases, router biases and mHC parameters so tests exercise them."""
+    sinks, position biases, router biases and mHC parameters so tests exercise them. `mtp_layers` > 0
+    adds that many multi-token-prediction layers (`mtp.<i>.*`, `deepinfer_core.models.mtp`)."""
     config = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
     generator = torch.Generator().manual_seed(seed)
+    shapes = dict(expected_tensors(config))
+    if mtp_layers:
+        from deepinfer_core.models.mtp import MTP_PREFIX, MultiTokenPredictor
+
+        with torch.device("meta"):
+            mtp = MultiTokenPredictor(config, torch.float32, mtp_layers)
+        shapes |= {MTP_PREFIX + n: tuple(t.shape) for n, t in mtp.state_dict().items()}
 
     def normal(shape, std, mean=0.0):
         return torch.randn(shape, generator=generator) * std + mean
 
     weights = {}
-    for name, shape in expected_tensors(config).items():
+    for name, shape in shapes.items():
         if is_integer_tensor(name):  # distinct valid expert ids per token
             order = torch.rand(shape[0], config.n_routed_experts, generator=generator).argsort(dim=1)
             weights[name] = order[:, : shape[1]].contiguous()
@@ -148,6 +157,7 @@ def write_checkpoint(
     seed: int = 0,
     shards: int = 1,
     dtype: torch.dtype = torch.float32,
+    fp8_block: tuple[int, int] = (128, 128),
 ) -> Path:
     """Write config.json and safetensors weights; returns the directory.
 
@@ -156,6 +166,7 @@ def write_checkpoint(
     weights and the routed experts in FP8 e4m3 with float32 128x128 block scales (like Flash-Base);
     "fp8+fp4" uses power-of-two (ue8m0) FP8 scales and packed FP4 experts (like the instruct release).
     Scales are named `<name>.scale` in the official layout and `<name>_scale_inv` in the others.
+    `fp8_block` is the FP8 scale tile (V4.1 ships 32x32).
     """
     if quant not in (None, "fp8", "fp8+fp4"):
         raise ValueError(f"quant must be None, 'fp8' or 'fp8+fp4', got {quant!r}")
@@ -169,13 +180,13 @@ def write_checkpoint(
         raise ValueError(
             f"state_dict names differ from expected_tensors: {sorted(set(state_dict) ^ set(expected))}"
         )
-    tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype)
+    tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype, tuple(fp8_block))
     if quant is not None:
         config_dict["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
+            "weight_block_size": list(fp8_block),
             "scale_fmt": "ue8m0" if quant == "fp8+fp4" else None,
             "expert_dtype": "fp4" if quant == "fp8+fp4" else "fp8",
         }
@@ -187,7 +198,7 @@ def write_checkpoint(
     return directory
 
 
-def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype) -> dict[str, torch.Tensor]:
+def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype, fp8_block) -> dict[str, torch.Tensor]:
     tensors = {}
     fp8_scale_dtype = torch.float8_e8m0fnu if quant_mode == "fp8+fp4" else torch.float32
     for plan in source_plans(config, layout).values():
@@ -201,7 +212,7 @@ def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype) -> dict[str,
             if kind == "fp4":
                 values, scale = quant.quantize_fp4(tensor, torch.float8_e8m0fnu)
             else:
-                values, scale = quant.quantize_fp8(tensor, (128, 128), fp8_scale_dtype)
+                values, scale = quant.quantize_fp8(tensor, fp8_block, fp8_scale_dtype)
             scale_name = (
                 source.removesuffix(".weight") + ".scale" if layout == "official" else source + "_scale_inv"
             )

@@ -12,6 +12,7 @@ the file or the tensors.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def load_weights(
     progress: bool | None = None,
     keep_fp4: bool = False,
     shards: dict[str, tensor_parallel.Shard] | None = None,
+    keep_fp8: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint into internal names, dequantised, on `device`.
 
@@ -91,6 +93,8 @@ def load_weights(
     With `keep_fp4` the routed experts stay in their packed FP4 bytes instead: `<name>` holds the int8
     codes and `<name>_scale` the float8_e8m0fnu group scales (`layers.FP4Experts`' parameters); an
     expert stored otherwise, or with scales that are not powers of two, raises `CheckpointError`.
+    The tensors named in `keep_fp8` that are stored as block-scaled FP8 stay so: `<name>` holds the
+    float8_e4m3fn values and `<name>_scale` the block scales as float32 (`layers.FP8Linear`'s parameters).
 
     Each tensor comes back in the dtype the model's module declares at compute dtype `dtype` (norms,
     mHC parameters and sinks stay float32; `tid2eid` is int64). Every tensor is checked before any is
@@ -99,7 +103,8 @@ def load_weights(
     (None: only for checkpoints over 512 MiB).
     """
     return _read_checkpoint(
-        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4, shards or {}
+        Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4,
+        frozenset(keep_fp8), shards or {},
     )
 
 
@@ -131,7 +136,9 @@ def match_param_dtypes(
 
 def _read_checkpoint(
     model_dir: Path, config: ModelConfig, schema: dict[str, TensorSpec], device, progress: bool | None,
-    keep_fp4: bool = False, shards: dict[str, tensor_parallel.Shard] | None = None,
+    keep_fp4: bool = False,
+    keep_fp8: frozenset[str] = frozenset(),
+    shards: dict[str, tensor_parallel.Shard] | None = None,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     shards = shards or {}
@@ -154,6 +161,14 @@ def _read_checkpoint(
             shard = shards.get(name)
             if keep_fp4 and "fp4" in plan.quantised:
                 weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device, shard)
+                finite.add(f"{name}_scale", weights[f"{name}_scale"])
+                continue
+            if (name in keep_fp8 and shard is None and plan.join == "copy"  # kept whole in FP8 (a TP slice is not)
+                    and reader.dtype(plan.sources[0]) == FP8_DTYPE):
+                source = plan.sources[0]
+                weights[name] = reader.read(source).to(device)
+                weights[f"{name}_scale"] = reader.read(reader.scale_name(source)).to(device, torch.float32)
+                finite.add(name, weights[name])
                 finite.add(f"{name}_scale", weights[f"{name}_scale"])
                 continue
             weights[name] = _build(plan, reader, config, schema[name].dtype, device, shard)
@@ -294,7 +309,7 @@ class _FiniteCheck:
         bad = [
             f"{name} ({self.tensors[name].dtype})"
             for name in suspects
-            if not self.tensors[name].isfinite().all()
+            if not self.tensors[name].float().isfinite().all()  # float8 has no isfinite
         ]
         if bad:
             raise CheckpointError(

@@ -1,5 +1,6 @@
 """The built-in reference plugin: pure-PyTorch backends for every factory hook, on any device.
 
+A spec with `deterministic=True` gets the batch-invariant variant (`deepinfer_core.reference.invariant`).
 Every implementation is `trylast`, so an installed hardware plugin is always asked first and the
 reference serves only what the others decline. Backend modules are imported when a backend is built.
 """
@@ -8,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backends import AttentionSpec, EplbSpec, LayerOpsSpec, MoESpec, SamplingSpec, VerifySpec
+from deepinfer_core.backends import (
+    AttentionSpec,
+    EplbSpec,
+    LayerOpsSpec,
+    LinearSpec,
+    MoESpec,
+    SamplingSpec,
+    VerifySpec,
+)
 from deepinfer_core.hookspecs import hookimpl
 
 
@@ -24,6 +33,10 @@ def detect_device() -> torch.device:
 
 @hookimpl(trylast=True)
 def make_attention(spec: AttentionSpec, device: torch.device):
+    if spec.deterministic:
+        from deepinfer_core.reference.invariant_attention import InvariantAttention
+
+        return InvariantAttention(spec, device)
     from deepinfer_core.reference.attention import ReferenceAttention
 
     return ReferenceAttention(spec, device)
@@ -31,6 +44,10 @@ def make_attention(spec: AttentionSpec, device: torch.device):
 
 @hookimpl(trylast=True)
 def make_moe(spec: MoESpec, device: torch.device):
+    if spec.deterministic:
+        from deepinfer_core.reference.invariant_moe import InvariantMoE
+
+        return InvariantMoE(spec, device)
     from deepinfer_core.reference.moe import ReferenceMoE
 
     return ReferenceMoE(spec, device)
@@ -38,9 +55,20 @@ def make_moe(spec: MoESpec, device: torch.device):
 
 @hookimpl(trylast=True)
 def make_layer_ops(spec: LayerOpsSpec, device: torch.device):
+    if spec.deterministic:
+        from deepinfer_core.reference.invariant import InvariantLayerOps
+
+        return InvariantLayerOps(spec)
     from deepinfer_core.reference.layer_ops import ReferenceLayerOps
 
     return ReferenceLayerOps(spec)
+
+
+@hookimpl(trylast=True)
+def make_linear(spec: LinearSpec, device: torch.device):
+    from deepinfer_core.reference.linear import ReferenceLinear
+
+    return ReferenceLinear(spec, device)
 
 
 @hookimpl(trylast=True)

@@ -82,6 +82,9 @@ class ReferenceLayerOps:
         pre = torch.sigmoid(mixes(new, head, self.spec) * head.scale + head.base) + self.spec.hc_eps
         return weighted_rms_norm(collapse(new, pre), norm_weight, self.spec.rms_norm_eps)
 
+    def map_rows(self, fn, *rows):
+        return fn(*rows)
+
     def rms_norm(self, x, weight, cos=None, sin=None):
         eps = self.spec.rms_norm_eps
         x = unweighted_rms_norm(x, eps) if weight is None else weighted_rms_norm(x, weight, eps)
@@ -131,14 +134,19 @@ class ReferenceLayerOps:
             kv_rows = torch.cat((kv_rows[:, :rate, :width], kv_rows[:, rate:, width:]), dim=1)
             previous = gate_rows[:, :rate, :width].masked_fill((entry == 0).view(-1, 1, 1), float("-inf"))
             gate_rows = torch.cat((previous, gate_rows[:, rate:, width:]), dim=1)
-        pooled = (kv_rows * gate_rows.softmax(dim=1).to(kv_rows.dtype)).sum(dim=1)
-        closed = weighted_rms_norm(pooled, w.norm_weight, self.spec.rms_norm_eps)
         entry = entry.clamp(min=0)
-        freqs = (entry * rate).to(torch.float32)[:, None] * w.inv_freq
-        closed = apply_rotary(closed, freqs.cos() * w.rope_scaling, freqs.sin() * w.rope_scaling)
+        closed = self._pool_entries(kv_rows, gate_rows, entry, w)
         epb = BLOCK_SIZE // rate
         target = metadata.block_tables[seq, entry // epb] * epb + entry % epb
         entries[torch.where(keep, target, entries.shape[0] - 1)] = closed.to(entries.dtype)
+
+    def _pool_entries(self, kv_rows, gate_rows, entry, w: CompressorWeights) -> torch.Tensor:
+        """Entries `[E, width]` from their rows `[E, span, width]` and gates: softmax-pooled, normed and
+        RoPE'd at each entry's first position."""
+        pooled = (kv_rows * gate_rows.softmax(dim=1).to(kv_rows.dtype)).sum(dim=1)
+        closed = weighted_rms_norm(pooled, w.norm_weight, self.spec.rms_norm_eps)
+        freqs = (entry * w.rate).to(torch.float32)[:, None] * w.inv_freq
+        return apply_rotary(closed, freqs.cos() * w.rope_scaling, freqs.sin() * w.rope_scaling)
 
 
 def write_rings(metadata: AttentionMetadata, *rings_and_rows: torch.Tensor) -> None:

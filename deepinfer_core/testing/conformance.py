@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights, SamplingBackend, SamplingTensors
+from deepinfer_core.backends import (
+    AttentionBackend,
+    LinearBackend,
+    MoEBackend,
+    MoEWeights,
+    SamplingBackend,
+    SamplingTensors,
+)
 from deepinfer_core.testing.cases import (
     AttentionCase,
     index_scores,
@@ -31,8 +38,8 @@ from deepinfer_core.testing.compare import TOLERANCES, assert_close, tolerances
 from deepinfer_core.testing.layer_ops_conformance import check_layer_ops
 
 __all__ = [
-    "TOLERANCES", "check_attention", "check_indexer_selection", "check_layer_ops", "check_moe", "check_sampler", "fp4_moe_weights",
-    "tolerances",
+    "TOLERANCES", "check_attention", "check_indexer_selection", "check_layer_ops", "check_linear", "check_moe",
+    "check_sampler", "fp4_moe_weights", "fp8_linear_case", "tolerances",
 ]
 
 CPU = torch.device("cpu")
@@ -180,6 +187,62 @@ def _reference_tensor(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.
     if tensor is None or _keeps_dtype(tensor):
         return tensor
     return round_to(tensor, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Linear (FP8 projections)
+# ---------------------------------------------------------------------------------------------------
+
+FP8_ACTIVATION_ERROR = 2.0**-4
+"""Largest relative rounding of an activation quantised to e4m3 (half its 3-bit mantissa's ulp)."""
+
+
+def fp8_linear_case(spec: Any, num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(x, weight, scale)` for `spec`: a random weight (std 0.05) quantised to FP8 with `spec.block` tiles
+    (power-of-two scales for "ue8m0"), and random fp32 activations of the spec's input shape."""
+    from deepinfer_core.models import quant
+
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(spec.out_features, spec.in_features, generator=gen) * 0.05
+    scale_dtype = torch.float8_e8m0fnu if spec.scale_format == "ue8m0" else torch.float32
+    weight, scale = quant.quantize_fp8(dense, spec.block, scale_dtype)
+    shape = (num_tokens, spec.in_features) if spec.groups == 1 else (num_tokens, spec.groups, spec.in_features)
+    return torch.randn(shape, generator=gen), weight, scale.float()
+
+
+def check_linear(backend: LinearBackend, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
+                 num_tokens_list: tuple[int, ...] = (1, 7, 33)) -> None:
+    """Check `forward` against the reference (the dequantised weight, activations as given) for several
+    token counts, within the format's tolerance: a backend may quantise each activation to e4m3
+    (relative error <= `FP8_ACTIVATION_ERROR`, plus half the subnormal step below 2^-6 of its group's
+    scale), so `|actual - expected| <= 2^-4 |x| @ |W|.T + subnormal slack + the dtype's tolerance`."""
+    from deepinfer_core.reference.linear import ReferenceLinear
+
+    spec = backend.spec
+    dtype = dtype or spec.dtype
+    atol, rtol = tolerances(dtype)
+    reference = ReferenceLinear(dataclasses.replace(spec, dtype=torch.float32), CPU)
+    dense_reference = ReferenceLinear(dataclasses.replace(spec, weight_format="dense", dtype=torch.float32), CPU)
+    for num_tokens in num_tokens_list:
+        x, weight, scale = fp8_linear_case(spec, num_tokens, seed=seed + num_tokens)
+        x = round_to(x, dtype)
+        actual = backend.forward(x.to(device=device, dtype=dtype), weight.to(device), scale.to(device))
+        what = f"linear forward, {num_tokens} tokens, {spec}"
+        if actual.dtype != dtype:
+            raise AssertionError(f"{what}: returned {actual.dtype}, expected the input's {dtype}")
+        expected = reference.forward(x, weight, scale)
+        dense = reference.dense_weight(weight, scale)
+        magnitude = dense_reference.forward(x.abs(), dense.abs(), None)
+        row_max = x.abs().flatten(1).amax(dim=1, keepdim=True)
+        subnormal = 2.0**-10 * row_max / 448.0 * dense.abs().sum(dim=1).max()
+        bound = FP8_ACTIVATION_ERROR * magnitude + subnormal + atol + rtol * expected.abs()
+        error = (actual.detach().float().cpu() - expected).abs()
+        if actual.shape != expected.shape:
+            raise AssertionError(f"{what}: shape {list(actual.shape)}, expected {list(expected.shape)}")
+        if not bool((error <= bound).all()):
+            worst = int((error - bound).flatten().argmax())
+            raise AssertionError(f"{what}: error {error.flatten()[worst]:.3g} over the FP8 bound "
+                                 f"{bound.flatten()[worst]:.3g} at flat index {worst}")
 
 
 # ---------------------------------------------------------------------------------------------------

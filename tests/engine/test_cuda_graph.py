@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.engine.cuda_graph import NO_WRITE, DecodeGraphs, SlotBlockTables, batch_ladder
+from deepinfer_core.engine.cuda_graph import (
+    NO_WRITE,
+    DecodeGraphs,
+    SlotBlockTables,
+    batch_ladder,
+    capture_sizes,
+)
 from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.runner import CarriedTokens
 from tests.oracle import (
@@ -25,6 +31,14 @@ def test_batch_ladder_covers_every_size():
         ladder = batch_ladder(max_batch)
         assert ladder[-1] == max_batch and ladder == sorted(set(ladder))
         assert all(any(size >= n for size in ladder) for n in range(1, max_batch + 1))
+
+
+def test_capture_sizes_follow_vllms_cuda_graph_sizes_rule():
+    assert batch_ladder(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert capture_sizes(256, None) == batch_ladder(256)
+    assert capture_sizes(256, [40]) == [1, 2, 4, 8, 16, 24, 32, 40]  # one value: the ladder up to it
+    assert capture_sizes(16, [512]) == batch_ladder(16)  # never above max_num_seqs
+    assert capture_sizes(64, [8, 1, 32, 100]) == [1, 8, 32]  # several: exactly those that fit
 
 
 def test_padded_decode_equals_plain_decode(tmp_path):

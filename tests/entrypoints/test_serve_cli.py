@@ -35,11 +35,13 @@ def test_engine_options_reach_the_engine_config() -> None:
     from deepinfer_core.entrypoints.serve_cli import engine_config_of
 
     args = parse(["serve", "--dtype", "float16", "--max-model-len", "4096", "--max-num-seqs", "8",
-                  "--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.5", "--enforce-eager"])
+                  "--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+                  "--cuda-graph-sizes", "1", "8"])
     model_dir = str(embedded_tiny_model_dir())
     config = engine_config_of(args, model_dir)
     assert (config.dtype, config.max_model_len, config.max_num_seqs) == ("float16", 4096, 8)
     assert config.max_num_batched_tokens == 1024 and config.gpu_memory_utilization == 0.5 and config.enforce_eager
+    assert config.cuda_graph_sizes == (1, 8)
     defaults = engine_config_of(parse(["serve"]), model_dir)
     assert defaults == EngineConfig(model=model_dir)  # unset options keep the engine's defaults
 

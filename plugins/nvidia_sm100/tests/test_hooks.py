@@ -72,3 +72,14 @@ def test_old_gpu_is_declined(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     assert device_problem() == "compute capability 8.0 < 9.0"
     assert device_problem(torch.device("cuda", 0)) == "compute capability 8.0 < 9.0"
+
+
+def test_kernel_cache_defaults_under_deepinfers_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from deepinfer_nvidia_sm100.platform import use_kernel_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert use_kernel_cache() == tmp_path / "deepinfer" / "triton"
+    assert Path(__import__("os").environ["TRITON_CACHE_DIR"]) == tmp_path / "deepinfer" / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_kernel_cache() == tmp_path / "mine"  # the user's choice stands

@@ -16,6 +16,7 @@ import torch
 
 from deepinfer_ascend950.constraints import AscendConstraintError
 from deepinfer_ascend950.platform import cann_problem, load_cann_ops, load_torch_npu, npu_problem
+from deepinfer_core.backends.deterministic import deterministic_problem
 from deepinfer_core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def _build(decline: Callable[[str], None], build: Callable[[], object], fallback
 
 @hookimpl
 def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]) -> AttentionBackend | None:
-    problem = npu_problem(device) or cann_problem()
+    problem = npu_problem(device) or cann_problem() or deterministic_problem(spec)
     if problem is not None:
         decline(f"{problem}; attention falls back to the reference (PyTorch on the device)")
         return None
@@ -74,7 +75,7 @@ def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[
 
 @hookimpl
 def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
-    problem = npu_problem(device)
+    problem = npu_problem(device) or deterministic_problem(spec)
     if problem is not None:
         decline(problem)
         return None
@@ -86,7 +87,7 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
 
 @hookimpl
 def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
-    problem = npu_problem(device)
+    problem = npu_problem(device) or deterministic_problem(spec)
     if problem is not None:
         decline(problem)
         return None

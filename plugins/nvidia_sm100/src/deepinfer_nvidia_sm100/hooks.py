@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_core.backends.deterministic import deterministic_problem
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem
+from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem, linear_problem, use_kernel_cache
 
 if TYPE_CHECKING:
     from deepinfer_core.backends import (
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
         AttentionSpec,
         LayerOps,
         LayerOpsSpec,
+        LinearBackend,
+        LinearSpec,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -45,14 +48,19 @@ def detect_device(decline: Callable[[str], None]) -> torch.device | None:
 
 
 def _spec_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    return device_problem(device) or dtype_problem(dtype)
+    """Why kernels cannot serve `dtype` on `device`, or None; when they can, Triton's kernel cache is set
+    up first (`platform.use_kernel_cache`), before any kernel module imports Triton."""
+    problem = device_problem(device) or dtype_problem(dtype)
+    if problem is None:
+        use_kernel_cache()
+    return problem
 
 
 @hookimpl
 def make_attention(
     spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]
 ) -> AttentionBackend | None:
-    problem = _spec_problem(device, spec.dtype)
+    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
     if problem is not None:
         decline(problem)
         return None
@@ -63,7 +71,7 @@ def make_attention(
 
 @hookimpl
 def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
-    problem = _spec_problem(device, spec.dtype)
+    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
     if problem is None and spec.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
         problem = f"scoring_func {spec.scoring_func!r} not supported"
     if problem is None and spec.expert_format not in ("dense", "fp4"):
@@ -80,7 +88,7 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
 
 @hookimpl
 def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
-    problem = _spec_problem(device, spec.dtype)
+    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
     if problem is None and spec.hc_mult > 8:
         problem = f"hc_mult {spec.hc_mult} > 8 not supported"
     if problem is not None:
@@ -92,10 +100,21 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[
 
 
 @hookimpl
+def make_linear(spec: LinearSpec, device: torch.device, decline: Callable[[str], None]) -> LinearBackend | None:
+    problem = _spec_problem(device, spec.dtype) or linear_problem(spec)
+    if problem is not None:
+        decline(problem)
+        return None
+    from deepinfer_nvidia_sm100.linear import TritonFP8Linear
+
+    return TritonFP8Linear(spec, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@hookimpl
 def make_sampler(
     spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]
 ) -> SamplingBackend | None:
-    problem = device_problem(device)
+    problem = _spec_problem(device, torch.float32)
     if problem is not None:
         decline(problem)
         return None

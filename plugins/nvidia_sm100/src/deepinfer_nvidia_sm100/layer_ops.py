@@ -20,6 +20,9 @@ class TritonLayerOps:
         self.spec = spec
         self.counters = hyper_kernels.new_split_counters(device)  # split-K arrival counters, self-resetting
 
+    def map_rows(self, fn, *rows):
+        return fn(*rows)
+
     def hc_pre(self, streams, hc: HyperWeights, norm_weight):
         return hyper_kernels.hc_pre(streams, hc, norm_weight, self.spec, counters=self.counters)
 

@@ -7,7 +7,11 @@ block of rows belongs to one expert and reads that expert's weight tile once for
 With `FP4` the expert weights are packed e2m1 codes (two a byte, low nibble = even input column) with
 one e8m0 scale per 32 input columns (passed as uint8: the scale's biased exponent); each weight tile is
 decoded to the activation dtype in registers right before its `tl.dot`, so HBM carries half a byte per
-weight plus 1/32 byte of scale (weight-only quantisation: activations stay in their dtype).
+weight plus 1/32 byte of scale (weight-only quantisation: activations stay in their dtype). A tile's
+bytes are loaded once, contiguously, and split into the even (low nibble) and odd (high nibble) input
+columns, which meet the activations' even and odd columns in two dots of half width (a dot's terms may
+add in any order); its scales are loaded once per 32 inputs and added to the decoded values' exponent
+fields (`_fp4_values`), with no multiply.
 """
 
 from __future__ import annotations
@@ -89,35 +93,37 @@ def _tile(N_FASTEST: tl.constexpr):
 
 
 @triton.jit
-def _weight_pointers(w_base, s_base, offs_n, offs_k, stride_wn, stride_sn, FP4: tl.constexpr):
-    """Pointers of a `[BLOCK_N, BLOCK_K]` weight tile (and, for FP4, of its bytes' scales)."""
-    if FP4:
-        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :] // 2
-        s_ptrs = s_base + offs_n[:, None] * stride_sn + offs_k[None, :] // 32
-    else:
-        w_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
-        s_ptrs = s_base
-    return w_ptrs, s_ptrs
+def _fp4_values(code, scale_exponent, dtype: tl.constexpr):
+    """e2m1 `code`s times 2^(`scale_exponent` - 127), built as float32 bits by adding the scale to the
+    exponent field (no multiply): magnitude index `e << 1 | m` is `m / 2` when `e == 0`, else
+    `(1 + m / 2) * 2^(e - 1)`."""
+    e = (code >> 1) & 0x3
+    m = code & 0x1
+    exponent = tl.where(e == 0, scale_exponent - 1, e - 1 + scale_exponent)
+    bits = (exponent << 23) | tl.where(e == 0, 0, m << 22)
+    bits = tl.where((code & 0x7) == 0, 0, bits) | ((code >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True).to(dtype)
 
 
 @triton.jit
-def _load_weights(w_ptrs, s_ptrs, offs_k, mask, dtype: tl.constexpr, FP4: tl.constexpr):
-    """A weight tile in `dtype`; FP4 codes are decoded from their bits (no table): magnitude index
-    `m = e << 1 | mantissa`, value `mantissa / 2` when `e == 0`, else `(1 + mantissa / 2) * 2^(e - 1)`,
-    built as float32 bits; the e8m0 scale `b` is the float32 whose exponent field is `b`."""
-    if FP4:
-        packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) & 0xFF
-        code = (packed >> ((offs_k[None, :] & 1) * 4)) & 0xF
-        exponent = (code >> 1) & 0x3
-        mantissa = code & 0x1
-        normal = ((exponent + 126) << 23) | (mantissa << 22)
-        bits = tl.where(exponent == 0, mantissa * 0x3F000000, normal) | ((code >> 3) << 31)
-        value = bits.to(tl.float32, bitcast=True)
-        scale_bits = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32) << 23
-        w = (value * scale_bits.to(tl.float32, bitcast=True)).to(dtype)
-    else:
-        w = tl.load(w_ptrs, mask=mask, other=0.0)
-    return w
+def _fp4_halves(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                dtype: tl.constexpr):
+    """The even and the odd input columns `[BLOCK_N, BLOCK_K // 2]` of a packed FP4 tile: each byte and
+    each e8m0 scale loaded once (`w_ptrs` over the tile's bytes, `s_ptrs` over its `BLOCK_K // 32` scales
+    a row), the low nibble the even column, the high nibble the odd one."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
+    scales = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
+                        (BLOCK_N, BLOCK_K // 2))
+    return _fp4_values(packed & 0xF, scales, dtype), _fp4_values(packed >> 4, scales, dtype)
+
+
+@triton.jit
+def _dot(acc, a, b, IEEE: tl.constexpr):
+    """`acc + a @ b.T`."""
+    if IEEE:
+        return acc + tl.dot(a, tl.trans(b), input_precision="ieee")
+    return acc + tl.dot(a, tl.trans(b))
 
 
 @triton.jit
@@ -158,33 +164,46 @@ def gate_up_kernel(
     tokens = tl.where(row_valid, rows // TOP_K, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-    g_ptrs, gs_ptrs = _weight_pointers(w_ptr + expert.to(tl.int64) * stride_we,
-                                       s_ptr + expert.to(tl.int64) * stride_se,
-                                       offs_n, offs_k, stride_wn, stride_sn, FP4)
-    u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
-    W_STEP: tl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_valid = (k0 + offs_k) < hidden
-        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w_mask = n_valid[:, None] & k_valid[None, :]
-        wg = _load_weights(g_ptrs, gs_ptrs, offs_k, w_mask, x_ptr.dtype.element_ty, FP4)
-        wu = _load_weights(u_ptrs, us_ptrs, offs_k, w_mask, x_ptr.dtype.element_ty, FP4)
-        if IEEE:
-            acc_g += tl.dot(x, tl.trans(wg), input_precision="ieee")
-            acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
-        else:
-            acc_g += tl.dot(x, tl.trans(wg))
-            acc_u += tl.dot(x, tl.trans(wu))
-        x_ptrs += BLOCK_K
-        g_ptrs += W_STEP
-        u_ptrs += W_STEP
-        if FP4:
+    if FP4:  # the even and odd input columns as two dots of half width: no interleave, each byte loaded once
+        offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+        x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + 2 * offs_h[None, :]
+        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
+        gs_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_s[None, :]
+        u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
+        for k0 in range(0, hidden, BLOCK_K):
+            h_valid = (k0 + 2 * offs_h) < hidden
+            x_mask = row_valid[:, None] & h_valid[None, :]
+            x_even = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0)
+            w_mask = n_valid[:, None] & h_valid[None, :]
+            s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < hidden)[None, :]
+            g_even, g_odd = _fp4_halves(g_ptrs, gs_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+            u_even, u_odd = _fp4_halves(u_ptrs, us_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+            acc_g = _dot(_dot(acc_g, x_even, g_even, IEEE), x_odd, g_odd, IEEE)
+            acc_u = _dot(_dot(acc_u, x_even, u_even, IEEE), x_odd, u_odd, IEEE)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K // 2
+            u_ptrs += BLOCK_K // 2
             gs_ptrs += BLOCK_K // 32
             us_ptrs += BLOCK_K // 32
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        u_ptrs = g_ptrs + inter * stride_wn
+        for k0 in range(0, hidden, BLOCK_K):
+            k_valid = (k0 + offs_k) < hidden
+            x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            w_mask = n_valid[:, None] & k_valid[None, :]
+            wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
+            wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+            acc_g = _dot(acc_g, x, wg, IEEE)
+            acc_u = _dot(acc_u, x, wu, IEEE)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, swiglu_limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
@@ -228,26 +247,35 @@ def down_kernel(
     row_valid = rows < num_rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_k[None, :]
-    w_ptrs, s_ptrs = _weight_pointers(w_ptr + expert.to(tl.int64) * stride_we,
-                                      s_ptr + expert.to(tl.int64) * stride_se,
-                                      offs_n, offs_k, stride_wn, stride_sn, FP4)
-    W_STEP: tl.constexpr = BLOCK_K // 2 if FP4 else BLOCK_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_valid = (k0 + offs_k) < inter
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = _load_weights(w_ptrs, s_ptrs, offs_k, n_valid[:, None] & k_valid[None, :],
-                          act_ptr.dtype.element_ty, FP4)
-        if IEEE:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w))
-        a_ptrs += BLOCK_K
-        w_ptrs += W_STEP
-        if FP4:
+    if FP4:  # as in gate_up_kernel: even and odd input columns, two dots of half width
+        offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+        a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + 2 * offs_h[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
+        s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_s[None, :]
+        for k0 in range(0, inter, BLOCK_K):
+            h_valid = (k0 + 2 * offs_h) < inter
+            a_mask = row_valid[:, None] & h_valid[None, :]
+            a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+            s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < inter)[None, :]
+            w_even, w_odd = _fp4_halves(w_ptrs, s_ptrs, n_valid[:, None] & h_valid[None, :], s_mask,
+                                        BLOCK_N, BLOCK_K, act_ptr.dtype.element_ty)
+            acc = _dot(_dot(acc, a_even, w_even, IEEE), a_odd, w_odd, IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_k[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        for k0 in range(0, inter, BLOCK_K):
+            k_valid = (k0 + offs_k) < inter
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            acc = _dot(acc, a, w, IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
     acc = acc * weights[:, None]
     safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)

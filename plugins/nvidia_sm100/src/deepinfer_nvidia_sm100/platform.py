@@ -6,6 +6,8 @@ Each check returns `None` when satisfied, else the reason a hook gives to `decli
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import torch
 
@@ -34,3 +36,37 @@ def dtype_problem(dtype: torch.dtype) -> str | None:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         return f"dtype {dtype} not supported (supported: {names})"
     return None
+
+
+
+FP8_ACT_GROUP = 128
+"""Activation inputs per quantisation scale of the FP8 GEMM (DeepSeek's per-token-group size)."""
+
+
+def linear_problem(spec) -> str | None:
+    """Why the FP8 GEMM cannot run `spec` (a `LinearSpec`), or None."""
+    if spec.weight_format != "fp8":
+        return f"weight_format {spec.weight_format!r}: dense projections run as torch matmuls"
+    rows, cols = spec.block
+    if cols not in (32, 64, 128) or rows % 16:
+        return f"FP8 scale tile {spec.block} not supported (columns 32, 64 or 128; rows a multiple of 16)"
+    if spec.groups > 1 and (spec.in_features % FP8_ACT_GROUP or (spec.out_features // spec.groups) % 16):
+        return (f"grouped FP8 projection needs {FP8_ACT_GROUP}-aligned group inputs and 16-aligned group "
+                f"outputs, got {spec}")
+    if spec.in_features % 16:
+        return f"in_features {spec.in_features} is not a multiple of 16"
+    return None
+
+
+def use_kernel_cache() -> Path:
+    """Point Triton's on-disk cache of compiled kernels at DeepInfer's cache directory unless the user
+    chose one (`TRITON_CACHE_DIR`); return the directory. Default: `$XDG_CACHE_HOME/deepinfer/triton`,
+    else `~/.cache/deepinfer/triton`. A warm cache skips every kernel compile at start-up; delete the
+    directory to start cold."""
+    chosen = os.environ.get("TRITON_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    directory = Path(base) / "deepinfer" / "triton"
+    os.environ["TRITON_CACHE_DIR"] = str(directory)
+    return directory

@@ -1,0 +1,206 @@
+"""Speculative decoding's machinery on the "v4flash-LxE" workload (bench/gpu_decode.py builds it).
+
+    python bench/spec_decode.py [--layers 2] [--experts 256] [--batches 1,16,64] [--ks 1,2,3,4,5]
+        [--new-tokens 33] [--eager] [--tiny]
+
+Random weights make real acceptance meaningless, so three drafters measure the machinery honestly:
+(a) an oracle that replays the target's own greedy continuation (every draft accepted): decode tokens/s
+per request against no speculation for each k, printed beside the speed-up the memory floor allows,
+`(k + 1) x bytes(1-token step) / bytes((k + 1)-token step)`, counting the distinct routed experts the
+extra tokens touch; (b) an always-wrong drafter at k = 3 with the fixed and the confidence policy (its
+overhead against no speculation); (c) the n-gram drafter on a repetitive agent-like trace (prompts
+that quote a tool output back, greedy outputs that loop): acceptance length and speed-up.
+Every run also checks that its tokens equal those of no speculation. Verify steps (a request with
+drafts computes d + 1 tokens) run eagerly; decode steps without drafts replay CUDA graphs unless
+`--eager`. `--tiny` runs a small config on the CPU (checks the script). One JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_decode as workload
+
+
+class ReplayDrafter:
+    """Proposes the continuation recorded for the prompt (`shift` 0: the target's own greedy tokens,
+    always accepted; 1: a token that is never the target's, always rejected)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], shift: int, vocab: int) -> None:
+        self.continuations, self.shift, self.vocab = continuations, shift, vocab
+
+    def propose(self, seq, max_drafts):
+        future = self.continuations[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:max_drafts]
+        return [(t + self.shift) % self.vocab for t in future], None
+
+
+def step_bytes(counts: workload.Counts, num_tokens: int, num_requests: int, context: int) -> float:
+    """Bytes a step of `num_tokens` tokens over `num_requests` requests reads at the memory floor:
+    dense weights once, each distinct routed expert once, each request's cache once."""
+    kv = 0
+    for rate in counts.layer_rates:
+        entries = context // rate if rate else 0
+        read = 128 + (min(entries, counts.index_topk) if rate == 4 else entries)
+        kv += read * counts.head_dim + (entries * counts.index_head_dim if rate == 4 else 0)
+    return (counts.dense_bytes + counts.num_layers * workload.expected_touched(counts, num_tokens) * counts.expert_bytes
+            + num_requests * kv * counts.element_size)
+
+
+def allowed_speedup(counts: workload.Counts, batch: int, k: int, context: int) -> float:
+    """(k + 1) x bytes(1-token step) / bytes((k + 1)-token step), at `batch` requests."""
+    one = step_bytes(counts, batch, batch, context)
+    return (k + 1) * one / step_bytes(counts, batch * (k + 1), batch, context)
+
+
+def generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy tokens of every prompt, and the decode time: from the moment every request has its first
+    token to the last token (`RequestMetrics` timestamps), so prefill does not count."""
+    from deepinfer_core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ids = []
+    for prompt in prompts:
+        ids.append(f"s{generate.counter}")
+        generate.counter += 1
+        engine.add_request(ids[-1], prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    workload.sync()
+    outs = [done[i] for i in ids]
+    start = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.last_token_time for o in outs)
+    return [list(o.outputs[0].token_ids) for o in outs], max(end - start, 1e-9)
+
+
+generate.counter = 0
+
+
+def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02) -> None:
+    speculator = engine.speculator
+    speculator.config = speculator.config.model_copy(update={
+        "num_speculative_tokens": k, "draft_length_policy": policy, "verify_cost_per_token": verify_cost})
+    speculator.drafter = drafter
+
+
+def report(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
+    batch, new = len(prompts), args.new_tokens
+    context = workload.PROMPT_LEN + new // 2
+    if args.warmup:
+        generate(plain, prompts, new)
+    reference, base_s = generate(plain, prompts, new)
+    base = batch * (new - 1) / base_s  # tokens after the first, over the time they took
+    report({"case": "none", "batch": batch, "decode_tok_s": round(base, 1),
+            "per_request_tok_s": round(base / batch, 2)})
+    continuations = {tuple(p): r for p, r in zip(prompts, reference)}
+    for k in args.ks:
+        set_spec(spec, k, "fixed", ReplayDrafter(continuations, 0, vocab))
+        if args.warmup:  # at this k: kernels compile, the allocator grows
+            generate(spec, prompts, new)
+        out, seconds = generate(spec, prompts, new)
+        speed = batch * (new - 1) / seconds
+        report({"case": "oracle", "batch": batch, "k": k, "decode_tok_s": round(speed, 1),
+                "per_request_tok_s": round(speed / batch, 2), "speedup": round(speed / base, 3),
+                "allowed_speedup": round(allowed_speedup(counts, batch, k, context), 3),
+                "of_allowed": round(speed / base / allowed_speedup(counts, batch, k, context), 3),
+                "tokens_equal": out == reference})
+    for policy in ("fixed", "confidence"):
+        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost)
+        if args.warmup:
+            generate(spec, prompts, new)
+        out, seconds = generate(spec, prompts, new)
+        speed = batch * (new - 1) / seconds
+        report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
+                "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
+                "slowdown": round(1 - speed / base, 3), "tokens_equal": out == reference})
+
+
+def agent_trace(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    """Prompts shaped like agent turns: a system part, a tool output, then the same output quoted back."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(batch):
+        system = torch.randint(2, vocab, (128,), generator=generator).tolist()
+        tool = torch.randint(2, vocab, (160,), generator=generator).tolist()
+        prompts.append((system + tool + system[:64] + tool)[: workload.PROMPT_LEN])
+    return prompts
+
+
+def run_ngram(args, plain, spec, vocab) -> None:
+    from deepinfer_core.engine.spec.proposer import NgramDrafter
+
+    for batch in args.batches:
+        prompts = agent_trace(batch, vocab)
+        if args.warmup:
+            generate(plain, prompts, args.new_tokens)
+        reference, base_s = generate(plain, prompts, args.new_tokens)
+        set_spec(spec, 3, "fixed", NgramDrafter(1, 4))
+        if args.warmup:
+            generate(spec, prompts, args.new_tokens)
+        before = spec.stats()
+        out, seconds = generate(spec, prompts, args.new_tokens)
+        after = spec.stats()
+        steps = after["spec_verify_steps"] - before["spec_verify_steps"]
+        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        report({"case": "ngram_agent_trace", "batch": batch, "k": 3, "speedup": round(base_s / seconds, 3),
+                "mean_acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
+                "tokens_equal": out == reference})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--ks", default="1,2,3,4,5")
+    parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
+    parser.add_argument("--verify-cost", type=float, default=0.02,
+                        help="the confidence policy's verify_cost_per_token (a verified token's cost relative "
+                        "to a step's fixed cost)")
+    parser.add_argument("--eager", action="store_true",
+                        help="no CUDA graphs on either side (verify steps always run eagerly; this compares like "
+                        "with like)")
+    args = parser.parse_args()
+    args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.ks = [int(k) for k in args.ks.split(",")]
+    if args.tiny:
+        args.experts = min(args.experts, 8)
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = workload.build_config(args)
+    model = workload.build_model(config, device, dtype)
+    counts = workload.count(model, config)
+    max_batch = max(args.batches)
+    # the extra new tokens leave room for k drafts past the last one
+    new = args.new_tokens + max(args.ks)
+    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager)
+    spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager)
+    vocab = config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    for batch in args.batches:
+        prompts = torch.randint(2, vocab, (batch, workload.PROMPT_LEN), generator=generator).tolist()
+        run_batch(args, counts, plain, spec, prompts, vocab)
+    run_ngram(args, plain, spec, vocab)
+
+
+def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager):
+    """`gpu_decode.build_engine`'s engine with speculation on (n-gram, k drafts at most)."""
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    return workload.build_engine(config, model, device, dtype, max_batch, new_tokens, enforce_eager=eager,
+                                 speculative_config=spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Structured output's cost in a decode step: a batch with half its rows constrained by a JSON schema
+against the same batch unconstrained.
+
+    python bench/structured_overhead.py [--layers 2] [--experts 256] [--batch 64] [--steps 16] [--tiny]
+
+GPU: the "v4flash-LxE" workload of bench/gpu_decode.py (random weights, bf16, 512-token prompts; the
+DeepSeek tokenizer from the recipe plugin indexes the 129,280-id vocabulary for xgrammar). `--tiny`: the
+embedded tiny model (real tokenizer, random weights) on the CPU, to check the script.
+
+Both runs decode greedily; the schema (an object holding an array of at least 100 integers) keeps the
+constrained rows going through the timed steps. Reported: the steady step time of each run (steps in
+which every request decodes), the overhead `(constrained - plain) / plain`, the host time a step spends
+filling bitmasks and advancing matchers (`StructuredOutputManager.fill_bitmask` and `accept`), and the
+tokens a step yields for constrained and unconstrained rows (with overlapped decode a constrained row
+needs its last token on the host, so it decodes every other step). Target: overhead < 5% of step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from contextlib import contextmanager
+
+import gpu_decode as base
+import torch
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 100}},
+    "required": ["values"],
+}
+
+
+def build_engine(args):
+    """The engine under test and the prompt length its requests use."""
+    if not args.tiny:
+        config = base.build_config(args)
+        model = base.build_model(config, "cuda", torch.bfloat16)
+        new_tokens = 2 * args.steps + 16
+        return base.build_engine(config, model, "cuda", torch.bfloat16, args.batch, new_tokens), base.PROMPT_LEN
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
+
+    config = EngineConfig(model=str(embedded_tiny_model_dir()), device="cpu", max_num_seqs=args.batch,
+                          max_model_len=512, num_kv_blocks=4 * args.batch + 8)
+    return Engine(config), 32
+
+
+@contextmanager
+def grammar_timers(engine):
+    """Host seconds spent in the structured-output manager's per-step calls, accumulated in a dict."""
+    manager, spent = engine.structured_output, {"fill_bitmask": 0.0, "accept": 0.0}
+    originals = {name: getattr(manager, name) for name in spent}
+
+    def timed(name):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return originals[name](*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return call
+
+    for name in spent:
+        setattr(manager, name, timed(name))
+    try:
+        yield spent
+    finally:
+        for name in spent:
+            delattr(manager, name)
+
+
+def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int) -> dict:
+    """Time `steps` decode steps in which every request decodes; the first `constrained` rows follow SCHEMA."""
+    from deepinfer_core.sampling_params import SamplingParams, StructuredOutputsParams
+
+    plain = SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True)
+    shaped = SamplingParams(max_tokens=4 * steps + 32, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    ids = []
+    for i, prompt in enumerate(prompts):
+        ids.append(f"s{base.engine_generate.counter}")
+        base.engine_generate.counter += 1
+        engine.add_request(ids[-1], prompt, shaped if i < constrained else plain)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.is_prefill for s in scheduler.running):
+        engine.step()
+    engine.step()
+    before = {s.request_id: s.num_tokens for s in scheduler.running}
+    with grammar_timers(engine) as spent:
+        base.sync()
+        start = time.perf_counter()
+        done = 0
+        while len(scheduler.running) == len(prompts) and done < steps:
+            engine.step()
+            done += 1
+        base.sync()
+        elapsed = time.perf_counter() - start
+    gained = {s.request_id: s.num_tokens - before[s.request_id] for s in scheduler.running}
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    shaped_ids, plain_ids = ids[:constrained], ids[constrained:]
+    per_step = lambda group: sum(gained.get(i, 0) for i in group) / max(done * len(group), 1)
+    return {
+        "steps": done,
+        "step_ms": round(1e3 * elapsed / max(done, 1), 3),
+        "grammar_host_ms_per_step": round(1e3 * sum(spent.values()) / max(done, 1), 3),
+        "tokens_per_step_constrained_row": round(per_step(shaped_ids), 3) if shaped_ids else None,
+        "tokens_per_step_plain_row": round(per_step(plain_ids), 3) if plain_ids else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--tiny", action="store_true", help="the embedded tiny model on the CPU (checks the script)")
+    parser.add_argument("--commit", default="?", help="recorded in the output")
+    args = parser.parse_args()
+    engine, prompt_len = build_engine(args)
+    print(json.dumps({"bench": "structured_overhead", "date": datetime.date.today().isoformat(),
+                      "device": torch.cuda.get_device_name() if not args.tiny else "cpu", "commit": args.commit,
+                      "batch": args.batch, "constrained_rows": args.batch // 2,
+                      "workload": "embedded-tiny" if args.tiny else f"v4flash-{args.layers}x{args.experts}"}),
+          flush=True)
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(2, min(engine.runner.config.vocab_size, 100000), (args.batch, prompt_len),
+                            generator=gen).tolist()
+    steady_steps(engine, prompts, args.batch // 2, 2)  # warm-up: compiles the grammar, grows the allocator
+    rows = {}
+    for name, constrained in (("plain", 0), ("half_constrained", args.batch // 2)):
+        rows[name] = steady_steps(engine, prompts, constrained, args.steps)
+        print(json.dumps({"run": name, **rows[name]}), flush=True)
+    overhead = rows["half_constrained"]["step_ms"] / rows["plain"]["step_ms"] - 1
+    print(json.dumps({"step_overhead": round(overhead, 4), "target": "< 0.05",
+                      "grammar_host_share": round(rows["half_constrained"]["grammar_host_ms_per_step"]
+                                                  / rows["half_constrained"]["step_ms"], 4)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

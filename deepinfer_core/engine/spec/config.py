@@ -1,0 +1,51 @@
+"""The user's speculative-decoding options (vLLM's spelling of `speculative_config`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+MAX_SPECULATIVE_TOKENS = 16
+"""Largest `num_speculative_tokens` accepted (the per-request rings must hold k + 1 rows of one step)."""
+
+
+class SpeculativeConfig(BaseModel):
+    """How to speculate: which drafter, how many drafts, and how verification picks them.
+
+    `LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3})` or
+    `deepinfer serve --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "mtp"] = Field(
+        description='"ngram": prompt lookup over the request\'s own tokens; "mtp": the checkpoint\'s '
+        "multi-token-prediction layer (needs `mtp.*` weights).")
+    num_speculative_tokens: PositiveInt = Field(description="Most drafts verified per request and step (k).")
+    prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest suffix n-gram matched.")
+    prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest suffix n-gram matched (tried first).")
+    draft_length_policy: Literal["fixed", "confidence"] = Field(
+        "fixed",
+        description='"fixed": verify every proposed draft (up to k); "confidence": per request, verify '
+        "only drafts whose estimated survival pays for their verification cost (`policy.py`).")
+    verify_cost_per_token: float = Field(
+        0.02, gt=0, le=1,
+        description="confidence policy: the time one extra verified token adds to a step, relative to the "
+        "step's fixed cost (memory-bound decode: small).")
+    acceptance: Literal["seeded", "rejection"] = Field(
+        "seeded",
+        description='"seeded": accept a draft iff it equals the target\'s own seeded draw there (output '
+        "identical to no speculation); \"rejection\": standard rejection sampling (min(1, p/q), residual) "
+        "through the VerifyBackend for requests without a seed and without top-k/top-p/min-p or other "
+        "logit filters (others use the seeded rule).")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens is {self.num_speculative_tokens}; at most "
+                             f"{MAX_SPECULATIVE_TOKENS} are supported")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self

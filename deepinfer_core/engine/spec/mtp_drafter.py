@@ -1,0 +1,132 @@
+"""The MTP drafter on the model side: after each step, run the checkpoint's MTP layer over the
+positions the step made final and propose the next drafts (`deepinfer_core.models.mtp`).
+
+Row j of the MTP (its own sliding-window cache at position j) reads the target's residual streams at
+j - 1 and token j. A step that computed positions `start .. start + c - 1` for good (a prefill chunk,
+or the last token plus its c - 1 accepted drafts) fills rows `start + 1 .. start + c - 1`, and, when
+the step sampled, row `start + c` with the emitted token there; that row's prediction is draft 1.
+Drafts 2..k come from rows past it, the layer fed its own output streams and the previous draft; those
+rows are speculative and rolled back at once (`DraftRollback`), so the MTP cache, like the target's,
+only ever holds rows of final tokens. Drafts are drawn with the request's own sampling (greedy: argmax;
+sampled: the seeded draw the target will make there), so a draft is accepted exactly when the MTP
+agrees with the target's draw; each draft's confidence is the MTP's probability of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.engine.kv_cache import KVCache
+from deepinfer_core.engine.plan import StepPlan, StepResult
+from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.spec.rollback import DraftRollback, DraftRows
+
+
+class MTPDrafter:
+    """Runs the MTP module over each step's final positions; one per runner."""
+
+    def __init__(self, module, num_slots: int, dtype: torch.dtype, device: torch.device, num_drafts: int) -> None:
+        self.module, self.num_drafts, self.device = module, num_drafts, device
+        self.cache = KVCache([module.plan], 1, num_slots, dtype, device).layers
+        self.rollback = DraftRollback(self.cache, [module.plan])
+        self.first_row: dict[str, int] = {}
+        """Per request, its first MTP row since admission: older ring rows belong to someone else."""
+
+    def propose(self, runner, plan: StepPlan, states, input_ids: torch.Tensor, streams: torch.Tensor,
+                result: StepResult) -> list[tuple[list[int], list[float]]] | None:
+        """Per sampled request (in plan order), its drafts and their confidences."""
+        for request_id in plan.freed_request_ids:
+            self.first_row.pop(request_id, None)
+        for new in plan.new_requests:
+            self.first_row.pop(new.request_id, None)
+        rows = self._rows(plan, result)
+        if rows is None:
+            return None
+        self._plan, self._states = plan, states
+        # a non-finite row's placeholder (< 0) ends its request; any valid id keeps the batch running
+        tokens = torch.cat([input_ids, result.output.token_ids.to(input_ids.dtype).clamp(min=0)])
+        index = host_tensor(rows["h"] + rows["tok"]).to(self.device, non_blocking=True).view(2, -1)
+        prev, ids = streams.index_select(0, index[0]), tokens.index_select(0, index[1])
+        ctx = self._context(runner, rows["requests"], rows["positions"], ids)
+        heads = host_tensor(rows["heads"]).to(self.device)
+        logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
+        sampled = rows["sampled"]  # (state index, position of the drafted token)
+        drafts, confidences = [self._draw(runner, states, sampled, logits)], []
+        confidences.append(self._confidence(runner, states, sampled, logits, drafts[-1]))
+        saved = self.rollback.capture([DraftRows(states[i].slot, p - 1, self.num_drafts - 1, [])
+                                       for i, p in sampled])
+        prev = out_streams.index_select(0, heads)
+        for depth in range(1, self.num_drafts):
+            requests = [(i, p + depth - 1, 1) for i, p in sampled]
+            ctx = self._context(runner, requests, [p + depth - 1 for _, p in sampled], drafts[-1])
+            every = torch.arange(len(sampled), device=self.device)
+            logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
+            shifted = [(i, p + depth) for i, p in sampled]
+            drafts.append(self._draw(runner, states, shifted, logits))
+            confidences.append(self._confidence(runner, states, shifted, logits, drafts[-1]))
+        DraftRollback.restore(saved, [DraftRows(states[i].slot, p - 1, self.num_drafts - 1, []) for i, p in sampled],
+                              [0] * len(sampled))
+        token_lists = torch.stack(drafts, dim=1).tolist()
+        confidence_lists = torch.stack(confidences, dim=1).tolist()
+        return list(zip(token_lists, confidence_lists, strict=True))
+
+    def _rows(self, plan: StepPlan, result: StepResult) -> dict | None:
+        """Host lists of the MTP rows this step makes final (see the module docstring)."""
+        last_emitted = {i: row for row, i in enumerate(result.sampled)}
+        accepted = dict(zip(dict.fromkeys(result.sampled), result.num_accepted or [], strict=False))
+        out = {"h": [], "tok": [], "positions": [], "requests": [], "heads": [], "sampled": []}
+        offset, num_inputs = 0, plan.num_tokens
+        for i, request in enumerate(plan.requests):
+            s, n, d = request.start, request.num_tokens, request.num_draft_tokens
+            final = n - d + accepted.get(i, 0)  # positions computed for good
+            count = final if request.is_sampled else n - 1
+            if count > 0 and (request.is_sampled and i in last_emitted or not request.is_sampled):
+                first = len(out["positions"])
+                for j in range(s + 1, s + count + 1):
+                    out["h"].append(offset + j - 1 - s)
+                    is_emitted = j == s + final and request.is_sampled
+                    out["tok"].append(num_inputs + last_emitted[i] if is_emitted else offset + j - s)
+                    out["positions"].append(j)
+                out["requests"].append((i, s + 1, count))
+                self.first_row.setdefault(request.request_id, s + 1)
+                if request.is_sampled:
+                    out["heads"].append(first + count - 1)
+                    out["sampled"].append((i, s + count + 1))
+            offset += n
+        return out if out["sampled"] else None
+
+    def _context(self, runner, requests, positions, ids):
+        """The MTP rows' `ForwardContext`: `requests` (state index, first position, rows) in row order."""
+        states, plan_requests = self._states, self._plan.requests
+        starts = [p for _, p, _ in requests]
+        lens = [c for _, _, c in requests]
+        ends = [p + c for _, p, c in requests]
+        windows = [self.first_row[plan_requests[i].request_id] for i, _, _ in requests]
+        loc = [0]
+        for c in lens:
+            loc.append(loc[-1] + c)
+        device = self.device
+        t = lambda v: host_tensor(v).to(device, non_blocking=True)
+        return runner.make_context(
+            ids, t(positions), t(ends), t([0] * len(requests)),
+            query_start_loc=t(loc), start_positions=t(starts), slots=t([states[i].slot for i, _, _ in requests]),
+            block_tables=torch.zeros(len(requests), 1, dtype=torch.long, device=device), query_lens=lens,
+            start_positions_host=starts, max_seq_len=max(ends),
+            window_start_positions_host=windows, window_starts=t(windows),
+        )
+
+    def _tensors(self, runner, states, sampled):
+        return prepare_sampling_tensors(
+            [states[i].sampling_params for i, _ in sampled], [states[i].seed for i, _ in sampled],
+            [p - states[i].num_prompt_tokens for i, p in sampled], runner.config.eos_token_ids, self.device,
+            runner.config.vocab_size)
+
+    def _draw(self, runner, states, sampled, logits) -> torch.Tensor:
+        """Each draft as the request's own sampler draws it at that position (seeded noise included)."""
+        return runner.sampler.sample(logits, self._tensors(runner, states, sampled)).token_ids
+
+    def _confidence(self, runner, states, sampled, logits, tokens) -> torch.Tensor:
+        temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
+                                  torch.float32).to(self.device)
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        return probs.gather(1, tokens[:, None]).squeeze(1)

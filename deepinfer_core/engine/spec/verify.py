@@ -1,0 +1,129 @@
+"""The model side of a verification step: which logits rows it needs, and which drafts it accepts.
+
+A request with d drafts computes its last token and the d drafts in one forward and takes d + 1 logits
+rows: row j predicts the token after position `start + j`. The sampler draws every row as it would
+without speculation (row j is the request's generated token number `start + 1 + j - prompt`, under the
+request's seed), and draft j + 1 is accepted iff it equals row j's draw. The request emits rows
+0 .. a for a accepted drafts: the accepted drafts (equal to the draws) and the draw after them. Each
+emitted token is therefore exactly the token the request draws without speculation, so greedy and
+seeded sampling are unchanged token for token, and every request samples from the target's own
+distribution whatever the drafts were (research-algorithms.md §6).
+
+`acceptance="rejection"` instead verifies requests that sample without a seed and without logit
+filters through the `VerifyBackend` (accept with min(1, p/q), resample the residual), which accepts
+at least as often for a drafter whose draft distribution q is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from deepinfer_core.backends import SamplerOutput
+from deepinfer_core.backends.verify import VerifyBackend
+from deepinfer_core.engine.plan import StepPlan
+from deepinfer_core.sampling_ops import sampler_output
+from deepinfer_core.sampling_params import SamplingParams
+
+
+def logits_row_requests(plan: StepPlan, sampled: list[int]) -> list[int]:
+    """Per logits row of a step, the index of its request in `plan.requests` (d + 1 rows a request
+    with d drafts, one a sampled request without)."""
+    rows = []
+    for i in sampled:
+        rows += [i] * (plan.requests[i].num_draft_tokens + 1)
+    return rows
+
+
+def row_token_offsets(plan: StepPlan, row_requests: list[int]) -> list[int]:
+    """Per logits row, its offset from the request's last row (-d .. 0): row j of a request with d drafts
+    draws the token `end - d + j`, the last row the token after every draft."""
+    offsets, previous, j = [], None, 0
+    for i in row_requests:
+        j = j + 1 if i == previous else 0
+        previous = i
+        offsets.append(j - plan.requests[i].num_draft_tokens)
+    return offsets
+
+
+def is_rejection_eligible(params: SamplingParams, num_generated: int) -> bool:
+    """Whether rejection sampling draws this request exactly: sampled without a seed, with nothing but
+    temperature shaping its distribution (the `VerifyBackend` contract knows only temperature)."""
+    return (params.seed is None and not params.is_greedy and not (0 < params.top_k) and params.top_p >= 1
+            and params.min_p <= 0 and not params.logit_bias and not params.allowed_token_ids
+            and not params.bad_words_token_ids and num_generated >= params.min_tokens)
+
+
+@dataclass
+class Verified:
+    """What a verification step emits: output rows (with repeats, one per emitted token) and counts."""
+
+    sampled: list[int]
+    """Per emitted token, its request's index in `plan.requests`, in order."""
+    output: SamplerOutput
+    num_accepted: list[int]
+    """Per sampled request (in `sampled` order without repeats), drafts accepted."""
+
+
+def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput,
+                  rejection: dict[int, tuple[torch.Tensor, int]] | None = None) -> Verified:
+    """Apply the seeded-draw rule to a step's sampler output (`rejection`: per request index, tokens
+    `[d + 1]` and accepted count from the verifier, which replace the rule for that request)."""
+    tokens = output.token_ids.tolist()
+    emit, num_accepted, row = [], [], 0
+    requests = plan.requests
+    while row < len(row_requests):
+        i = row_requests[row]
+        d = requests[i].num_draft_tokens
+        drafts = requests[i].token_ids[len(requests[i].token_ids) - d :]
+        if rejection is not None and i in rejection:
+            a = int(rejection[i][1])
+        else:
+            a = 0
+            while a < d and drafts[a] == tokens[row + a]:
+                a += 1
+        emit += range(row, row + a + 1)
+        num_accepted.append(a)
+        row += d + 1
+    index = torch.tensor(emit, device=output.token_ids.device)
+    picked = {f.name: getattr(output, f.name) for f in fields(output) if getattr(output, f.name) is not None}
+    selected = replace(output, **{name: value.index_select(0, index) for name, value in picked.items()})
+    return Verified([row_requests[r] for r in emit], selected, num_accepted)
+
+
+def rejection_verify(verifier: VerifyBackend, plan: StepPlan, row_requests: list[int], eligible: set[int],
+                     logits: torch.Tensor, temperature: torch.Tensor,
+                     generator: torch.Generator | None) -> dict[int, tuple[torch.Tensor, int]]:
+    """Run the verifier over the eligible requests with drafts, grouped by draft count; per request
+    index, its `[d + 1]` tokens (accepted drafts, then the correction or bonus) and accepted count."""
+    first_row: dict[int, int] = {}
+    for row, i in enumerate(row_requests):
+        first_row.setdefault(i, row)
+    groups: dict[int, list[int]] = {}
+    for i in sorted(eligible):
+        d = plan.requests[i].num_draft_tokens
+        if d:
+            groups.setdefault(d, []).append(i)
+    results = {}
+    for d, members in groups.items():
+        rows = torch.tensor([first_row[i] + j for i in members for j in range(d + 1)], device=logits.device)
+        drafts = torch.tensor([plan.requests[i].token_ids[-d:] for i in members], device=logits.device)
+        temps = temperature[rows.view(len(members), d + 1)[:, 0]]
+        out = verifier.verify(drafts, None, logits[rows].view(len(members), d + 1, -1), temps, generator)
+        for m, i in enumerate(members):
+            results[i] = (out.token_ids[m], int(out.num_accepted[m]))
+    return results
+
+
+def merge_rejection(output: SamplerOutput, logits: torch.Tensor, tensors, row_requests: list[int],
+                    results: dict[int, tuple[torch.Tensor, int]]) -> SamplerOutput:
+    """The sampler output with each verified request's rows replaced by the verifier's tokens (rows past
+    its emitted tokens keep the sampler's, never emitted), logprobs recomputed for them."""
+    token_ids = output.token_ids.clone()
+    first_row: dict[int, int] = {}
+    for row, i in enumerate(row_requests):
+        first_row.setdefault(i, row)
+    for i, (tokens, a) in results.items():
+        token_ids[first_row[i] : first_row[i] + a + 1] = tokens[: a + 1]
+    return sampler_output(logits, token_ids, tensors)

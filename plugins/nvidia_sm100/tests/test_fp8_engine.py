@@ -1,0 +1,129 @@
+"""A quantised tiny checkpoint (FP8 projections with 32x32 UE8M0 tiles, packed FP4 experts) on the plugin.
+
+1. Any machine (Triton's interpreter off the GPU): the model with the plugin's FP8 GEMM in every FP8
+   projection gives every position's logprobs of the same model whose projections quantise their
+   activations in torch (`quant.quantize_activations_fp8`) and multiply the dequantised values: the
+   kernel computes exactly that, up to the order of fp32 additions.
+2. GPU only: the whole engine on the plugin's backends (FP8 GEMMs, FP4 MoE kernels, CUDA graphs) against
+   the reference backends on the same checkpoint and device: greedy tokens agree, and where they part
+   the reference itself calls it a near tie (its logprobs of the two tokens within the FP8 tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.models import quant
+from deepinfer_core.models.layers import FP8Linear
+from deepinfer_core.models.tiny import tiny_config, write_checkpoint
+from deepinfer_core.reference.linear import ReferenceLinear
+from tests.oracle import run_chunked
+
+NEAR_TIE = 0.05
+"""Largest reference logprob gap at which the two backends may pick different greedy tokens."""
+
+
+class EmulatedW8A8(ReferenceLinear):
+    """The reference with activations quantised as the FP8 GEMM quantises them (oracle of test 1)."""
+
+    def forward(self, x, weight, scale):
+        flat = x.reshape(x.shape[0], -1)
+        q, scales = quant.quantize_activations_fp8(flat, 128, self.spec.scale_format == "ue8m0")
+        dequantised = q.float() * scales.repeat_interleave(128, dim=-1)[:, : flat.shape[1]]
+        return super().forward(dequantised.to(x.dtype).view_as(x), weight, scale)
+
+
+class LinearEverywhere:
+    """Serves one linear class on any device (the plugin itself declines off CUDA)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    @hookimpl
+    def make_linear(self, spec, device):
+        if self.kind == "triton":
+            from deepinfer_nvidia_sm100.linear import TritonFP8Linear
+
+            return TritonFP8Linear(spec, num_sms=4)
+        return EmulatedW8A8(spec, device)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = tiny_config(moe_intermediate_size=64)
+    return write_checkpoint(tmp_path_factory.mktemp("fp8fp4"), config, seed=3, layout="official",
+                            quant="fp8+fp4", fp8_block=(32, 32))
+
+
+def _runner(checkpoint, device) -> ModelRunner:
+    model_config = ModelConfig.from_dir(checkpoint)
+    engine_config = EngineConfig(model=str(checkpoint), dtype="float32", max_num_seqs=4, num_kv_blocks=40,
+                                 enforce_eager=True).resolve(model_config)
+    return ModelRunner(model_config, engine_config, device)
+
+
+def test_every_position_matches_activation_quantisation_in_torch(kernel_device, isolated_plugin_manager,
+                                                                  checkpoint):
+    from deepinfer_nvidia_sm100.linear import TritonFP8Linear
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 512, (n,), generator=generator).tolist() for n in (1, 9, 20)]
+    results = {}
+    for kind in ("triton", "torch"):
+        registered = LinearEverywhere(kind)
+        isolated_plugin_manager.register(registered, name=f"linear-{kind}")
+        runner = _runner(checkpoint, kernel_device)
+        kinds = {type(m.backend) for m in runner.model.modules() if isinstance(m, FP8Linear)}
+        assert kinds == {TritonFP8Linear if kind == "triton" else EmulatedW8A8}
+        results[kind] = run_chunked(runner, prompts, 10)
+        isolated_plugin_manager.unregister(registered)
+    for mine, expected in zip(results["triton"], results["torch"], strict=True):
+        assert torch.equal(mine.argmax(-1), expected.argmax(-1))
+        assert (mine - expected).abs().max().item() < 1e-4
+
+
+def _greedy(engine, prompts, max_tokens=12):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0]
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_engine_on_the_plugin_gives_the_reference_greedy_tokens(cuda_device, isolated_plugin_manager,
+                                                                 checkpoint):
+    from deepinfer_nvidia_sm100 import hooks
+
+    from deepinfer_core.engine.engine import Engine
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 512, (n,), generator=generator).tolist() for n in (3, 17, 40, 90)]
+    options = {"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 32, "device": "cuda"}
+    reference = _greedy(Engine(EngineConfig(model=str(checkpoint), dtype="bfloat16", **options)), prompts)
+    isolated_plugin_manager.register(hooks, name="nvidia_sm100")
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype="bfloat16", **options))
+    runner = engine.executor.runner
+    assert {type(m.backend).__name__ for m in runner.model.modules() if isinstance(m, FP8Linear)} == {"TritonFP8Linear"}
+    assert {type(b).__name__ for b in runner.model.moe_backends} == {"TritonMoE"}
+    assert runner.graphs is not None
+    agreed = total = 0
+    for got, want in zip(_greedy(engine, prompts), reference, strict=True):
+        total += len(want.token_ids)
+        for step, (mine, theirs) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+            if mine != theirs:
+                top = want.logprobs[step]
+                assert mine in top, f"step {step}: token {mine} is not in the reference's top 5"
+                gap = top[theirs].logprob - top[mine].logprob
+                assert gap < NEAR_TIE, f"step {step}: the reference prefers {theirs} by {gap:.3f}"
+                break  # the contexts differ from here on
+            agreed += 1
+    assert agreed >= total // 2, f"only {agreed} of {total} greedy tokens agree"

@@ -1,0 +1,155 @@
+"""Speculative decoding end to end on the reference backend (fp32, CPU): output identical to decoding
+without speculation for every drafter, k and policy, over batches, preemption and prefix hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+from tests.oracle import parity_config, random_state_dict, write_config
+
+CONFIG = parity_config("sliding_csa_hca")  # window 8, CSA rate 4, HCA rate 16: drafts cross every ring
+WEIGHTS = random_state_dict(CONFIG, seed=5)
+VOCAB = CONFIG["vocab_size"]
+
+
+def make_engine(tmp_path, spec=None, **options) -> Engine:
+    write_config(tmp_path, CONFIG)
+    options = {"max_num_seqs": 4, "num_kv_blocks": 24, **options}
+    return Engine(EngineConfig(model=str(tmp_path), dtype="float32", speculative_config=spec, **options),
+                  weights=WEIGHTS)
+
+
+def prompts(lengths, seed=0, repeat=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=generator).tolist() * repeat for n in lengths]
+
+
+def generate(engine: Engine, token_prompts, max_tokens=10, **params) -> dict[str, list[int]]:
+    for i, prompt in enumerate(token_prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def tokens(outputs) -> dict[str, list[list[int]]]:
+    return {k: [c.token_ids for c in v.outputs] for k, v in outputs.items()}
+
+
+class ScriptedDrafter:
+    """Proposes the reference continuation (`offset` 0: always right) or a token that is never it
+    (`offset` 1: always wrong), read from the outputs of a run without speculation."""
+
+    def __init__(self, reference: dict[str, list[int]], offset: int) -> None:
+        self.reference, self.offset = reference, offset
+
+    def propose(self, seq, max_drafts):
+        future = self.reference[seq.request_id][seq.num_output_tokens :][:max_drafts]
+        return [(t + self.offset) % VOCAB for t in future], None
+
+
+MIXED = prompts([3, 9, 26], seed=1, repeat=2)  # repeated halves: the n-gram drafter finds matches
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tmp_path_factory):
+    return tokens(generate(make_engine(tmp_path_factory.mktemp("ref")), MIXED, temperature=0))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_ngram_greedy_equals_no_speculation_for_every_k(tmp_path, greedy_reference, k):
+    engine = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4})
+    assert tokens(generate(engine, MIXED, temperature=0)) == greedy_reference
+    stats = engine.stats()
+    assert stats["spec_verified_tokens"] > 0 and stats["spec_accepted_tokens"] > 0  # it did speculate
+    assert engine.block_manager.num_free_blocks == engine.executor.info.num_blocks
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_drafter_has_every_draft_accepted(tmp_path, greedy_reference, k):
+    engine = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": k})
+    engine.speculator.drafter = ScriptedDrafter({str(i): v[0] for i, v in enumerate(greedy_reference.values())}, 0)
+    outputs = generate(engine, MIXED, temperature=0)
+    assert tokens(outputs) == greedy_reference
+    for out in outputs.values():
+        spec = out.metrics.spec_decode
+        assert spec.num_verified_tokens > 0 and spec.num_accepted_tokens == spec.num_verified_tokens
+        assert spec.mean_acceptance_length > 1
+
+
+def test_always_wrong_drafter_costs_one_position_per_draft_and_changes_nothing(tmp_path, greedy_reference):
+    engine = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": 3})
+    engine.speculator.drafter = ScriptedDrafter({str(i): v[0] for i, v in enumerate(greedy_reference.values())}, 1)
+    outputs = generate(engine, MIXED, temperature=0)
+    assert tokens(outputs) == greedy_reference
+    stats = engine.stats()
+    assert stats["spec_verified_tokens"] > 0 and stats["spec_accepted_tokens"] == 0
+    # every verify step emitted exactly one token: decodes = generated tokens after the first of each
+    assert stats["spec_acceptance_histogram"] == [stats["spec_verify_steps"]]
+
+
+def test_confidence_policy_stops_verifying_an_always_wrong_drafter(tmp_path, greedy_reference):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_length_policy": "confidence",
+            "verify_cost_per_token": 0.2}
+    engine = make_engine(tmp_path, spec)
+    engine.speculator.drafter = ScriptedDrafter({str(i): v[0] for i, v in enumerate(greedy_reference.values())}, 1)
+    outputs = generate(engine, MIXED, temperature=0)
+    assert tokens(outputs) == greedy_reference
+    stats = engine.stats()
+    assert stats["spec_drafted_tokens"] > stats["spec_verified_tokens"]  # it declined most drafts
+
+
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+@pytest.mark.parametrize("k", [2, 5])
+def test_seeded_sampling_is_identical_with_speculation(tmp_path, k, policy):
+    params = {"temperature": 0.8, "top_k": 50, "n": 2, "seed": 7, "logprobs": 2}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    reference = generate(make_engine(tmp_path / "a"), MIXED, **params)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "draft_length_policy": policy}
+    engine = make_engine(tmp_path / "b", spec)
+    # an oracle of the sampled run makes drafts get accepted, so sampled rows run through verification
+    engine.speculator.drafter = ScriptedDrafter(
+        {f"{key}#{i}": c.token_ids for key, v in reference.items() for i, c in enumerate(v.outputs)}, 0)
+    outputs = generate(engine, MIXED, **params)
+    assert tokens(outputs) == tokens(reference)
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    for key, out in outputs.items():  # the target's logprobs for every accepted token
+        for mine, theirs in zip(out.outputs[1].logprobs, reference[key].outputs[1].logprobs, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert max(abs(mine[t].logprob - theirs[t].logprob) for t in mine) < 1e-4
+
+
+def test_preemption_and_prefix_hits_with_speculation(tmp_path):
+    batch = prompts([125, 125], seed=4, repeat=2)  # two blocks each and a third to decode: four in the pool
+    options = {"num_kv_blocks": 4, "enable_prefix_caching": True, "max_num_batched_tokens": 64}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    reference = make_engine(tmp_path / "a", **options)
+    expected = [tokens(generate(reference, batch, temperature=0)) for _ in range(2)]  # cold, then hits
+    engine = make_engine(tmp_path / "b", {"method": "ngram", "num_speculative_tokens": 4}, **options)
+    assert [tokens(generate(engine, batch, temperature=0)) for _ in range(2)] == expected
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["spec_verified_tokens"] > 0
+    assert engine.block_manager.num_free_blocks == 4
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(tmp_path, greedy_reference):
+    first = greedy_reference["2"][0]
+    stop = first[6]
+    engine = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": 5})
+    engine.speculator.drafter = ScriptedDrafter({"0": greedy_reference["2"][0], "1": greedy_reference["2"][0]}, 0)
+    engine.add_request("0", MIXED[2], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
+    engine.add_request("1", MIXED[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["0"].outputs[0].token_ids == first[: first.index(stop) + 1]
+    assert done["0"].outputs[0].finish_reason == "stop"
+    assert done["1"].outputs[0].token_ids == first[:4]

@@ -490,6 +490,9 @@ class EngineConfig(BaseModel):
     enable_expert_parallel: bool = Field(
         False, description="Spread the routed experts over every rank (EP size = TP x DP x CP).")
     enable_eplb: bool = Field(False, description="Rebalance expert replicas by observed load (needs expert parallelism).")
+    time_ep_dispatch: bool = Field(
+        False, description="Time the expert-parallel all-to-alls on every rank, synchronising the device around "
+        "each (bench/ep_scale.py reads it from stats()['ranks']); off for serving.")
     eplb_config: EplbConfig = Field(
         default_factory=EplbConfig,
         description='EPLB knobs: {"num_redundant_experts": R, "window_size": W, "step_interval": S}.')

@@ -13,7 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.engine import Engine
+from deepinfer_core.engine.data_parallel import build_engine
 from deepinfer_core.engine.sampling import check_sampling_params, finished_text
 from deepinfer_core.models.weight_formats import check_quantization
 from deepinfer_core.outputs import RequestOutput
@@ -65,7 +65,7 @@ class LLM:
         config = EngineConfig(model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len,
                               tensor_parallel_size=tensor_parallel_size, **engine_options)
         check_quantization(quantization, config.load_model_config())
-        self.engine = Engine(config)
+        self.engine = build_engine(config)  # one engine core per data-parallel rank when there are several
         self.decode_sequence = decode_sequence
         self._counter = 0
 

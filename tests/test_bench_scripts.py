@@ -59,3 +59,14 @@ def test_host_overhead_reports_every_mode_and_batch():
     table = run_script("bench/host_overhead.py", "--batch", "1,4", "--steps", "4")
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith(("| eager", "| graph"))]
     assert sorted((mode.strip(), int(batch)) for mode, batch in rows) == [("eager", 1), ("eager", 4), ("graph", 1), ("graph", 4)]
+
+
+def test_ep_scale_reports_every_rank_and_the_balance_eplb_reaches():
+    rows = json_lines(run_script("bench/ep_scale.py", "--ranks", "2", "--requests", "2", "--prompt", "16",
+                                 "--new-tokens", "8", "--step-interval", "3", "--window", "3"))
+    ranks = [r for r in rows if "rank" in r]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["tok_s"] > 0 and 0 < r["dispatch_s"] < r["step_s"] for r in ranks)
+    balance = next(r for r in rows if "balance_initial" in r)
+    assert balance["rebalances"] >= 2 and balance["balance_initial"] > 1.3  # skewed on purpose
+    assert balance["balance_predicted"] < balance["balance_initial"]

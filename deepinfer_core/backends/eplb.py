@@ -20,6 +20,12 @@ class EplbSpec:
     """Physical expert slots over all ranks (>= num_experts; the surplus holds replicas)."""
     num_ranks: int = 1
     """Expert-parallel ranks; slots are split evenly across them."""
+    num_nodes: int = 1
+    """Machines the EP ranks span (ranks node-major, `num_ranks / num_nodes` each). Above 1, with
+    `num_groups` a multiple of it, placement is hierarchical: expert groups are packed onto nodes first
+    so a group's tokens stay inside one node; otherwise it is global."""
+    num_groups: int = 1
+    """Expert groups (contiguous expert ids) of group-limited routing; 1 when the model has none."""
 
 
 @runtime_checkable

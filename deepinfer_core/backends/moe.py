@@ -7,7 +7,7 @@ permutation, the grouped GEMMs with the SwiGLU clamp and the weighted combine in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -44,6 +44,21 @@ class MoESpec:
     """Batch-invariant mode (`EngineConfig.deterministic`): a token's output must be bit-identical
     whatever other tokens share the call (fixed-shape GEMMs, experts combined in ascending expert order,
     no atomics). A backend without such a variant declines the spec."""
+    expert_parallel: bool = False
+    """The routed experts are spread over expert-parallel ranks (`enable_expert_parallel`): the layer's
+    `MoEWeights` hold only this rank's physical slots and carry an `ExpertPlacement`; the backend sends
+    each token to the ranks of its experts and combines the answers. A backend without a dispatch of its
+    own declines such specs."""
+    ep_size: int = 1
+    """Expert-parallel ranks."""
+    num_slots: int = 0
+    """Physical expert slots over all EP ranks (`num_experts` plus the redundant ones; 0: `num_experts`),
+    `num_slots // ep_size` on each rank."""
+
+    @property
+    def num_local_slots(self) -> int:
+        """Physical expert slots this rank holds (every expert without expert parallelism)."""
+        return (self.num_slots or self.num_experts) // self.ep_size if self.expert_parallel else self.num_experts
 
 
 @dataclass
@@ -70,6 +85,48 @@ class MoEWeights:
     """`[num_experts, 2 * intermediate_size, hidden_size / 32]` FP4 group scales (fp4 format only)."""
     down_scale: torch.Tensor | None = None
     """`[num_experts, hidden_size, intermediate_size / 32]` FP4 group scales (fp4 format only)."""
+    placement: ExpertPlacement | None = None
+    """Where the layer's experts live across expert-parallel ranks (None without expert parallelism);
+    then the leading dim of `gate_up`, `down` and their scales is `MoESpec.num_local_slots`, not
+    `num_experts`."""
+
+
+@dataclass
+class ExpertPlacement:
+    """One MoE layer's routed experts over the expert-parallel ranks: logical experts (what the router
+    picks) held in physical slots, `num_local_slots` per rank, rank-major (slot `s` lives on rank
+    `s // num_local_slots`). Redundant slots hold replicas of busy experts (EPLB). The tensors live on
+    the device and are updated in place when experts move, so captured graphs stay valid."""
+
+    group: Any
+    """torch.distributed group of the EP ranks (None: a process of its own, no collectives)."""
+    rank: int
+    """This rank's index in `group`."""
+    size: int
+    """EP ranks."""
+    num_local_slots: int
+    slot_experts: torch.Tensor
+    """`[num_slots]` int64 logical expert held by each physical slot (DeepSeek EPLB's `phy2log`)."""
+    expert_slots: torch.Tensor
+    """`[num_experts, max_replicas]` int64 physical slots of each logical expert, padded with -1 (`log2phy`)."""
+    replica_counts: torch.Tensor
+    """`[num_experts]` int64 replicas of each logical expert (`logcnt`)."""
+    slot_load: torch.Tensor
+    """`[num_slots]` int64 token assignments this rank sent to each physical slot since the load was last
+    read; the backend adds to it on the device, with no host sync (EPLB's load window reads it)."""
+    time_dispatch: bool = False
+    """Measure the dispatch's collectives (synchronising the device around each; benches only)."""
+    dispatch_s: float = 0.0
+    """Seconds spent in this layer's dispatch collectives while `time_dispatch` was on."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_experts.numel()
+
+    def local_experts(self) -> list[int]:
+        """Logical expert of each of this rank's slots, in slot order."""
+        first = self.rank * self.num_local_slots
+        return self.slot_experts[first : first + self.num_local_slots].tolist()
 
 
 EXPERT_FORMATS = ("dense", "fp4")
@@ -114,4 +171,18 @@ def check_expert_format(backend: object, spec: MoESpec) -> None:
             f"{type(backend).__qualname__} was built for {spec.expert_format!r} experts but reads only "
             f"{list(formats)}; its plugin should decline such specs. Load with "
             f"quantized_weights='dequantize' to run it on dequantised experts"
+        )
+
+
+def check_expert_parallel(backend: object, spec: MoESpec) -> None:
+    """Raise unless `backend` (built for `spec`) declares `supports_expert_parallel` when `spec` is
+    expert-parallel: a backend that ignored `MoEWeights.placement` would run local slots as if they
+    were every expert.
+
+    :raises ValueError: naming the backend.
+    """
+    if spec.expert_parallel and not getattr(backend, "supports_expert_parallel", False):
+        raise ValueError(
+            f"{type(backend).__qualname__} was built for an expert-parallel MoE spec but does not declare "
+            f"supports_expert_parallel; its plugin should decline specs with expert_parallel=True"
         )

@@ -27,7 +27,7 @@ from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
-from deepinfer_core.engine.executor import make_executor
+from deepinfer_core.engine.executor import make_executor, parallel_stats
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
@@ -94,13 +94,15 @@ class _Request:
 class Engine:
     """Synchronous engine; not thread-safe (see `deepinfer_core.engine.async_engine` for serving)."""
 
-    def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None,
+                 executor=None) -> None:
+        """`executor`: the model side to run on (a data-parallel rank's share); None builds one."""
         _show_info_logs()
         model_config = registry.load_model_config(engine_config.model)
         self.config = engine_config.resolve(model_config)
         self.model_config: ModelConfig = model_config
         device = torch.device(self.config.device) if self.config.device else plugins.select_device()
-        self.executor = make_executor(model_config, self.config, device, weights)
+        self.executor = executor if executor is not None else make_executor(model_config, self.config, device, weights)
         info = self.executor.info
         self.tokenizer = load_tokenizer(self.config.model, model_config)
         self.eos_token_ids = model_config.eos_token_ids
@@ -459,6 +461,7 @@ class Engine:
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
             **(_spec_stats(self.speculator.totals) if self.speculator is not None else {}),
+            **parallel_stats(self.executor),
         }
 
 

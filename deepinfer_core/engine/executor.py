@@ -28,12 +28,25 @@ import torch
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine import context_parallel
+from deepinfer_core.engine.parallel import ParallelConfig
 from deepinfer_core.engine.plan import StepPlan, StepResult
 from deepinfer_core.models import tensor_parallel
 
 
 class WorkerError(RuntimeError):
     """A worker rank failed, died or hung; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's share of the model and its cache, in bytes."""
+
+    rank: int
+    weights_bytes: int
+    """Parameters and buffers this rank holds (its experts only, under expert parallelism)."""
+    cache_bytes: int
+    """Its KV cache and per-request state (sized from its own device's free memory)."""
+    num_blocks: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class ModelSideInfo:
     block_size: int
     cache_fingerprint: bytes
     device: torch.device
+    memory: RankMemory | None = None
 
 
 class Executor(Protocol):
@@ -55,12 +69,21 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on every rank; return rank 0's result."""
 
+    def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
+        """Run one plan per data-parallel rank at once (each on that DP rank's ranks); their results."""
+
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
 
 
-def runner_info(runner) -> ModelSideInfo:
-    return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device)
+def runner_info(runner, rank: int = 0) -> ModelSideInfo:
+    """What `runner` tells the engine, with its memory share."""
+    weights = sum(t.numel() * t.element_size() for t in (*runner.model.parameters(), *runner.model.buffers()))
+    cache = sum(t.numel() * t.element_size() for layer in runner.kv_cache.layers
+                for t in vars(layer).values() if isinstance(t, torch.Tensor))
+    memory = RankMemory(rank, weights, cache, runner.num_blocks)
+    return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device,
+                         memory)
 
 
 class UniExecutor:
@@ -72,7 +95,11 @@ class UniExecutor:
 
         self.runner = ModelRunner(model_config, engine_config, device, weights=weights)
         self.info = runner_info(self.runner)
+        self.infos = [self.info]
         self.execute = self.runner.execute
+
+    def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
+        return [self.runner.execute(plan) for plan in plans]
 
     def shutdown(self) -> None:
         pass
@@ -89,6 +116,9 @@ class MultiprocExecutor:
                  weights: dict[str, torch.Tensor] | None = None) -> None:
         self.world_size = engine_config.num_ranks
         self.timeout_s = engine_config.worker_timeout_s
+        self.layout = engine_config.parallel_config
+        self.rank_reports: list[dict | None] = [None] * self.world_size
+        """Per rank, its latest `worker.RankReport`: steps, step and dispatch seconds, EPLB figures."""
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._conns, self._procs = [], []
         self._is_shut_down = False
@@ -103,16 +133,34 @@ class MultiprocExecutor:
             args = (rank, self.world_size, init_method, model_config, engine_config, str(device), weights)
             conn.send_bytes(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
         infos = self._collect(timeout_s=None, what="start-up")
-        self.info = infos[0]
+        self.leaders = dp_leaders(self.layout)
+        self.infos: list[ModelSideInfo] = [infos[rank] for rank in self.leaders]
+        """Per data-parallel rank, its first rank's info (each DP rank sizes its own cache)."""
+        self.memory = [info.memory for info in infos]
+        self.info = self.infos[0]
 
     def execute(self, plan: StepPlan) -> StepResult:
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(self.leaders) != 1:
+            raise RuntimeError("a data-parallel world runs one plan per DP rank: call execute_all")
+        return self.execute_all([plan])[0]
+
+    def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
+        if len(plans) != len(self.leaders):
+            raise ValueError(f"{len(plans)} plans for {len(self.leaders)} data-parallel ranks")
+        data = [pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) for plan in plans]
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send_bytes(data)
+                conn.send_bytes(data[dp_rank_of(self.layout, rank)])
             except OSError as err:
                 self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].poll()}")
-        return self._collect(timeout_s=self.timeout_s, what="a step")[0]
+        answers = self._collect(timeout_s=self.timeout_s, what="a step")
+        self.rank_reports = [report for _, report in answers]
+        return [answers[rank][0] for rank in self.leaders]
+
+    @property
+    def eplb_stats(self) -> dict | None:
+        """Rank 0's latest EPLB figures (`eplb_state.BalanceStats` as a dict), None without EPLB."""
+        return self.rank_reports[0]["eplb"] if self.rank_reports[0] else None
 
     def _collect(self, timeout_s: float | None, what: str) -> list:
         """One answer from every rank; `WorkerError` on an error report, a dead rank or a timeout."""
@@ -184,6 +232,31 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     if engine_config.num_ranks != 1:
         raise ValueError(f"world_size={engine_config.num_ranks} needs distributed_executor_backend='mp'")
     return UniExecutor(model_config, engine_config, device, weights)
+
+
+def parallel_stats(executor) -> dict:
+    """Per-rank memory and rank 0's EPLB figures, as far as `executor` knows them (for `stats()`)."""
+    stats = {}
+    memory = getattr(executor, "memory", None)
+    if memory:
+        stats["rank_memory"] = [vars(m) for m in memory if m is not None]
+    eplb = getattr(executor, "eplb_stats", None)
+    if eplb:
+        stats["eplb"] = dict(eplb)
+    reports = getattr(executor, "rank_reports", None)
+    if reports and all(r is not None for r in reports):
+        stats["ranks"] = [{k: v for k, v in r.items() if k != "eplb"} for r in reports]
+    return stats
+
+
+def dp_rank_of(layout: ParallelConfig, rank: int) -> int:
+    """The data-parallel rank whose plans global `rank` runs (0 for a world of replicas)."""
+    return layout.coordinates(rank)[0] if layout.world_size > 1 else 0
+
+
+def dp_leaders(layout: ParallelConfig) -> list[int]:
+    """Per data-parallel rank, the global rank that answers its steps."""
+    return [layout.dp_leader(dp) for dp in range(layout.data_parallel_size)]
 
 
 def _free_port() -> int:

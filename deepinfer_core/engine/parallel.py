@@ -102,10 +102,6 @@ class ParallelConfig(BaseModel):
         if self.context_parallel_size > 1 and (self.world_size != self.context_parallel_size or self.enable_expert_parallel):
             missing.append(f"context_parallel_size={self.context_parallel_size} combined with tensor, data or "
                            "expert parallelism (context parallelism runs alone)")
-        if self.data_parallel_size > 1:
-            missing.append(f"data_parallel_size={self.data_parallel_size} (attention data parallelism)")
-        if self.enable_expert_parallel:
-            missing.append("enable_expert_parallel=True (expert parallelism)")
         if missing:
             raise NotImplementedError("not implemented yet: " + "; ".join(missing))
 

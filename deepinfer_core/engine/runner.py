@@ -21,11 +21,12 @@ import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cuda_graphs
-from deepinfer_core.backends.moe import check_expert_format
+from deepinfer_core.backends.moe import check_expert_format, check_expert_parallel
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.context_parallel import ContextParallel
 from deepinfer_core.engine.context_parallel_ops import ContextParallelAttention, ContextParallelLayerOps
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
+from deepinfer_core.engine.eplb_state import make_expert_shards
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
@@ -111,6 +112,10 @@ class ModelRunner:
         self.plans = deterministic_plans(
             weight_formats.with_expert_format(model_cls.layer_plan(self.local_config, self.dtype), fmt),
             engine_config.deterministic)
+        self.experts = make_expert_shards(self.parallel, model_config, device,  # None without EP
+                                          engine_config.time_ep_dispatch)
+        if self.experts is not None:
+            self.plans = self.experts.plans(self.plans)
         self.cache_fingerprint = cache_fingerprint(
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
@@ -139,19 +144,24 @@ class ModelRunner:
         shards = tensor_parallel.tensor_shards(tensor_schema(model), self.parallel.tp.rank, self.parallel.tp.size)
         native = self.engine_config.quantized_weights == "native"
         block = weight_formats.fp8_layout(self.config)[0]
+        keep_fp4 = self.plans[0].moe.expert_format == "fp4"
         if weights is None:  # a model class with its own checkpoint layout brings its loader
             own_loader = getattr(model_cls, "load_checkpoint", None)
             if own_loader is not None:
-                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device,
-                                     keep_fp4=self.plans[0].moe.expert_format == "fp4")
+                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4)
+                if self.experts is not None:
+                    weights = self.experts.select_local(weights)
             else:  # under tensor parallelism only this rank's slices are read
                 weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
-                                       keep_fp4=self.plans[0].moe.expert_format == "fp4",
+                                       keep_fp4=keep_fp4,
                                        keep_fp8=weight_formats.fp8_projection_names(model) if native else (),
+                                       local_experts=self.experts.local_experts if self.experts else None,
                                        shards=shards)
             self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
         else:
             weights, self._mtp_weights = split_mtp_weights(weights)
+            if self.experts is not None:
+                weights = self.experts.select_local(weights)
             if shards:  # FP8 projections are cut dequantised (their scales are not cut with them)
                 weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
                                                          keep_fp8=False, block=block)
@@ -172,6 +182,7 @@ class ModelRunner:
             if plan.moe not in moe:
                 moe[plan.moe] = plugins.make_moe(plan.moe, self.device)
                 check_expert_format(moe[plan.moe], plan.moe)
+                check_expert_parallel(moe[plan.moe], plan.moe)
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype, self.engine_config.deterministic),
                                      self.device)
         self.linear_backends = weight_formats.bind_linears(self.model, plugins.make_linear, self.device)
@@ -180,6 +191,8 @@ class ModelRunner:
             ops = ContextParallelLayerOps(ops)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
+        if self.experts is not None:
+            self.experts.attach(self.model.moe_weights)
 
     def available_blocks(self) -> int:
         """Cache blocks that fit: `num_kv_blocks`, else what device (or host) memory allows."""

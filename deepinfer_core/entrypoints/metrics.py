@@ -104,6 +104,7 @@ class ServerMetrics:
             ("num_requests_waiting", stats.get("num_waiting", 0), "Requests waiting to be scheduled."),
             ("prefix_cache_hit_rate", hits / queries if queries else 0.0,
              "Prompt tokens found in the prefix cache / prompt tokens looked up, since start."),
+            *_eplb_gauges(stats.get("eplb")),
         ]
 
 
@@ -135,3 +136,17 @@ def _spec_decode_lines(stats: dict[str, Any]) -> list[str]:
     lines += [f'{name}_bucket{{le="+Inf"}} {total}', f"{name}_count {total}",
               f"{name}_sum {sum(a * c for a, c in enumerate(histogram))}"]
     return lines
+
+
+def _eplb_gauges(eplb: dict[str, Any] | None) -> list[tuple[str, float, str]]:
+    """Expert-parallel load balance figures of the latest rebalance (none without EPLB)."""
+    if not eplb:
+        return []
+    return [
+        ("eplb_balance", eplb["balance_before"],
+         "Busiest EP rank's routed load / mean rank load over the EPLB window, measured before the latest rebalance."),
+        ("eplb_balance_after_rebalance", eplb["balance_after"],
+         "The same window's balance under the placement the latest rebalance chose."),
+        ("eplb_rebalances", eplb["num_rebalances"], "Expert rebalances since start."),
+        ("eplb_last_pause_seconds", eplb["pause_s"], "How long serving paused for the latest rebalance."),
+    ]

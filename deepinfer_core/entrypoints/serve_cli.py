@@ -161,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the engine for `args.model_dir` and serve it until interrupted."""
     import uvicorn
 
-    from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.engine.data_parallel import build_engine
 
     model_dir = args.model_dir
     if model_dir is None:
@@ -170,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_dir = str(embedded_tiny_model_dir())
     require_chat_encoding(model_dir)
     limits = http_limits_of(args)
-    app = build_app(Engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
+    app = build_app(build_engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
                     model_aliases=args.model_alias, limits=limits, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
     return 0

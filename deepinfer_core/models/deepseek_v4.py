@@ -112,9 +112,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, config, dtype: torch.dtype) -> None:
+    def __init__(self, config, num_slots: int, dtype: torch.dtype) -> None:
         super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        e, h, i = num_slots, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i, dtype=dtype))
 
@@ -123,10 +123,11 @@ class MoE(nn.Module):
     def __init__(self, config, plan: LayerPlan, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(config, plan.moe.is_hash, dtype)
+        slots = plan.moe.num_local_slots  # every expert, or this rank's share under expert parallelism
         if plan.moe.expert_format == "fp4":
-            self.experts = FP4Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+            self.experts = FP4Experts(slots, config.hidden_size, config.moe_intermediate_size)
         else:
-            self.experts = Experts(config, dtype)
+            self.experts = Experts(config, slots, dtype)
         self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, float(config.swiglu_limit or 0), dtype)
 
     def routed_weights(self) -> MoEWeights:
@@ -201,6 +202,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             layer.mlp.shared_experts.bind()
         self.hc_weights = [(layer.attn_hc.weights(), layer.ffn_hc.weights()) for layer in self.model.layers]
         self.head_weights = self.model.hc_head.weights()
+
+    @torch.inference_mode()
+    def forward_idle(self) -> None:
+        """A step without tokens: every MoE layer runs its backend on no rows, so an idle data-parallel
+        rank joins the other ranks' expert-parallel collectives (vLLM's dummy step)."""
+        x = self.model.embed_tokens.weight.new_empty(0, self.config.hidden_size)
+        input_ids = torch.empty(0, dtype=torch.long, device=x.device)
+        for backend, weights in zip(self.moe_backends, self.moe_weights, strict=True):
+            backend.forward(x, input_ids, weights)
 
     def backends(self) -> list[object]:
         """Every bound backend object."""

@@ -12,8 +12,10 @@ the file or the tensors.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import re
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -82,11 +84,15 @@ def load_weights(
     *,
     progress: bool | None = None,
     keep_fp4: bool = False,
+    local_experts: Callable[[int], list[int]] | None = None,
     shards: dict[str, tensor_parallel.Shard] | None = None,
     keep_fp8: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint into internal names, dequantised, on `device`.
 
+    `local_experts(layer)` (expert parallelism): the logical experts this rank holds in layer `layer`,
+    one per local slot (repeats are replicas); only those experts' tensors are read (per-expert
+    checkpoints) or kept (fused ones), and the routed-expert tensors come back with that many rows.
     With `shards` (a tensor-parallel rank's, `tensor_parallel.tensor_shards`) each tensor named there
     is read only in its slices, and comes back that shape.
 
@@ -104,7 +110,7 @@ def load_weights(
     """
     return _read_checkpoint(
         Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4,
-        frozenset(keep_fp8), shards or {},
+        frozenset(keep_fp8), local_experts, shards or {},
     )
 
 
@@ -138,6 +144,7 @@ def _read_checkpoint(
     model_dir: Path, config: ModelConfig, schema: dict[str, TensorSpec], device, progress: bool | None,
     keep_fp4: bool = False,
     keep_fp8: frozenset[str] = frozenset(),
+    local_experts: Callable[[int], list[int]] | None = None,
     shards: dict[str, tensor_parallel.Shard] | None = None,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
@@ -159,8 +166,11 @@ def _read_checkpoint(
         weights = {}
         for name, plan in tqdm(plans.items(), desc="Loading weights", unit="tensor", disable=not progress):
             shard = shards.get(name)
+            plan, keep_rows = _local_plan(plan, local_experts)
             if keep_fp4 and "fp4" in plan.quantised:
                 weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device, shard)
+                if keep_rows is not None:
+                    weights[name], weights[f"{name}_scale"] = weights[name][keep_rows], weights[f"{name}_scale"][keep_rows]
                 finite.add(f"{name}_scale", weights[f"{name}_scale"])
                 continue
             if (name in keep_fp8 and shard is None and plan.join == "copy"  # kept whole in FP8 (a TP slice is not)
@@ -172,10 +182,29 @@ def _read_checkpoint(
                 finite.add(f"{name}_scale", weights[f"{name}_scale"])
                 continue
             weights[name] = _build(plan, reader, config, schema[name].dtype, device, shard)
+            if keep_rows is not None:  # a fused tensor of every expert: keep the local ones
+                weights[name] = weights[name][keep_rows]
             finite.add(name, weights[name])
         finite.raise_if_any(str(model_dir))
     _check_tid2eid(weights, config)
     return weights
+
+
+def _local_plan(plan: SourcePlan, local_experts: Callable[[int], list[int]] | None):
+    """`(plan reading only the local experts, rows to keep after reading or None)` of a routed-expert
+    tensor under expert parallelism; `(plan, None)` for every other tensor."""
+    key = _EXPERT_TARGET.fullmatch(plan.target) if local_experts is not None else None
+    if key is None:
+        return plan, None
+    experts = local_experts(int(key.group(1)))
+    if plan.join == "copy":
+        return plan, torch.tensor(experts)
+    per_part = len(plan.sources) // (2 if plan.join == "stack_pairs" else 1)
+    parts = [plan.sources[start : start + per_part] for start in range(0, len(plan.sources), per_part)]
+    return replace(plan, sources=tuple(part[e] for part in parts for e in experts)), None
+
+
+_EXPERT_TARGET = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\w+")
 
 
 class _Check:

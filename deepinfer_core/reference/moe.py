@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from deepinfer_core.backends import MoESpec, MoEWeights
 from deepinfer_core.models import quant
+from deepinfer_core.reference.moe_dispatch import expert_parallel_forward
 
 GATHER_LIMIT = 2**25
 """Largest number of expert-weight elements the gathered path may copy in one step."""
@@ -58,12 +59,15 @@ class ReferenceMoE:
 
     supports_cuda_graphs = False  # the grouped path sizes expert batches from bincount(...).tolist()
     expert_formats = ("dense", "fp4")
+    supports_expert_parallel = True  # `moe_dispatch`: all-to-all over the placement's EP group
 
     def __init__(self, spec: MoESpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
         self._fp4 = spec.expert_format == "fp4"
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        if weights.placement is not None:
+            return expert_parallel_forward(x, input_ids, weights, self.spec, route, self.expert_outputs)
         ids, routing = route(x, input_ids, weights, self.spec)
         spec = self.spec
         if ids.numel() * 3 * spec.intermediate_size * spec.hidden_size <= GATHER_LIMIT:
@@ -75,8 +79,24 @@ class ReferenceMoE:
         gate_up, down = expert_tensors(weights, ids.flatten(), x.dtype, self._fp4)
         h = torch.bmm(gate_up, x.repeat_interleave(ids.shape[1], dim=0)[:, :, None])
         h = swiglu(h.squeeze(-1), self.spec.swiglu_limit)
-        y = torch.bmm(down, h[:, :, None]).squeeze(-1).view(*ids.shape, -1)
+        y = torch.bmm(down, h[:, :, None]).squeeze(-1).view(*ids.shape, self.spec.hidden_size)
         return (y * routing[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
+
+    def expert_outputs(self, rows: torch.Tensor, slots: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        """Unweighted outputs `[M, H]` of `rows` `[M, H]` through the local expert slots `slots` `[M]`
+        (expert parallelism). Few rows: one batched matmul, the same arithmetic as `_gathered`, so a
+        token's output does not depend on where its expert ran; many: one matmul per slot."""
+        spec = self.spec
+        if rows.shape[0] * 3 * spec.intermediate_size * spec.hidden_size <= GATHER_LIMIT:
+            gate_up, down = expert_tensors(weights, slots, rows.dtype, self._fp4)
+            h = swiglu(torch.bmm(gate_up, rows[:, :, None]).squeeze(-1), spec.swiglu_limit)
+            return torch.bmm(down, h[:, :, None]).squeeze(-1)
+        out = torch.empty_like(rows)
+        for slot in slots.unique().tolist():
+            picked = (slots == slot).nonzero().squeeze(1)
+            gate_up, down = expert_tensors(weights, slot, rows.dtype, self._fp4)
+            out[picked] = F.linear(swiglu(F.linear(rows[picked], gate_up), spec.swiglu_limit), down)
+        return out
 
     def _per_expert(self, x, ids, routing, weights: MoEWeights) -> torch.Tensor:
         out = torch.zeros_like(x)

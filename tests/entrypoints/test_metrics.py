@@ -24,3 +24,12 @@ def test_render_reports_counters_and_engine_gauges() -> None:
     assert samples["deepinfer_num_requests_running"] == "3" and samples["deepinfer_num_requests_waiting"] == "1"
     assert samples["deepinfer_prefix_cache_hit_rate"] == "0.25"
     assert "# TYPE deepinfer_time_to_first_token_seconds histogram" in text
+
+
+def test_render_reports_expert_load_balance_when_the_engine_rebalances() -> None:
+    eplb = {"num_rebalances": 2, "balance_before": 1.8, "balance_after": 1.05, "pause_s": 0.25, "num_moved": 3}
+    text = ServerMetrics().render({"eplb": eplb})
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples["deepinfer_eplb_balance"] == "1.8" and samples["deepinfer_eplb_balance_after_rebalance"] == "1.05"
+    assert samples["deepinfer_eplb_rebalances"] == "2" and samples["deepinfer_eplb_last_pause_seconds"] == "0.25"
+    assert "eplb" not in ServerMetrics().render({})

@@ -435,3 +435,20 @@ def test_load_model_refuses_a_model_of_another_config(tmp_path, weights):
     other = meta_model(ModelConfig.from_dict(tiny_config("sliding_only")))
     with pytest.raises(ValueError, match="the model's tensors differ"):
         load_model(other, config, tmp_path, "cpu")
+
+
+@pytest.mark.parametrize("layout", ["hf", "official"])
+@pytest.mark.parametrize("quant_mode", [None, "fp8+fp4"])
+def test_an_expert_parallel_rank_reads_only_its_experts(tmp_path, weights, layout, quant_mode):
+    write_checkpoint(tmp_path, CONFIG, weights, layout=layout, quant=quant_mode)
+    keep_fp4 = quant_mode is not None
+    whole = load(tmp_path, keep_fp4=keep_fp4)
+    mine = {0: [4, 5, 6, 7], 1: [0, 1, 2, 0], 2: [7, 3, 3, 1]}  # per layer, one expert a local slot (replicas repeat)
+    local = load(tmp_path, keep_fp4=keep_fp4, local_experts=mine.__getitem__)
+    assert local.keys() == whole.keys()
+    for name, tensor in whole.items():
+        if ".mlp.experts." in name:
+            layer = int(name.split(".")[2])
+            assert torch.equal(local[name].view(torch.uint8), tensor[mine[layer]].view(torch.uint8)), name
+        else:
+            assert torch.equal(local[name], tensor), name

@@ -98,3 +98,35 @@ def test_invalid_specs_raise(num_slots, num_ranks, message):
 def test_wrong_load_shape_raises():
     with pytest.raises(ValueError, match="load must be"):
         make().rebalance(torch.ones(2, 16))
+
+
+def balance(placement, load, num_ranks):
+    """Busiest rank / mean rank, per layer."""
+    loads = rank_loads(placement, load, num_ranks)
+    return loads.max(-1).values / loads.mean(-1)
+
+
+def test_skewed_routing_reaches_ten_percent_of_the_mean_with_redundancy():
+    load = skewed_load(4, 64, seed=1)
+    naive = balance(naive_placement(4, 64, 64), load, 8)
+    assert (naive > 1.5).all(), "the synthetic routing was meant to be badly skewed"
+    assert (balance(make(4, 64, 64, 8).rebalance(load), load, 8) > 1.10).any()  # packing alone is not enough
+    balanced = balance(make(4, 64, 80, 8).rebalance(load), load, 8)  # 16 redundant experts
+    assert (balanced <= 1.10).all(), balanced
+
+
+def test_hierarchical_placement_keeps_each_group_on_one_node():
+    spec = EplbSpec(num_layers=2, num_experts=32, num_slots=40, num_ranks=8, num_nodes=2, num_groups=8)
+    eplb = ReferenceEplb(spec, torch.device("cpu"))
+    assert eplb.is_hierarchical
+    load = skewed_load(2, 32, seed=7)
+    placement = eplb.rebalance(load)
+    for row in placement:
+        assert set(row.tolist()) == set(range(32))
+        nodes = row.view(2, 20)  # ranks 0-3 on node 0, 4-7 on node 1: 20 slots a node
+        for group in range(8):
+            members = set(range(group * 4, group * 4 + 4))
+            on_node = [bool(members & set(node.tolist())) for node in nodes]
+            assert sum(on_node) == 1, f"group {group} spans both nodes"
+    assert (balance(placement, load, 8) < balance(naive_placement(2, 32, 40), load, 8)).all()
+    assert not ReferenceEplb(EplbSpec(1, 32, 40, 8, num_nodes=2, num_groups=1), "cpu").is_hierarchical

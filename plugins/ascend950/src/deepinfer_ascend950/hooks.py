@@ -76,6 +76,8 @@ def make_attention(spec: AttentionSpec, device: torch.device, decline: Callable[
 @hookimpl
 def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
     problem = npu_problem(device) or deterministic_problem(spec)
+    if problem is None and spec.expert_parallel:
+        problem = "expert parallelism: no dispatch of its own (the reference's all-to-all serves it)"
     if problem is not None:
         decline(problem)
         return None

@@ -78,6 +78,8 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
         problem = f"expert_format {spec.expert_format!r} not supported"
     if problem is None and spec.expert_format == "fp4" and (spec.hidden_size % 32 or spec.intermediate_size % 32):
         problem = "FP4 experts need hidden and intermediate sizes divisible by 32"
+    if problem is None and spec.expert_parallel:
+        problem = "expert parallelism: no dispatch of its own (the reference's all-to-all serves it)"
     if problem is not None:
         decline(problem)
         return None

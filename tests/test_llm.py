@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import LLM, RequestOutput, SamplingParams
+from deepinfer_core.config import ConfigError
 from deepinfer_core.sampling_params import MAX_N
 from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir, tiny_config, write_checkpoint
 
@@ -132,8 +133,8 @@ def test_vllm_engine_spellings(model_dir):
     assert half.engine.config.dtype == "float16" and isinstance(half.engine.config.seed, int)
     [out] = half.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 5
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        LLM(str(model_dir), tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not fit .*num_attention_heads \(4\)"):
+        LLM(str(model_dir), tensor_parallel_size=3)  # refused before any worker rank starts
 
 
 def test_tokenize_and_the_deprecated_encode_alias(embedded):

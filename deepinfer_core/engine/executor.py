@@ -27,8 +27,10 @@ import torch
 
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine import context_parallel
 from deepinfer_core.engine.parallel import ParallelConfig
 from deepinfer_core.engine.plan import StepPlan, StepResult
+from deepinfer_core.models import tensor_parallel
 
 
 class WorkerError(RuntimeError):
@@ -220,6 +222,10 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     from deepinfer_core.engine import worker
 
     engine_config.parallel_config.check_implemented()
+    # refused before any rank starts
+    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size,
+                                          getattr(engine_config.speculative_config, "method", None))
+    context_parallel.check_context_parallel(model_config, engine_config)
     if worker.launched_by_torchrun():
         return worker.TorchrunExecutor(model_config, engine_config, device, weights)
     parallel = engine_config.parallel_config

@@ -96,10 +96,12 @@ class ParallelConfig(BaseModel):
     def check_implemented(self) -> None:
         """Raise `NotImplementedError` naming each layout this build cannot run yet."""
         missing = []
-        if self.tensor_parallel_size > 1:
-            missing.append(f"tensor_parallel_size={self.tensor_parallel_size} (tensor parallelism)")
-        if self.context_parallel_size > 1:
-            missing.append(f"context_parallel_size={self.context_parallel_size} (context parallelism)")
+        if self.tensor_parallel_size > 1 and self.enable_expert_parallel:
+            missing.append(f"tensor_parallel_size={self.tensor_parallel_size} with enable_expert_parallel=True "
+                           "(tensor-parallel ranks hold a slice of every expert; expert parallelism a whole share)")
+        if self.context_parallel_size > 1 and (self.world_size != self.context_parallel_size or self.enable_expert_parallel):
+            missing.append(f"context_parallel_size={self.context_parallel_size} combined with tensor, data or "
+                           "expert parallelism (context parallelism runs alone)")
         if missing:
             raise NotImplementedError("not implemented yet: " + "; ".join(missing))
 

@@ -23,6 +23,8 @@ from deepinfer_core import plugins
 from deepinfer_core.backends import AttentionMetadata, SamplingSpec, supports_cuda_graphs
 from deepinfer_core.backends.moe import check_expert_format, check_expert_parallel
 from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.engine.context_parallel import ContextParallel
+from deepinfer_core.engine.context_parallel_ops import ContextParallelAttention, ContextParallelLayerOps
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.eplb_state import make_expert_shards
 from deepinfer_core.engine.kv_blocks import BlockIO, block_layout
@@ -33,7 +35,7 @@ from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.spec import verify as spec_verify
 from deepinfer_core.engine.spec.runner_side import SpecVerifier, build_mtp_drafter
 from deepinfer_core.engine.structured_output import apply_bitmask
-from deepinfer_core.models import registry, weight_formats
+from deepinfer_core.models import registry, tensor_parallel, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
 from deepinfer_core.models.interface import (
     CausalLM,
@@ -106,8 +108,10 @@ class ModelRunner:
         self.dtype = engine_config.torch_dtype(model_config)
         model_cls = registry.model_class(model_config)
         fmt = weight_formats.expert_format(model_config, engine_config, weights)
+        # this rank's part of the model (its query heads, output groups and expert width under TP)
+        self.local_config = tensor_parallel.shard_config(model_config, self.parallel.tp.size)
         self.plans = deterministic_plans(
-            weight_formats.with_expert_format(model_cls.layer_plan(model_config, self.dtype), fmt),
+            weight_formats.with_expert_format(model_cls.layer_plan(self.local_config, self.dtype), fmt),
             engine_config.deterministic)
         self.experts = make_expert_shards(self.parallel, model_config, device,  # None without EP
                                           engine_config.time_ep_dispatch)
@@ -118,6 +122,7 @@ class ModelRunner:
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
         self.model: CausalLM = self._load_model(model_cls, weights)
         self._bind_backends()
+        self.context_parallel = ContextParallel(self.parallel.cp, device) if self.parallel.cp.size > 1 else None
         self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
         self.num_slots = engine_config.max_num_seqs
         self.num_blocks = self.available_blocks()
@@ -138,8 +143,10 @@ class ModelRunner:
 
     def _load_model(self, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
         with torch.device("meta"):
-            model = model_cls(self.config, self.plans, self.dtype, parallel=self.parallel)
+            model = model_cls(self.local_config, self.plans, self.dtype, parallel=self.parallel)
+        shards = tensor_parallel.tensor_shards(tensor_schema(model), self.parallel.tp.rank, self.parallel.tp.size)
         native = self.engine_config.quantized_weights == "native"
+        block = weight_formats.fp8_layout(self.config)[0]
         keep_fp4 = self.plans[0].moe.expert_format == "fp4"
         if weights is None:  # a model class with its own checkpoint layout brings its loader
             own_loader = getattr(model_cls, "load_checkpoint", None)
@@ -147,18 +154,23 @@ class ModelRunner:
                 weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4)
                 if self.experts is not None:
                     weights = self.experts.select_local(weights)
-            else:
+            else:  # under tensor parallelism only this rank's slices are read
                 weights = load_weights(self.engine_config.model, self.config, self.dtype, self.device,
                                        keep_fp4=keep_fp4,
                                        keep_fp8=weight_formats.fp8_projection_names(model) if native else (),
-                                       local_experts=self.experts.local_experts if self.experts else None)
+                                       local_experts=self.experts.local_experts if self.experts else None,
+                                       shards=shards)
             self._mtp_weights = None  # read from the checkpoint by the MTP drafter, if asked for
         else:
             weights, self._mtp_weights = split_mtp_weights(weights)
             if self.experts is not None:
                 weights = self.experts.select_local(weights)
+            if shards:  # FP8 projections are cut dequantised (their scales are not cut with them)
+                weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
+                                                         keep_fp8=False, block=block)
+                weights = tensor_parallel.shard_weights(weights, shards)
         weights = weight_formats.prepare_weights(weights, self.plans[0].moe.expert_format, self.dtype,
-                                                 keep_fp8=native, block=weight_formats.fp8_layout(self.config)[0])
+                                                 keep_fp8=native, block=block)
         weight_formats.hold_fp8_linears(model, weights, self.config, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
         weights = match_param_dtypes(weights, tensor_schema(model), self.device)
@@ -177,6 +189,9 @@ class ModelRunner:
         ops = plugins.make_layer_ops(layer_ops_spec(self.config, self.dtype, self.engine_config.deterministic),
                                      self.device)
         self.linear_backends = weight_formats.bind_linears(self.model, plugins.make_linear, self.device)
+        if self.parallel.cp.size > 1:  # split prefill steps exchange window keys and compressed entries
+            attention = {spec: ContextParallelAttention(backend) for spec, backend in attention.items()}
+            ops = ContextParallelLayerOps(ops)
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
         if self.experts is not None:
@@ -256,6 +271,12 @@ class ModelRunner:
             sampled = list(range(len(states)))
             tensors = self._sampling_tensors(plan, states, sampled)  # before the launch: no wait on copies
             return self._sample(plan, sampled, self.graphs.run(plan.requests, states, self._carried), tensors, {})
+        layout = self.context_parallel.layout(plan, states) if self.context_parallel is not None else None
+        if layout is not None:  # a prefill step split over the cp ranks
+            logits, sampled, prompt_spans = self.context_parallel.forward(self, layout, self._carried)
+            prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
+            tensors = self._sampling_tensors(plan, states, sampled)
+            return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
         ctx, logits_indices, sampled, prompt_spans, pending = self.prepare_inputs(plan, states)
         if pending:
             if self._carried is None:

@@ -93,6 +93,13 @@ class SafetensorsReader:
         except (OSError, SafetensorError) as err:
             raise CheckpointError(f"{self._files[name]}: cannot read tensor {name}: {err}") from err
 
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Only the part `index` of the tensor (a tensor-parallel rank's slice): just those bytes are read."""
+        try:
+            return self._handles[name].get_slice(name)[index]
+        except (OSError, SafetensorError) as err:
+            raise CheckpointError(f"{self._files[name]}: cannot read tensor {name}{list(index)}: {err}") from err
+
     def scale_name(self, name: str) -> str | None:
         """The name of `name`'s quantisation scale in the checkpoint, or None."""
         base = name.removesuffix(".weight")

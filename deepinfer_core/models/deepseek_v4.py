@@ -12,6 +12,7 @@ from torch import nn
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
 from deepinfer_core.engine.parallel import ParallelGroups
+from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.compressor import Compressor, Indexer
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
@@ -226,15 +227,16 @@ class DeepseekV4ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's tokens; return fp32 logits `[len(logits_indices), vocab]`."""
-        ops, layers = self.ops, self.model.layers
+        ops, layers, tp = self.ops, self.model.layers, self.parallel.tp
         x = self.model.embed_tokens(ctx.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1)  # read through its strides, never copied
         post, comb, x = ops.hc_pre(streams, self.hc_weights[0][0], layers[0].input_layernorm.weight)
         for i, layer in enumerate(layers):
-            out = layer.self_attn(x, ctx, caches[i], self.attention_backends[i], ops)
+            # attention and MoE end in row-parallel projections: their partial sums meet here (tensor parallelism)
+            out = tensor_parallel.all_reduce(layer.self_attn(x, ctx, caches[i], self.attention_backends[i], ops), tp)
             streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i][1],
                                                      layer.post_attention_layernorm.weight)
-            out = layer.mlp(x, ctx.input_ids, self.moe_backends[i], self.moe_weights[i], ops)
+            out = tensor_parallel.all_reduce(layer.mlp(x, ctx.input_ids, self.moe_backends[i], self.moe_weights[i], ops), tp)
             if i + 1 < len(layers):
                 streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i + 1][0],
                                                          layers[i + 1].input_layernorm.weight)

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.models import quant
+from deepinfer_core.models import quant, tensor_parallel
 from deepinfer_core.models.checkpoint_files import SafetensorsReader, checkpoint_files
 from deepinfer_core.models.checkpoint_layout import (
     FLOAT_DTYPES,
@@ -85,6 +85,7 @@ def load_weights(
     progress: bool | None = None,
     keep_fp4: bool = False,
     local_experts: Callable[[int], list[int]] | None = None,
+    shards: dict[str, tensor_parallel.Shard] | None = None,
     keep_fp8: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint into internal names, dequantised, on `device`.
@@ -92,6 +93,8 @@ def load_weights(
     `local_experts(layer)` (expert parallelism): the logical experts this rank holds in layer `layer`,
     one per local slot (repeats are replicas); only those experts' tensors are read (per-expert
     checkpoints) or kept (fused ones), and the routed-expert tensors come back with that many rows.
+    With `shards` (a tensor-parallel rank's, `tensor_parallel.tensor_shards`) each tensor named there
+    is read only in its slices, and comes back that shape.
 
     With `keep_fp4` the routed experts stay in their packed FP4 bytes instead: `<name>` holds the int8
     codes and `<name>_scale` the float8_e8m0fnu group scales (`layers.FP4Experts`' parameters); an
@@ -107,7 +110,7 @@ def load_weights(
     """
     return _read_checkpoint(
         Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4,
-        frozenset(keep_fp8), local_experts,
+        frozenset(keep_fp8), local_experts, shards or {},
     )
 
 
@@ -142,8 +145,10 @@ def _read_checkpoint(
     keep_fp4: bool = False,
     keep_fp8: frozenset[str] = frozenset(),
     local_experts: Callable[[int], list[int]] | None = None,
+    shards: dict[str, tensor_parallel.Shard] | None = None,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
+    shards = shards or {}
     layout = detect_layout(list(files))
     plans = source_plans(config, layout)
     if set(plans) != set(schema):  # the model asked for is not the model of `config`
@@ -160,21 +165,23 @@ def _read_checkpoint(
         finite = _FiniteCheck()
         weights = {}
         for name, plan in tqdm(plans.items(), desc="Loading weights", unit="tensor", disable=not progress):
+            shard = shards.get(name)
             plan, keep_rows = _local_plan(plan, local_experts)
             if keep_fp4 and "fp4" in plan.quantised:
-                weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device)
+                weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device, shard)
                 if keep_rows is not None:
                     weights[name], weights[f"{name}_scale"] = weights[name][keep_rows], weights[f"{name}_scale"][keep_rows]
                 finite.add(f"{name}_scale", weights[f"{name}_scale"])
                 continue
-            if name in keep_fp8 and plan.join == "copy" and reader.dtype(plan.sources[0]) == FP8_DTYPE:
+            if (name in keep_fp8 and shard is None and plan.join == "copy"  # kept whole in FP8 (a TP slice is not)
+                    and reader.dtype(plan.sources[0]) == FP8_DTYPE):
                 source = plan.sources[0]
                 weights[name] = reader.read(source).to(device)
                 weights[f"{name}_scale"] = reader.read(reader.scale_name(source)).to(device, torch.float32)
                 finite.add(name, weights[name])
                 finite.add(f"{name}_scale", weights[f"{name}_scale"])
                 continue
-            weights[name] = _build(plan, reader, config, schema[name].dtype, device)
+            weights[name] = _build(plan, reader, config, schema[name].dtype, device, shard)
             if keep_rows is not None:  # a fused tensor of every expert: keep the local ones
                 weights[name] = weights[name][keep_rows]
             finite.add(name, weights[name])
@@ -346,8 +353,11 @@ def _block_size(config: ModelConfig) -> tuple[int, int]:
 
 
 def _read_source(
-    plan: SourcePlan, name: str, reader: SafetensorsReader, config: ModelConfig, device
+    plan: SourcePlan, name: str, reader: SafetensorsReader, config: ModelConfig, device,
+    shard: tensor_parallel.Shard | None = None,
 ) -> torch.Tensor:
+    if shard is not None:
+        return _read_source_slices(plan, name, reader, config, device, shard)
     raw = reader.read(name).to(device)
     stored = reader.dtype(name)
     if stored == FP8_DTYPE and "fp8" in plan.quantised:
@@ -358,24 +368,52 @@ def _read_source(
     return raw
 
 
-def _build(
-    plan: SourcePlan, reader: SafetensorsReader, config: ModelConfig, dtype: torch.dtype, device
+def _read_source_slices(
+    plan: SourcePlan, name: str, reader: SafetensorsReader, config: ModelConfig, device, shard: tensor_parallel.Shard
 ) -> torch.Tensor:
-    parts = [_read_source(plan, source, reader, config, device).to(dtype) for source in plan.sources]
+    """`_read_source` of only a tensor-parallel rank's slices (`shard` cuts the stored tensor `name`)."""
+    stored = reader.dtype(name)
+    if stored == FP8_DTYPE and "fp8" in plan.quantised:
+        return tensor_parallel.read_fp8_slices(reader, name, shard, _block_size(config), device)
+    if stored in FP4_PACKED_DTYPES and "fp4" in plan.quantised:
+        codes, scale = _fp4_slices(name, reader, device, shard)
+        return quant.dequantize_fp4(codes, scale)
+    return tensor_parallel.read_slices(reader, name, shard, device)
+
+
+def _fp4_slices(name: str, reader: SafetensorsReader, device, shard: tensor_parallel.Shard | None):
+    """The packed codes and scales of FP4 tensor `name` (only `shard`'s slices when given)."""
+    scale_name = reader.scale_name(name)
+    if shard is None:
+        return reader.read(name).to(device), reader.read(scale_name).to(device)
+    is_input_dim = shard.dim == len(reader.shape(name)) - 1  # cut along the packed, grouped dim
+    return (tensor_parallel.read_slices(reader, name, shard, device, 2 if is_input_dim else 1),
+            tensor_parallel.read_slices(reader, scale_name, shard, device, quant.FP4_GROUP_SIZE if is_input_dim else 1))
+
+
+def _build(
+    plan: SourcePlan, reader: SafetensorsReader, config: ModelConfig, dtype: torch.dtype, device,
+    shard: tensor_parallel.Shard | None = None,
+) -> torch.Tensor:
+    source_shard = shard.source_shard(plan.join) if shard is not None else None
+    parts = [_read_source(plan, source, reader, config, device, source_shard).to(dtype) for source in plan.sources]
     return plan.combine(parts)
 
 
-def _build_fp4(plan: SourcePlan, reader: SafetensorsReader, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _build_fp4(plan: SourcePlan, reader: SafetensorsReader, device,
+               shard: tensor_parallel.Shard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes and e8m0 scales of an FP4 expert tensor, joined like the dense tensor would be."""
     codes, scales = [], []
+    source_shard = shard.source_shard(plan.join) if shard is not None else None
     for source in plan.sources:
         if reader.dtype(source) not in FP4_PACKED_DTYPES:
             raise CheckpointError(
                 f"{source} is stored as {reader.dtype(source)}, not packed FP4, though "
                 f"quantization_config.expert_dtype is 'fp4'; load with quantized_weights='dequantize'"
             )
-        codes.append(reader.read(source).to(device).view(torch.int8))
-        scales.append(_e8m0_scale(reader.scale_name(source), reader.read(reader.scale_name(source)).to(device)))
+        code, scale = _fp4_slices(source, reader, device, source_shard)
+        codes.append(code.view(torch.int8))
+        scales.append(_e8m0_scale(reader.scale_name(source), scale))
     return plan.combine(codes), plan.combine(scales)
 
 

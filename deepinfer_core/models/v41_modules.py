@@ -91,7 +91,7 @@ class FFNWeights(nn.Module):
         if plan.moe.expert_format == "fp4":
             self.experts = FP4Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
         else:
-            self.experts = Experts(config, dtype)
+            self.experts = Experts(config, config.n_routed_experts, dtype)
         self.shared_experts = SharedExpert(config, dtype)
 
 

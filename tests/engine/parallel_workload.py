@@ -16,6 +16,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.engine.executor import MultiprocExecutor
 from tests.oracle import parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")
@@ -73,3 +74,20 @@ def assert_same_outputs(got: Outputs, want: Outputs, logprob_tol: float) -> None
         assert got[request_id][0] == tokens, request_id
         assert torch.allclose(torch.tensor(got[request_id][1]), torch.tensor(logprobs), rtol=0, atol=logprob_tol), (
             request_id, got[request_id][1], logprobs)
+
+
+def check_two_ranks_match_one(directory, weights_seed: int, **layout) -> None:
+    """The workload on a two-rank `layout` (e.g. `tensor_parallel_size=2`) gives the single-process
+    engine's tokens, with the same preemptions and prefix hits. Split sums round differently from one
+    rank's, so logprobs are compared to 1e-5 (they differ by ~1e-6)."""
+    want, want_stats = single_process_outputs(weights_seed)
+    assert want_stats["num_preemptions"] > 0 and want_stats["prefix_cache_hit_tokens"] >= 2 * 256
+    engine = make_engine(directory, random_state_dict(CONFIG, seed=weights_seed), **layout)
+    try:
+        assert isinstance(engine.executor, MultiprocExecutor) and engine.executor.world_size == 2
+        got, stats = generate(engine)
+    finally:
+        engine.shutdown()
+    assert (stats["num_preemptions"], stats["prefix_cache_hit_tokens"]) == (
+        want_stats["num_preemptions"], want_stats["prefix_cache_hit_tokens"])
+    assert_same_outputs(got, want, logprob_tol=1e-5)

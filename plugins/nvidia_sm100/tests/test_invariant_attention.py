@@ -27,15 +27,16 @@ class World:
     """Requests with fixed keys, queries, compressed entries and indexer picks per position; `step` lays any
     mix of their token ranges out as one step, the window ring holding each range's earlier keys."""
 
-    def __init__(self, spec: AttentionSpec, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, spec: AttentionSpec, device: torch.device, seed: int = 0, lengths=tuple(LENGTHS),
+                 dtype: torch.dtype = torch.float32) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.spec, self.device = spec, device
+        self.spec, self.device, self.dtype = spec, device, dtype
         d, epb = spec.head_dim, max(spec.entries_per_block, 1)
-        self.keys = [torch.randn(n, d, generator=gen) for n in LENGTHS]
-        self.queries = [torch.randn(n, spec.num_heads, d, generator=gen) for n in LENGTHS]
-        blocks_each = [-(-n // 128) for n in LENGTHS]
+        self.keys = [torch.randn(n, d, generator=gen) for n in lengths]
+        self.queries = [torch.randn(n, spec.num_heads, d, generator=gen) for n in lengths]
+        blocks_each = [-(-n // 128) for n in lengths]
         order = torch.randperm(sum(blocks_each), generator=gen)
-        self.tables = torch.zeros(len(LENGTHS), max(blocks_each), dtype=torch.int64)
+        self.tables = torch.zeros(len(lengths), max(blocks_each), dtype=torch.int64)
         first = 0
         for r, b in enumerate(blocks_each):
             self.tables[r, :b] = order[first : first + b]
@@ -45,7 +46,7 @@ class World:
         self.topk = None
         if spec.is_sparse:  # per position: distinct visible entries in a random order, then -1
             self.topk = []
-            for n in LENGTHS:
+            for n in lengths:
                 rows = torch.full((n, spec.index_topk), -1, dtype=torch.int64)
                 for p in range(n):
                     visible = (p + 1) // spec.compress_rate
@@ -73,7 +74,9 @@ class World:
                 "kv": cat([self.keys[r][s : s + n] for r, s, n in parts]), "window": window,
                 "compressed": self.pool if spec.compress_rate else None, "sinks": self.sinks,
                 "topk_indices": cat([self.topk[r][s : s + n] for r, s, n in parts]) if self.topk else None}
-        moved = {k: v.to(self.device) if v is not None else None for k, v in args.items()}
+        moved = {k: None if v is None else v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+                 for k, v in args.items()}
+        moved["sinks"] = self.sinks.to(self.device)
         fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         moved["metadata"] = AttentionMetadata(**{
             k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
@@ -159,3 +162,33 @@ def test_indexer_topk_is_the_same_alone_and_among_others(kernel_device) -> None:
     single = backend.indexer_topk(case.index_q[:1], case.index_weights[:1], case.index_keys, alone, None)
     assert torch.equal(single, full[:1])
     assert (single[0] >= 0).all() and len(set(single[0].tolist())) == CSA.index_topk
+
+
+V4_FLASH = {"hca": AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=128,
+                                 dtype=torch.bfloat16, deterministic=True),
+            "csa": AttentionSpec(num_heads=64, head_dim=512, sliding_window=128, compress_rate=4, index_n_heads=64,
+                                 index_head_dim=128, index_topk=512, dtype=torch.bfloat16, deterministic=True)}
+
+
+@pytest.mark.parametrize("name", list(V4_FLASH))
+def test_v4_flash_shapes_on_gpu(cuda_device, name) -> None:
+    """Compiled kernels at V4-Flash sizes (bf16, 5 CSA splits): decode alone and among 100 others, both launch
+    shapes, a 64-token prompt chunk against chunks of 7."""
+    spec = V4_FLASH[name]
+    world = World(spec, cuda_device, lengths=(2200, 900, 1200, 64), dtype=torch.bfloat16)
+    backend = _production_backend(spec)
+    alone = backend.forward(**world.step([(0, 2199, 1)]))
+    crowd = [(r, n - 1 - i, 1) for i in range(25) for r, n in ((1, 900), (2, 1200), (3, 64), (1, 500))]
+    assert torch.equal(backend.forward(**world.step([*crowd[:50], (0, 2199, 1), *crowd[50:]]))[50], alone[0])
+    step = world.step([(0, 2199, 1), *crowd[:3]])
+    assert torch.equal(backend.forward(**step, split_programs=True), backend.forward(**step, split_programs=False))
+    whole = backend.forward(**world.step([(0, 2136, 64)]))
+    chunks = [backend.forward(**world.step([(0, s, min(7, 2200 - s))])) for s in range(2136, 2200, 7)]
+    assert torch.equal(torch.cat(chunks), whole)
+    assert torch.equal(whole[-1], alone[0])
+
+
+def _production_backend(spec):
+    from deepinfer_nvidia_sm100.invariant_attention import InvariantTritonAttention
+
+    return InvariantTritonAttention(spec)

@@ -25,17 +25,17 @@ def _ops(spec, device):
     return InvariantTritonLayerOps(spec, device)
 
 
-def _hyper_case(device, num_tokens: int, seed: int = 0):
+def _hyper_case(device, num_tokens: int, seed: int = 0, spec: LayerOpsSpec = SPEC):
     gen = torch.Generator().manual_seed(seed)
-    n, hidden = SPEC.hc_mult, SPEC.hidden_size
+    n, hidden = spec.hc_mult, spec.hidden_size
 
     def weights(num_rows, num_scales):
         return HyperWeights(fn=(torch.randn(num_rows, n * hidden, generator=gen) * 2 / math.sqrt(n * hidden)).to(device),
                             base=torch.randn(num_rows, generator=gen).to(device),
                             scale=(1 + 2 * torch.rand(num_scales, generator=gen)).to(device))
 
-    inputs = {"streams": torch.randn(num_tokens, n, hidden, generator=gen).to(SPEC.dtype).to(device),
-              "block_out": torch.randn(num_tokens, hidden, generator=gen).to(SPEC.dtype).to(device),
+    inputs = {"streams": torch.randn(num_tokens, n, hidden, generator=gen).to(spec.dtype).to(device),
+              "block_out": torch.randn(num_tokens, hidden, generator=gen).to(spec.dtype).to(device),
               "post": (2 * torch.rand(num_tokens, n, generator=gen)).to(device),
               "comb": torch.softmax(torch.randn(num_tokens, n, n, generator=gen), dim=-1).to(device),
               "norm": (0.5 + torch.rand(hidden, generator=gen)).to(device)}
@@ -135,3 +135,23 @@ def _close(ops, weights, kv, gate, chunks, beside: int = 0) -> torch.Tensor:
         ops.compress(step_kv, step_gate, weights, metadata, kv_tail, gate_tail, entries,
                      torch.zeros(len(lens), dtype=torch.int64, device=device))
     return entries[: 128 // weights.rate]
+
+
+def test_v4_flash_shapes_on_gpu(cuda_device) -> None:
+    """Compiled kernels at V4-Flash width (bf16, hidden 4096): mHC, RMSNorm and cuBLAS projections give a row
+    the same bits alone, among 64 and among 5,000 rows (where default mode changes every launch shape)."""
+    spec = dataclasses.replace(SPEC, hidden_size=4096)
+    ops = _ops(spec, cuda_device)
+    hc, head, x = _hyper_case(cuda_device, 5000, spec=spec)
+    full = _hyper_calls(ops, hc, head, x, slice(0, 5000))
+    for rows in (slice(4999, 5000), slice(4936, 5000)):
+        for part, whole in zip(_hyper_calls(ops, hc, head, x, rows), full, strict=True):
+            assert torch.equal(part, whole[rows])
+    hidden = x["block_out"]
+    weight = x["norm"]
+    proj = torch.randn(1024, 4096, device=cuda_device).to(torch.bfloat16)
+    norm_full = ops.rms_norm(hidden, weight)
+    lin_full = ops.map_rows(lambda r: F.linear(r, proj), hidden)
+    for rows in (slice(4999, 5000), slice(4936, 5000)):
+        assert torch.equal(ops.rms_norm(hidden[rows], weight), norm_full[rows])
+        assert torch.equal(ops.map_rows(lambda r: F.linear(r, proj), hidden[rows]), lin_full[rows])

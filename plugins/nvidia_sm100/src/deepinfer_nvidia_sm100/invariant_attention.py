@@ -23,7 +23,10 @@ from deepinfer_nvidia_sm100.attention import (
     max_visible_entries,
     prepare_token_index,
 )
-from deepinfer_nvidia_sm100.invariant_attention_kernels import invariant_attention_kernel, ordered_combine_kernel
+from deepinfer_nvidia_sm100.invariant_attention_kernels import (
+    invariant_attention_kernel,
+    ordered_combine_kernel,
+)
 
 SPLIT_KEYS = 128
 """Virtual keys (window positions, then compressed entries) per split, for every step shape."""

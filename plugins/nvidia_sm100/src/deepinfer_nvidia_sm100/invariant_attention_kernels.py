@@ -163,7 +163,7 @@ def ordered_combine_kernel(
     big_m = tl.load(sinks_ptr + offs_h, mask=h_valid, other=0.0).to(tl.float32)
     big_l = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
     big_acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for split in range(0, tl.cdiv(num_keys, SPLIT_KEYS)):
+    for split in range(tl.cdiv(num_keys, SPLIT_KEYS)):
         base = (token * num_splits + split).to(tl.int64)
         acc = tl.load(part_acc_ptr + (base * num_heads + offs_h[:, None]) * HEAD_DIM + offs_d[None, :],
                       mask=h_valid[:, None], other=0.0)

@@ -233,7 +233,8 @@ class ModelRunner:
             return None
         max_len = self.engine_config.max_model_len
         spec = getattr(self.engine_config, "speculative_config", None)
-        widths = (1, 1 + spec.num_speculative_tokens) if spec is not None else (1,)  # k drafts verified
+        # verification steps whose requests all carry d <= k drafts replay the graphs of width 1 + d
+        widths = range(1, 2 + spec.num_speculative_tokens) if spec is not None else (1,)
         graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api,
                               sizes=self.engine_config.cuda_graph_sizes, widths=widths)
         start = time.perf_counter()

@@ -13,6 +13,7 @@ from deepinfer_core.engine.cuda_graph import (
 )
 from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.runner import CarriedTokens
+from tests.models.test_v41_decode_graphs import RaiseOnHostReads
 from tests.oracle import (
     FakeSeq,
     all_position_logprobs,
@@ -190,6 +191,13 @@ def test_padded_multi_token_steps_equal_eager_steps(tmp_path):
     give the logits and cache of the eager step computing the same tokens."""
     plain, padded = make_runner(tmp_path, CONFIG, WEIGHTS), make_runner(tmp_path, CONFIG, WEIGHTS)
     graphs = DecodeGraphs(padded, max_batch=6, max_blocks=4, max_seq_len=512, widths=(1, 3))
+    forward = graphs._forward
+
+    def checked_forward(size, width):  # what a CUDA graph captures may not read device values on the host
+        with RaiseOnHostReads():
+            return forward(size, width)
+
+    graphs._forward = checked_forward
     prompts = [list(range(2, 2 + n)) for n in (3, 14, 16)]  # windows close at different tokens of a step
     pairs = []
     for runner in (plain, padded):

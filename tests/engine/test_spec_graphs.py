@@ -4,12 +4,18 @@ speculation, verification steps and the MTP drafter included, and those steps di
 
 from __future__ import annotations
 
+import pytest
+
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from tests.engine.test_spec_decode import MIXED, ScriptedDrafter, generate, make_engine, tokens
-from tests.engine.test_spec_decode import greedy_reference  # noqa: F401  (a fixture)
 from tests.engine.test_spec_mtp import WEIGHTS as MTP_WEIGHTS
 from tests.engine.test_spec_mtp import make_engine as make_mtp_engine
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tmp_path_factory):
+    return tokens(generate(make_engine(tmp_path_factory.mktemp("ref")), MIXED, temperature=0))
 
 
 def use_graphs(engine, k: int) -> list[tuple[int, int]]:

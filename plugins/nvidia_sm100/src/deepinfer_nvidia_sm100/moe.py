@@ -244,7 +244,8 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=self.scaled_dot,
+            SCALED_DOT=bool(self.scaled_dot),
+            LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -273,7 +274,8 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=self.scaled_dot,
+            SCALED_DOT=bool(self.scaled_dot),
+            LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )

@@ -163,6 +163,7 @@ def gate_up_kernel(
     N_FASTEST: tl.constexpr,
     FP4: tl.constexpr,
     SCALED_DOT: tl.constexpr,
+    LHS_FORMAT: tl.constexpr,
 ):
     """act[r, n] = silu(min(g, limit)) * clamp(u, -limit, limit), with g, u = gate_up[e] @ x[token(r)]."""
     pid_m, pid_n = _tile(N_FASTEST)
@@ -177,7 +178,7 @@ def gate_up_kernel(
     n_valid = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALED_DOT:  # ("bf16"/"fp16", else ""): packed FP4 tiles straight into `tl.dot_scaled`
+    if SCALED_DOT:  # packed FP4 tiles straight into `tl.dot_scaled` (activations in `LHS_FORMAT`)
         offs_k, offs_h, offs_s = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
         x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + offs_k[None, :]
         g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
@@ -187,8 +188,8 @@ def gate_up_kernel(
             x = tl.load(x_ptrs, mask=row_valid[:, None] & ((k0 + offs_k) < hidden)[None, :], other=0.0)
             w_mask = n_valid[:, None] & ((k0 + 2 * offs_h) < hidden)[None, :]
             s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < hidden)[None, :]
-            acc_g = _scaled_dot(acc_g, x, g_ptrs, gs_ptrs, w_mask, s_mask, SCALED_DOT)
-            acc_u = _scaled_dot(acc_u, x, u_ptrs, us_ptrs, w_mask, s_mask, SCALED_DOT)
+            acc_g = _scaled_dot(acc_g, x, g_ptrs, gs_ptrs, w_mask, s_mask, LHS_FORMAT)
+            acc_u = _scaled_dot(acc_u, x, u_ptrs, us_ptrs, w_mask, s_mask, LHS_FORMAT)
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K // 2
             u_ptrs += BLOCK_K // 2
@@ -265,6 +266,7 @@ def down_kernel(
     N_FASTEST: tl.constexpr,
     FP4: tl.constexpr,
     SCALED_DOT: tl.constexpr,
+    LHS_FORMAT: tl.constexpr,
 ):
     """out[row, n] = weight[row] * (down[e] @ act[r])[n], written at the row's original place."""
     pid_m, pid_n = _tile(N_FASTEST)
@@ -286,7 +288,7 @@ def down_kernel(
             a = tl.load(a_ptrs, mask=row_valid[:, None] & ((k0 + offs_k) < inter)[None, :], other=0.0)
             w_mask = n_valid[:, None] & ((k0 + 2 * offs_h) < inter)[None, :]
             s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < inter)[None, :]
-            acc = _scaled_dot(acc, a, w_ptrs, s_ptrs, w_mask, s_mask, SCALED_DOT)
+            acc = _scaled_dot(acc, a, w_ptrs, s_ptrs, w_mask, s_mask, LHS_FORMAT)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32

@@ -3,8 +3,8 @@ depends on the token count fixed.
 
 - Router logits: fixed `ROW_TILE`-row GEMM tiles (`deepinfer_core.reference.invariant.tile_rows`), so cuBLAS
   runs one shape whatever the batch; the routing kernel is one program a token already.
-- Experts: one tile configuration for every step (`INVARIANT_CONFIG`, the default's decode tiles), no
-  split-K: each program reduces its rows over the whole hidden (then intermediate) dim in `block_k` steps,
+- Experts: one tile configuration for every step (`invariant_config`: the default's decode tiles, FP4's
+  `tl.dot_scaled` ones included), no split-K: each program reduces its rows over the whole hidden (then intermediate) dim in `block_k` steps,
   so a row's products do not depend on how many rows its expert has, nor where in a block it lands.
 - Combine: a token's `top_k` weighted rows are added one after another in slot order (the router's pick
   order, a function of the token's own scores), fp32, no atomics.
@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.backends.moe import MoEWeights
+from deepinfer_core.backends.moe import MoESpec, MoEWeights
 from deepinfer_core.reference.invariant import tile_rows
-from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE, pick_config
 
-INVARIANT_CONFIG = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-"""The grouped GEMMs' tiles for every step of deterministic mode (gate_up and down alike)."""
+
+def invariant_config(spec: MoESpec, scaled_dot: bool) -> GemmConfig:
+    """The grouped GEMMs' tiles for every step of deterministic mode (gate_up and down alike): the ones
+    default mode picks for decode (few rows an expert)."""
+    return pick_config(0, spec.num_experts, torch.empty(0, dtype=spec.dtype).element_size(), scaled_dot)
 
 
 class InvariantTritonMoE(TritonMoE):
@@ -30,6 +33,10 @@ class InvariantTritonMoE(TritonMoE):
 
     supports_cuda_graphs = True
     """Launch sizes come from the token count alone, as in `TritonMoE`."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__(spec)
+        self.config = invariant_config(spec, bool(self.scaled_dot))
 
     def router_logits(self, x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         logits = super().router_logits
@@ -43,7 +50,7 @@ class InvariantTritonMoE(TritonMoE):
         return out
 
     def experts(self, x, ids, topk_weights, weights, config=None, down_config=None) -> torch.Tensor:
-        """`TritonMoE.experts` with `INVARIANT_CONFIG` (a caller's tiles would break the invariance)."""
+        """`TritonMoE.experts` with `self.config` (a caller's tiles would break the invariance)."""
         if config is not None or down_config is not None:
-            raise ValueError("InvariantTritonMoE runs INVARIANT_CONFIG only; pass no tile configuration")
-        return super().experts(x, ids, topk_weights, weights, INVARIANT_CONFIG, INVARIANT_CONFIG)
+            raise ValueError("InvariantTritonMoE runs its one tile configuration only; pass none")
+        return super().experts(x, ids, topk_weights, weights, self.config, self.config)

@@ -518,6 +518,10 @@ def deterministic_summary(rows: list[dict], engine, prompts: list[list[int]], ne
         ratio = {key: round(row[key] / default[key], 4) for key in ("decode_tok_s", "prefill_tok_s", "steady_decode_tok_s")
                  if row.get(key) and default.get(key)}
         print(json.dumps({"deterministic_over_default": ratio, "batch": batch, "target_decode": ">= 0.8"}), flush=True)
+    model = engine.runner.model
+    serving = sorted({type(b).__name__ for b in [*model.attention_backends, *model.moe_backends, model.ops]})
+    print(json.dumps({"deterministic_backends": serving, "deterministic_graphs": engine.runner.graphs is not None}),
+          flush=True)
     alone = engine_generate(engine, prompts[:1], new_tokens)[0]
     batched = engine_generate(engine, prompts, new_tokens)[0]
     print(json.dumps({"deterministic_alone_equals_batched": alone == batched, "batch": len(prompts)}), flush=True)

@@ -55,6 +55,9 @@ def tile_rows(fn: Callable[..., Any], *rows: torch.Tensor, tile: int = ROW_TILE)
     outs = [fn(*(t[i : i + tile] for t in padded)) for i in range(0, padded[0].shape[0], tile)]
     if not outs:
         return fn(*rows)
+    if len(outs) == 1:  # one tile (every decode step up to `tile` rows): no concatenating copy
+        out = outs[0]
+        return out[:num_rows] if isinstance(out, torch.Tensor) else tuple(t[:num_rows] for t in out)
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs)[:num_rows]
     return tuple(torch.cat(parts)[:num_rows] for parts in zip(*outs))

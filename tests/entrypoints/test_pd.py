@@ -109,8 +109,9 @@ def test_the_router_answers_as_a_single_instance(cluster, single_answer):
     assert int(decode["deepinfer_kv_transfer_blocks_in_total"]) >= 1
     assert int(decode['deepinfer_prefix_cache_hit_tokens_total{tier="remote"}']) >= 128
     assert decode["deepinfer_kv_transfer_failures_total"] == "0"
-    assert int(decode["deepinfer_kv_transfer_states_in_total"]) - int(before["deepinfer_kv_transfer_states_in_total"]) == 2
-    assert decode["deepinfer_prefill_computed_tokens_total"] == before["deepinfer_prefill_computed_tokens_total"]
+    states, computed = "deepinfer_kv_transfer_states_in_total", "deepinfer_prefill_computed_tokens_total"
+    assert int(decode[states]) - int(before.get(states, 0)) == 2  # (an engine that never stepped reports no tiers)
+    assert int(decode[computed]) == int(before.get(computed, 0))  # not one prompt token computed on decode
     assert decode["deepinfer_prefix_cache_replay_tokens_total"] == "0"
     router = metric_samples(cluster["router"])
     assert router[f'deepinfer_router_requests_total{{role="prefill",instance="{cluster["prefill"]}"}}'] == "2"

@@ -1,7 +1,7 @@
 """The "v4flash-LxE" workload (bench/gpu_decode.py), quantised as DeepSeek ships it, against bf16.
 
     python bench/quant_decode.py [--layers 2] [--experts 256] [--batches 1,64] [--new-tokens 33] [--tiny]
-                                 [--no-fp8] [--startup]
+                                 [--no-fp8] [--startup] [--profile BATCHES]
 
 Both engines run the same values: random e2m1 expert codes with power-of-two scales (the weights' std
 about 0.02) and, unless `--no-fp8`, the projections DeepSeek ships in FP8 (attention q/kv/o, shared
@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--startup", action="store_true", help="measure start-up, cold and warm kernel cache")
     parser.add_argument("--startup-engines", default="bf16,quant", help="engines --startup measures")
     parser.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default="", metavar="BATCHES",
+                        help="each engine's decode steps by kernel at these batch sizes (gpu_decode's profile)")
     parser.add_argument("--commit", default="?")
     args = parser.parse_args()
     if args.startup_child:
@@ -187,6 +189,9 @@ def main() -> None:
     tokens = {kind: base.engine_generate(engine, prompts[:1], 8)[0] for kind, engine in engines.items()}
     quant_kind = next(k for k in engines if k != "bf16")
     print(json.dumps({"greedy_tokens_equal_bs1_8": tokens["bf16"] == tokens[quant_kind], **tokens}), flush=True)
+    for batch in [int(b) for b in args.profile.split(",") if b]:
+        for kind, engine in engines.items():
+            base.profile_decode(engine, prompts[:batch], f"{kind}-bs{batch}")
     rows = []
     context = base.PROMPT_LEN + args.new_tokens // 2
     for batch in batches:

@@ -11,7 +11,9 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
   image positions) selecting the experts.
 The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
 bound backends; the V4.1 compressor close, the two-level indexer and the single-pass mixing are plain
-PyTorch here (no backend contract for them yet).
+PyTorch here (no backend contract for them yet). Decode steps read no device value on the host (the
+compressor and the two-level indexer size their work from `max_seq_len`), so the runner captures them
+in CUDA graphs when the backends allow it.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
 from deepinfer_core.reference.layer_ops import collapse, hyper_mix, hyper_residual, write_rings
 
 
-class _TwoLevelIndexer:
-    """Stands for `v41_compressor.two_level_topk` among the backends: it reads each request's entry
-    count on the host, so decode steps that run it cannot be captured in a CUDA graph yet."""
+class _HostEngramTables:
+    """Stands for Engram tables placed in host memory among the backends: their gather reads the hash
+    ids on the host, so decode steps that run it cannot be captured in a CUDA graph."""
 
     supports_cuda_graphs = False
 
 
-TWO_LEVEL_INDEXER = _TwoLevelIndexer()
+HOST_ENGRAM_TABLES = _HostEngramTables()
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -103,9 +105,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                            for p in self.plans if p.has_engram}
 
     def backends(self) -> list[object]:
-        """Every bound backend, plus the two-level indexer when the plan uses it (it is not graph-safe)."""
-        two_level = [TWO_LEVEL_INDEXER] if any(p.is_candidate_source for p in self.plans) else []
-        return [*self.attention_backends, *self.moe_backends, self.ops, *two_level]
+        """Every bound backend, plus `HOST_ENGRAM_TABLES` when Engram tables live in host memory (their
+        gathers are not graph-safe; everything else of a decode step reads no device value on the host)."""
+        host = [HOST_ENGRAM_TABLES] if self.tables and any(t.placement == "host" for t in self.tables.values()) else []
+        return [*self.attention_backends, *self.moe_backends, self.ops, *host]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         tables = {}

@@ -11,6 +11,8 @@ ratio`. The candidate source also keeps, per query, the `candidate_topk_blocks` 
 kept); later index sources score only inside them. The top `index_topk` entries are kept; as in the
 reference only picks beyond the visible count become -1 (a candidate-masked pick scored -inf is kept).
 Ties go to the lower entry number (stable sorts), so a request's picks do not depend on its batch.
+Decode steps (one query per request) run batched, without host reads (`two_level_topk_decode`), so
+they can be captured in a CUDA graph; their picks equal the per-request path's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from deepinfer_core.backends import AttentionMetadata
 from deepinfer_core.backends.attention import BLOCK_SIZE
-from deepinfer_core.reference.attention import gather_entries
+from deepinfer_core.reference.attention import _gather_rows, _max_seq_len, gather_entries
 
 
 def closed_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, meta: AttentionMetadata,
@@ -62,10 +64,12 @@ def write_entries(pool: torch.Tensor, rows: torch.Tensor, entry: torch.Tensor, s
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """`[n, count]` fp32 scores of `n` queries (`q` `[n, heads, d]`, `weights` `[n, heads]`, scale folded
-    in) over `keys` `[count, d]`; -inf at entries `>= visible[t]`."""
-    scores = torch.relu(torch.einsum("thd,ed->the", q.float(), keys.float()))
+    in) over `keys` `[count, d]` (shared) or `[n, count, d]` (one set per query); -inf at entries
+    `>= visible[t]`."""
+    pattern = "thd,ed->the" if keys.dim() == 2 else "thd,ted->the"
+    scores = torch.relu(torch.einsum(pattern, q.float(), keys.float()))
     scores = (scores * weights.float()[:, :, None]).sum(dim=1)
-    future = torch.arange(keys.shape[0], device=q.device)[None] >= visible[:, None]
+    future = torch.arange(keys.shape[-2], device=q.device)[None] >= visible[:, None]
     return scores.masked_fill(future, float("-inf"))
 
 
@@ -99,7 +103,17 @@ def top_entries(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
 def two_level_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, meta: AttentionMetadata,
                    num_entries: torch.Tensor, plan, config, candidates: list[torch.Tensor] | None):
     """One index source's picks `[T, index_topk]`; the candidate source also returns each request's
-    candidate mask (a list of `[n_i, count_i]`), a later source reads `candidates`."""
+    candidate mask (a list of `[n_i, count_i]`), a later source reads `candidates`. Decode steps go to
+    `two_level_topk_decode` (their masks are one `[num_seqs, bound]` tensor)."""
+    if meta.is_decode_only and q.shape[0] == meta.num_seqs:
+        return two_level_topk_decode(q, weights, index_keys, meta, plan, config, candidates)
+    return two_level_topk_per_request(q, weights, index_keys, meta, num_entries, plan, config, candidates)
+
+
+def two_level_topk_per_request(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
+                               meta: AttentionMetadata, num_entries: torch.Tensor, plan, config,
+                               candidates: list[torch.Tensor] | None):
+    """`two_level_topk` one request at a time over exactly its entries (reads the counts on the host)."""
     spec, out = plan.attention, []
     masks: list[torch.Tensor] = []
     qsl = meta.query_start_loc.tolist()
@@ -119,3 +133,23 @@ def two_level_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Ten
         out.append(top_entries(scores, visible, spec.index_topk))
     picks = torch.cat(out) if out else torch.empty(0, spec.index_topk, dtype=torch.long, device=q.device)
     return picks, (masks if plan.is_candidate_source else None)
+
+
+def two_level_topk_decode(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, meta: AttentionMetadata,
+                          plan, config, candidates: torch.Tensor | None):
+    """`two_level_topk` for one query per request, every request at once and without host reads (CUDA
+    graphs): each scores the first `bound` entries of its table, `bound` the static `max_seq_len // ratio`
+    (entries it cannot see score -inf, so blocks made of them are never candidates and the picks past
+    its visible count become -1: the per-request path's picks, mask columns beyond its count added)."""
+    spec = plan.attention
+    bound = max(_max_seq_len(meta) // spec.compress_rate, 1)
+    ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
+    keys = _gather_rows(index_keys, meta.block_tables, ids, spec.entries_per_block)
+    visible = (meta.positions + 1) // spec.compress_rate
+    scores = index_scores(q, weights, keys, visible)
+    masks = None
+    if plan.is_candidate_source:
+        masks = candidate_mask(scores, visible, config.candidate_topk_blocks, config.candidate_block_size)
+    elif plan.uses_candidates:
+        scores = scores.masked_fill(~candidates, float("-inf"))
+    return top_entries(scores, visible, spec.index_topk), masks

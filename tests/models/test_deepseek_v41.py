@@ -146,14 +146,6 @@ def test_single_pass_mixing_is_what_the_model_runs(checkpoint):
     assert (v4_logprobs - single_pass).abs().max().item() > 1e-2
 
 
-def test_the_two_level_indexer_keeps_decode_out_of_cuda_graphs(checkpoint):
-    from deepinfer_core.backends import supports_cuda_graphs
-
-    model = make_runner(*checkpoint).model
-    assert not all(supports_cuda_graphs(b) for b in model.backends())  # the runner then decodes eagerly
-    assert deepseek_v41.TWO_LEVEL_INDEXER in model.backends()
-
-
 def test_image_positions_route_with_bias_vl(checkpoint):
     from types import SimpleNamespace
 

@@ -4,9 +4,13 @@
    projection gives every position's logprobs of the same model whose projections quantise their
    activations in torch (`quant.quantize_activations_fp8`) and multiply the dequantised values: the
    kernel computes exactly that, up to the order of fp32 additions.
-2. GPU only: the whole engine on the plugin's backends (FP8 GEMMs, FP4 MoE kernels, CUDA graphs) against
-   the reference backends on the same checkpoint and device: greedy tokens agree, and where they part
-   the reference itself calls it a near tie (its logprobs of the two tokens within the FP8 tolerance).
+2. GPU only, fp32: the whole engine on the plugin's backends (FP8 GEMMs, FP4 MoE kernels, CUDA graphs)
+   against the reference backends computing the same W8A8 products (activations quantised in torch):
+   every greedy token equal, logprobs within 1e-3.
+3. GPU only, bf16: the plugin against the plain reference backends (dequantised weights, activations
+   not quantised): where greedy tokens part, the reference itself calls it a near tie (its logprobs of
+   the two tokens within the FP8 tolerance). On random tiny weights the next-token distribution is
+   nearly flat, so parting is common; exactness is test 2's job.
 """
 
 from __future__ import annotations
@@ -99,31 +103,63 @@ def _greedy(engine, prompts, max_tokens=12):
     return [done[i] for i in range(len(prompts))]
 
 
-def test_engine_on_the_plugin_gives_the_reference_greedy_tokens(cuda_device, isolated_plugin_manager,
-                                                                 checkpoint):
+PROMPT_LENGTHS = (3, 17, 40, 90)
+ENGINE_OPTIONS = {"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 32, "device": "cuda"}
+
+
+def _prompts():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 512, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _plugin_engine(checkpoint, dtype, isolated_plugin_manager):
+    """The engine with the plugin registered, checked to run the plugin's kernels everywhere."""
     from deepinfer_nvidia_sm100 import hooks
 
     from deepinfer_core.engine.engine import Engine
 
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 512, (n,), generator=generator).tolist() for n in (3, 17, 40, 90)]
-    options = {"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 32, "device": "cuda"}
-    reference = _greedy(Engine(EngineConfig(model=str(checkpoint), dtype="bfloat16", **options)), prompts)
     isolated_plugin_manager.register(hooks, name="nvidia_sm100")
-    engine = Engine(EngineConfig(model=str(checkpoint), dtype="bfloat16", **options))
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype=dtype, **ENGINE_OPTIONS))
     runner = engine.executor.runner
     assert {type(m.backend).__name__ for m in runner.model.modules() if isinstance(m, FP8Linear)} == {"TritonFP8Linear"}
     assert {type(b).__name__ for b in runner.model.moe_backends} == {"TritonMoE"}
     assert runner.graphs is not None
-    agreed = total = 0
-    for got, want in zip(_greedy(engine, prompts), reference, strict=True):
-        total += len(want.token_ids)
-        for step, (mine, theirs) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
-            if mine != theirs:
+    return engine
+
+
+def test_engine_on_the_plugin_computes_the_reference_w8a8_products(cuda_device, isolated_plugin_manager,
+                                                                    checkpoint):
+    from deepinfer_core.engine.engine import Engine
+
+    prompts = _prompts()
+    emulated = LinearEverywhere("torch")
+    isolated_plugin_manager.register(emulated, name="linear-torch")
+    reference_engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", **ENGINE_OPTIONS))
+    assert {type(m.backend) for m in reference_engine.executor.runner.model.modules()
+            if isinstance(m, FP8Linear)} == {EmulatedW8A8}
+    reference = _greedy(reference_engine, prompts)
+    isolated_plugin_manager.unregister(emulated)
+    got = _greedy(_plugin_engine(checkpoint, "float32", isolated_plugin_manager), prompts)
+    for i, (mine, want) in enumerate(zip(got, reference, strict=True)):
+        assert mine.token_ids == want.token_ids, f"prompt {i}"
+        for step, (a, b) in enumerate(zip(mine.logprobs, want.logprobs, strict=True)):
+            token = want.token_ids[step]
+            assert abs(a[token].logprob - b[token].logprob) < 1e-3, f"prompt {i} step {step}"
+
+
+def test_engine_on_the_plugin_parts_from_the_bf16_reference_only_at_near_ties(cuda_device,
+                                                                              isolated_plugin_manager,
+                                                                              checkpoint):
+    from deepinfer_core.engine.engine import Engine
+
+    prompts = _prompts()
+    reference = _greedy(Engine(EngineConfig(model=str(checkpoint), dtype="bfloat16", **ENGINE_OPTIONS)), prompts)
+    got = _greedy(_plugin_engine(checkpoint, "bfloat16", isolated_plugin_manager), prompts)
+    for i, (mine, want) in enumerate(zip(got, reference, strict=True)):
+        for step, (token, expected) in enumerate(zip(mine.token_ids, want.token_ids, strict=True)):
+            if token != expected:
                 top = want.logprobs[step]
-                assert mine in top, f"step {step}: token {mine} is not in the reference's top 5"
-                gap = top[theirs].logprob - top[mine].logprob
-                assert gap < NEAR_TIE, f"step {step}: the reference prefers {theirs} by {gap:.3f}"
+                assert token in top, f"prompt {i} step {step}: token {token} is not in the reference's top 5"
+                gap = top[expected].logprob - top[token].logprob
+                assert gap < NEAR_TIE, f"prompt {i} step {step}: the reference prefers {expected} by {gap:.3f}"
                 break  # the contexts differ from here on
-            agreed += 1
-    assert agreed >= total // 2, f"only {agreed} of {total} greedy tokens agree"

@@ -95,13 +95,13 @@ def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     num_tokens, width = x.shape[0], x.shape[-1]
+    if x.numel() == 0:  # e.g. a step in which no compressed entry closes
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.reshape(num_tokens, -1, width)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     heads = rows.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
     half_rope, stride_cos, stride_sin = 0, 0, 0
     if cos is not None:
         if cos.shape[0] != num_tokens or sin.shape != cos.shape or 2 * cos.shape[-1] > width:

@@ -112,8 +112,7 @@ class ServerMetrics:
 _TIERS = ("device", "host", "store", "remote")
 # (metric, type, help, [(labels, engine stats key)])
 _TIER_METRICS = (
-    ("prefill_computed_tokens_total", "counter", "Prompt tokens the model computed (prefill chunks, replays and "
-     "recomputes), the complement of what the prefix cache and prefill instances served.",
+    ("prefill_computed_tokens_total", "counter", "Prompt tokens the model computed (prefill chunks, replays, recomputes).",
      [("", "num_prefill_tokens")]),
     ("prefix_cache_replay_tokens_total", "counter", "Tokens below prefix hits recomputed to rebuild the windows.",
      [("", "prefix_cache_replay_tokens")]),
@@ -141,8 +140,7 @@ _TIER_METRICS = (
     ("prefix_store_load_seconds_max", "gauge", "Longest wait for a store load.", [("", "prefix_store_load_seconds_max")]),
     ("kv_transfer_blocks_in_total", "counter", "Blocks a decode instance read from prefill instances.",
      [("", "kv_transfer_blocks_in")]),
-    ("kv_transfer_states_in_total", "counter", "Request states (windows, compressor tails, partial block) a decode "
-     "instance loaded from prefill instances: those requests decode with no prompt token computed.",
+    ("kv_transfer_states_in_total", "counter", "Request states (windows, tails, partial block) read from prefill instances.",
      [("", "kv_transfer_states_in")]),
     ("kv_transfer_failures_total", "counter", "Reads from prefill instances that failed (prompt computed here).",
      [("", "kv_transfer_failures")]),

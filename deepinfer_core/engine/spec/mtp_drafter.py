@@ -44,7 +44,8 @@ class MTPDrafter:
             return None
         self._plan, self._states = plan, states
         # a non-finite row's placeholder (< 0) ends its request; any valid id keeps the batch running
-        tokens = torch.cat([input_ids, result.output.token_ids.to(input_ids.dtype).clamp(min=0)])
+        emitted = result.output.token_ids.to(input_ids.device, input_ids.dtype, non_blocking=True)
+        tokens = torch.cat([input_ids, emitted.clamp(min=0)])
         index = host_tensor(rows["h"] + rows["tok"]).to(self.device, non_blocking=True).view(2, -1)
         prev, ids = streams.index_select(0, index[0]), tokens.index_select(0, index[1])
         ctx = self._context(runner, rows["requests"], rows["positions"], ids)

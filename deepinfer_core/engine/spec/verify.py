@@ -70,7 +70,8 @@ class Verified:
 def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput,
                   rejection: dict[int, tuple[torch.Tensor, int]] | None = None) -> Verified:
     """Apply the seeded-draw rule to a step's sampler output (`rejection`: per request index, tokens
-    `[d + 1]` and accepted count from the verifier, which replace the rule for that request)."""
+    `[d + 1]` and accepted count from the verifier, which replace the rule for that request). Reads the
+    sampled ids once; the emitted `token_ids` come back on the host, the other fields stay on the device."""
     tokens = output.token_ids.tolist()
     emit, num_accepted, row = [], [], 0
     requests = plan.requests
@@ -89,8 +90,10 @@ def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput
         row += d + 1
     index = host_tensor(emit).to(output.token_ids.device, non_blocking=True)
     picked = {f.name: getattr(output, f.name) for f in fields(output) if getattr(output, f.name) is not None}
-    selected = replace(output, **{name: value.index_select(0, index) for name, value in picked.items()})
-    return Verified([row_requests[r] for r in emit], selected, num_accepted)
+    selected = {name: value.index_select(0, index) for name, value in picked.items() if name != "token_ids"}
+    # the emitted ids are already on the host: the engine reads them without a second device round trip
+    selected["token_ids"] = host_tensor([tokens[r] for r in emit]).to(output.token_ids.dtype)
+    return Verified([row_requests[r] for r in emit], replace(output, **selected), num_accepted)
 
 
 def rejection_verify(verifier: VerifyBackend, plan: StepPlan, row_requests: list[int], eligible: set[int],

@@ -52,13 +52,26 @@ class GemmConfig:
         return (num_blocks, n_tiles), False
 
 
-def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmConfig:
-    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill.
+SCALED_DOT_BLOCK_N = 32
+"""The only tile width at which FP4 experts take `tl.dot_scaled`: with Triton 3.6 on the H200, 64- and
+128-column tiles gave wrong products (bench/RESULTS.md, `prefill_tiles.py --only fp4`), 32 gave the
+dense kernel's on the dequantised weights."""
+
+FP4_DECODE = GemmConfig(block_m=16, block_n=SCALED_DOT_BLOCK_N, block_k=256, num_warps=4, num_stages=3)
+"""FP4 decode tiles on `tl.dot_scaled` (H200, V4-Flash sizes, 16 tokens: 2.47 ms for both GEMMs against
+3.35 ms for the best in-register decode tiles)."""
+
+
+def pick_config(num_rows: int, num_experts: int, element_size: int = 2, scaled_dot: bool = False) -> GemmConfig:
+    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill;
+    `scaled_dot`: FP4 experts whose decode tiles may take `tl.dot_scaled`.
 
     `element_size` is the activation/weight dtype's: fp32 tiles take twice the shared memory, so fp32
     keeps tiles whose pipelined stages fit a Hopper SM (227 KiB)."""
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
+        if scaled_dot:
+            return FP4_DECODE
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     # H200, V4-Flash sizes, 256 experts, both GEMMs (bench/RESULTS.md): 2,048 tokens (48 rows an
     # expert) 3.44 ms with 64x64 tiles (64x256: 3.57); 8,192 tokens (192 rows) 7.23 ms with 128x128
@@ -130,8 +143,9 @@ class TritonMoE:
         self._fp4 = spec.expert_format == "fp4"
         formats = {torch.bfloat16: "bf16", torch.float16: "fp16"}
         self.scaled_dot = formats.get(spec.dtype, "") if self._fp4 else ""
-        """The activations' `tl.dot_scaled` format when FP4 tiles go packed into it (bf16/fp16); "": FP4
-        tiles decoded in registers (fp32), or dense experts."""
+        """The activations' `tl.dot_scaled` format when FP4 tiles go packed into it (bf16/fp16, tiles
+        `SCALED_DOT_BLOCK_N` wide: decode); "": FP4 tiles decoded in registers (fp32, and prefill tiles),
+        or dense experts."""
         if self._fp4 and (spec.hidden_size % 32 or spec.intermediate_size % 32):
             raise ValueError(f"FP4 experts need hidden and intermediate sizes divisible by 32, got {spec}")
 
@@ -203,7 +217,7 @@ class TritonMoE:
         if num_tokens == 0:
             return torch.zeros_like(x)
         if config is None:
-            config = pick_config(num_rows, spec.num_experts, x.element_size())
+            config = pick_config(num_rows, spec.num_experts, x.element_size(), bool(self.scaled_dot))
             down_config = down_config or pick_down_config(config, x.element_size())
         down_config = down_config or config
         if down_config.block_m != config.block_m:
@@ -244,7 +258,7 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=bool(self.scaled_dot),
+            SCALED_DOT=bool(self.scaled_dot) and config.block_n == SCALED_DOT_BLOCK_N,
             LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -274,7 +288,7 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=bool(self.scaled_dot),
+            SCALED_DOT=bool(self.scaled_dot) and down_config.block_n == SCALED_DOT_BLOCK_N,
             LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,

@@ -164,11 +164,7 @@ class TritonMoE:
         """Return `[T, top_k]` int32 expert ids and fp32 weights (normalised, scaled)."""
         spec = self.spec
         num_tokens = x.shape[0]
-        if x.is_cuda and x.dtype == weights.router.dtype == torch.bfloat16:
-            # bf16 products are exact in fp32 and cuBLAS adds them in fp32: fp32 logits at bf16 speed
-            logits = torch.mm(x, weights.router.t(), out_dtype=torch.float32)
-        else:
-            logits = torch.matmul(x.float(), weights.router.float().t()).contiguous()
+        logits = self.router_logits(x, weights)
         ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int32, device=x.device)
         topk_weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
         if num_tokens == 0:
@@ -194,6 +190,18 @@ class TritonMoE:
             IS_HASH=spec.is_hash,
         )
         return ids, topk_weights
+
+    def router_logits(self, x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        """`[T, num_experts]` fp32 router logits, contiguous."""
+        if x.is_cuda and x.dtype == weights.router.dtype == torch.bfloat16:
+            # bf16 products are exact in fp32 and cuBLAS adds them in fp32: fp32 logits at bf16 speed
+            return torch.mm(x, weights.router.t(), out_dtype=torch.float32)
+        return torch.matmul(x.float(), weights.router.float().t()).contiguous()
+
+    @staticmethod
+    def sum_slots(rows: torch.Tensor) -> torch.Tensor:
+        """`[T, hidden]` sum over the `[T, top_k, hidden]` fp32 rows of each token's picked experts."""
+        return rows.sum(dim=1)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         """Route and run the routed experts (see `MoEBackend.forward`)."""
@@ -293,4 +301,4 @@ class TritonMoE:
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )
-        return out.view(num_tokens, spec.top_k, hidden).sum(dim=1).to(x.dtype)
+        return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

@@ -10,6 +10,8 @@ Launchers never read device values on the host, so they are safe inside CUDA gra
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -95,7 +97,7 @@ def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     num_tokens, width = x.shape[0], x.shape[-1]
-    rows = x.reshape(num_tokens, -1, width)
+    rows = x.reshape(num_tokens, math.prod(x.shape[1:-1]), width)  # explicit: x may have no rows
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     heads = rows.shape[1]

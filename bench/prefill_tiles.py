@@ -6,10 +6,13 @@ Times, with `triton.testing.do_bench`, each candidate tiling of
 - the mHC block boundary `hc_post_pre` (hidden 4096, hc_mult 4): tokens a program beyond 1,024 tokens, one
   launch or two, the `fn` dot in fp32 or on tensor cores;
 - the routed experts' two grouped GEMMs (hidden 4096, intermediate 2048, 256 experts, top 6): `GemmConfig`;
+- the same GEMMs on FP4 experts (`fp4`), at decode and prefill token counts: `tl.dot_scaled` on the
+  packed tiles against the in-register decode, each with several tilings, beside the bf16 experts; each
+  row also gives the touched experts' bytes a second (bandwidth, the decode figure of merit);
 and prints one JSON line per candidate with its time and its largest difference from the first one.
 `bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
 
-    python bench/prefill_tiles.py [--only attention,hyper,moe] [--tiny]
+    python bench/prefill_tiles.py [--only attention,hyper,moe,fp4] [--tiny]
 
 `--tiny` is the smoke mode the test suite runs: tiny sizes, the first two candidates of each sweep, one
 untimed-quality run each (wall clock, not `do_bench`); without a CUDA device the kernels run in Triton's
@@ -19,6 +22,7 @@ interpreter on the CPU. Its times mean nothing; it proves the sweeps still run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -46,6 +50,7 @@ class Sizes:
     experts: int = 256
     top_k: int = 6
     moe_tokens: tuple[int, ...] = (2048, 8192)
+    fp4_tokens: tuple[int, ...] = (1, 16, 64, 2048)
     num_variants: int | None = None
     """Candidates per sweep (None: all)."""
 
@@ -53,7 +58,7 @@ class Sizes:
 V4_FLASH = Sizes()
 TINY = Sizes(heads=16, head_dim=64, window=16, hca_rate=8, index_heads=4, index_head_dim=32, index_topk=8,
              prompts=(32, 32), hidden=128, hyper_tokens=(8,), moe_intermediate=64, experts=8, top_k=2,
-             moe_tokens=(16,), num_variants=2)
+             moe_tokens=(16,), fp4_tokens=(2,), num_variants=2)
 
 ATTENTION_TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1),
                    (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]
@@ -192,9 +197,58 @@ def sweep_moe(device: torch.device, sizes: Sizes) -> None:
         time_variants("moe_experts", MOE_TILES, run, sizes, tokens=num_tokens)
 
 
+FP4_TILES = [(16, 64, 128, 4, 3, False), (16, 64, 256, 4, 3, False), (16, 128, 128, 4, 3, False),
+             (16, 64, 128, 4, 4, False), (16, 32, 256, 4, 3, False), (64, 64, 64, 4, 4, True),
+             (64, 64, 128, 4, 3, True), (128, 128, 64, 8, 3, True), (128, 128, 128, 8, 3, True)]
+"""`GemmConfig` fields of the FP4 sweep (both GEMMs): decode tiles first, then prefill ones."""
+
+
+def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+
+    from deepinfer_core.backends.moe import MoESpec, MoEWeights
+    from deepinfer_core.models import quant
+
+    hidden, inter, experts, top_k = sizes.hidden, sizes.moe_intermediate, sizes.experts, sizes.top_k
+    spec = MoESpec(hidden, inter, experts, top_k, "sqrtsoftplus", 1.5, 10.0, False, torch.bfloat16,
+                   expert_format="fp4")
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def packed(rows: int, cols: int):
+        codes = torch.randint(-128, 128, (experts, rows, cols // 2), dtype=torch.int8, device=device, generator=gen)
+        exponents = torch.randint(-9, -6, (experts, rows, cols // quant.FP4_GROUP_SIZE), device=device, generator=gen)
+        return codes, torch.exp2(exponents.float()).to(quant.FP4_SCALE_DTYPE)
+
+    (gate_up, gate_up_scale), (down, down_scale) = packed(2 * inter, hidden), packed(hidden, inter)
+    router = torch.randn(experts, hidden, device=device, dtype=torch.bfloat16) * 0.02
+    fp4 = MoEWeights(router=router, gate_up=gate_up, down=down, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    dense = MoEWeights(router=router, gate_up=quant.dequantize_fp4(gate_up, gate_up_scale).to(torch.bfloat16),
+                       down=quant.dequantize_fp4(down, down_scale).to(torch.bfloat16))
+    moe, dense_moe = TritonMoE(spec), TritonMoE(dataclasses.replace(spec, expert_format="dense"))
+    fp4_bytes = 3 * inter * hidden * (0.5 + 1 / quant.FP4_GROUP_SIZE)
+    for num_tokens in sizes.fp4_tokens:
+        x = torch.randn(num_tokens, hidden, device=device, dtype=torch.bfloat16)
+        ids = torch.rand(num_tokens, experts, device=device).topk(top_k).indices.to(torch.int32)
+        topk_weights = torch.rand(num_tokens, top_k, device=device)
+        touched = ids.unique().numel()
+
+        def run(variant, x=x, ids=ids, topk_weights=topk_weights):
+            path, tiles = variant
+            if path == "bf16":
+                return dense_moe.experts(x, ids, topk_weights, dense, tiles and GemmConfig(*tiles))
+            moe.scaled_dot = "bf16" if path == "scaled_dot" else ""
+            return moe.experts(x, ids, topk_weights, fp4, GemmConfig(*tiles))
+
+        variants = [("bf16", None)] + [(path, tiles) for path in ("scaled_dot", "decode") for tiles in FP4_TILES
+                                       if (tiles[0] == 16) == (num_tokens * top_k / experts <= 16)]
+        time_variants("fp4_experts", variants, run, sizes, tokens=num_tokens, touched_experts=touched,
+                      fp4_gb_touched=round(touched * fp4_bytes / 1e9, 4))
+    moe.scaled_dot = "bf16"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="attention,hyper,moe", help="comma-separated sweeps to run")
+    parser.add_argument("--only", default="attention,hyper,moe,fp4", help="comma-separated sweeps to run")
     parser.add_argument("--tiny", action="store_true", help="smoke mode: tiny sizes, two candidates a sweep")
     args = parser.parse_args()
     sizes = TINY if args.tiny else V4_FLASH
@@ -208,7 +262,7 @@ def main() -> None:
     else:
         sys.exit("bench/prefill_tiles.py times GPU kernels: it needs a CUDA device and deepinfer-nvidia-sm100 "
                  "(--tiny runs the sweeps in Triton's interpreter on the CPU)")
-    sweeps = {"attention": sweep_attention, "hyper": sweep_hyper, "moe": sweep_moe}
+    sweeps = {"attention": sweep_attention, "hyper": sweep_hyper, "moe": sweep_moe, "fp4": sweep_fp4}
     for name in args.only.split(","):
         if name not in sweeps:
             sys.exit(f"--only: unknown sweep {name!r}; choose from {', '.join(sweeps)}")

@@ -10,9 +10,12 @@ per request against no speculation for each k, printed beside the speed-up the m
 extra tokens touch; (b) an always-wrong drafter at k = 3 with the fixed and the confidence policy (its
 overhead against no speculation); (c) the n-gram drafter on a repetitive agent-like trace (prompts
 that quote a tool output back, greedy outputs that loop): acceptance length and speed-up.
-Every run also checks that its tokens equal those of no speculation. Verify steps (a request with
-drafts computes d + 1 tokens) run eagerly; decode steps without drafts replay CUDA graphs unless
-`--eager`. `--tiny` runs a small config on the CPU (checks the script). One JSON line per measurement.
+Every run also checks that its tokens equal those of no speculation; where they do not, it reports the
+first divergence (request, step) and the reference's logprob gap there between its token and the
+speculative run's (bf16: a (k + 1)-token verify step is not bitwise the 1-token decode computation, so
+near-ties may flip; a large gap is a bug). Decode steps and verify steps whose requests all carry the
+same number of drafts replay CUDA graphs unless `--eager`. `--tiny` runs a small config on the CPU
+(checks the script). One JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -82,6 +85,31 @@ def generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[li
 generate.counter = 0
 
 
+def compare(plain, prompts: list[list[int]], reference: list[list[int]], out: list[list[int]]) -> dict:
+    """`tokens_equal`, and when false the first divergence: its request and step, and the reference
+    logprob gap there (reference token minus the speculative run's token, from a rerun of the plain
+    engine over the same batch with logprobs; None when that token is not in its top 20)."""
+    if out == reference:
+        return {"tokens_equal": True}
+    from deepinfer_core.sampling_params import SamplingParams
+
+    request, step = min((s, r) for r, (a, b) in enumerate(zip(reference, out))
+                        for s, (x, y) in enumerate(zip(a, b)) if x != y)[::-1]
+    params = SamplingParams(max_tokens=len(reference[0]), temperature=0, ignore_eos=True, logprobs=20)
+    for i, prompt in enumerate(prompts):
+        plain.add_request(f"lp{i}", prompt, params)
+    done = {}
+    while plain.has_unfinished_requests():
+        done.update({o.request_id: o for o in plain.step() if o.finished})
+    rerun = done[f"lp{request}"].outputs[0]
+    entry = rerun.logprobs[step]
+    ours, theirs = reference[request][step], out[request][step]
+    gap = entry[ours].logprob - entry[theirs].logprob if ours in entry and theirs in entry else None
+    return {"tokens_equal": False, "first_divergence": {
+        "request": request, "step": step, "reference_logprob_gap": None if gap is None else round(gap, 5),
+        "rerun_equals_reference": list(rerun.token_ids) == reference[request]}}
+
+
 def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02) -> None:
     speculator = engine.speculator
     speculator.config = speculator.config.model_copy(update={
@@ -113,7 +141,7 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
                 "per_request_tok_s": round(speed / batch, 2), "speedup": round(speed / base, 3),
                 "allowed_speedup": round(allowed_speedup(counts, batch, k, context), 3),
                 "of_allowed": round(speed / base / allowed_speedup(counts, batch, k, context), 3),
-                "tokens_equal": out == reference})
+                **compare(plain, prompts, reference, out)})
     for policy in ("fixed", "confidence"):
         set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost)
         if args.warmup:
@@ -122,7 +150,7 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
         speed = batch * (new - 1) / seconds
         report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
                 "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
-                "slowdown": round(1 - speed / base, 3), "tokens_equal": out == reference})
+                "slowdown": round(1 - speed / base, 3), **compare(plain, prompts, reference, out)})
 
 
 def agent_trace(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -154,7 +182,7 @@ def run_ngram(args, plain, spec, vocab) -> None:
         accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
         report({"case": "ngram_agent_trace", "batch": batch, "k": 3, "speedup": round(base_s / seconds, 3),
                 "mean_acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
-                "tokens_equal": out == reference})
+                **compare(plain, prompts, reference, out)})
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
-"""CUDA graphs of decode steps (one token per request), captured once per batch size of a ladder.
+"""CUDA graphs of decode steps, captured once per batch size of a ladder and per number of tokens a
+request computes (one; or, under speculative decoding, its last token plus k drafts to verify).
 
 Inputs live in static device buffers; a batch is padded up to the next captured size with rows that
 use a scratch state slot and a scratch cache block, and whose compressed entries go to the pools'
 scratch row. Every backend must declare `supports_cuda_graphs = True` (no host reads in decode).
 
-A step's host work is O(batch) with a small constant: the five per-row inputs go to the device in one
+A step's host work is O(batch) with a small constant: the six per-row inputs go to the device in one
 copy, and block tables are kept on the device per state slot (`SlotBlockTables`), so a step sends only
 the block ids appended since the last one and gathers its rows by slot on the device.
 """
@@ -90,99 +91,116 @@ class SlotBlockTables:
 
 
 class DecodeGraphs:
-    """Captured decode steps for a ladder of batch sizes, through a device's `GraphApi` (None: the same
-    padded steps run eagerly, which the CPU tests use)."""
+    """Captured decode steps, one graph per batch size of a ladder and per number of tokens a request
+    computes (`widths`: 1 for plain decode; 1 + d for a verification step where every request carries d
+    drafts), through a device's `GraphApi` (None: the same padded steps run eagerly, which the CPU tests
+    use). Keyed `(batch size, tokens per request)`."""
 
     def __init__(self, runner, max_batch: int, max_blocks: int, max_seq_len: int, api=None,
-                 sizes: Sequence[int] | None = None) -> None:
-        """`sizes`: the batch sizes to capture (`capture_sizes`' rule; None: the default ladder)."""
+                 sizes: Sequence[int] | None = None, widths: Sequence[int] = (1,)) -> None:
+        """`sizes`: the batch sizes to capture (`capture_sizes`' rule; None: the default ladder);
+        `widths`: the tokens per request to capture for (speculative decoding adds `1 + k`)."""
         self.runner, self.max_seq_len, self.api = runner, max_seq_len, api
         self.sizes = capture_sizes(max_batch, sizes)
-        dev, n = runner.device, max_batch
+        self.widths = sorted(set(widths))
+        dev, n, width = runner.device, max_batch, max(self.widths)
 
         def buffer(*shape, fill=0):
             return torch.full(shape, fill, dtype=torch.long, device=dev)
 
-        # the five per-row inputs are rows of one buffer, so a step sends them in one copy
-        self.inputs = buffer(5, n)
-        self.input_ids, self.positions, self.slots, self.no_write_before, self.window_starts = self.inputs.unbind(0)
-        self.block_tables, self.rows = buffer(n, max_blocks), torch.arange(n + 1, device=dev)
+        # the six inputs are rows of one buffer, so a step sends them in one copy: per token its id and
+        # position, per request (the first entries of a row) its slot, no-write bound, window start, start
+        self.inputs = buffer(6, n * width)
+        (self.input_ids, self.positions, self.slots, self.no_write_before, self.window_starts,
+         self.starts) = self.inputs.unbind(0)
+        self.block_tables, self.rows = buffer(n, max_blocks), torch.arange(n * width + 1, device=dev)
         cache = runner.kv_cache
         self.slot_tables = SlotBlockTables(cache.scratch_slot, max_blocks, cache.scratch_block, dev)
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor | None]] = {}
+        """Per (batch size, tokens per request): the graph, its logits, its final residual streams."""
 
     def capture(self, progress: bool = False) -> None:
-        """Capture every size, the largest first (the others share its memory pool); `progress` shows a bar."""
+        """Capture every (size, width), the most tokens first (the others share its memory pool);
+        `progress` shows a bar."""
         api, pool = self.api, None
-        for size in tqdm(list(reversed(self.sizes)), desc="Capturing decode CUDA graphs", unit="graph",
-                         disable=not progress, dynamic_ncols=True):
-            self._pad(0, size)
+        keys = sorted(((s, w) for s in self.sizes for w in self.widths), key=lambda k: (-k[0] * k[1], -k[1]))
+        for size, width in tqdm(keys, desc="Capturing decode CUDA graphs", unit="graph",
+                                disable=not progress, dynamic_ncols=True):
+            self._pad(0, size, width)
             stream = api.Stream()
             stream.wait_stream(api.current_stream())
             with api.stream(stream):
                 for _ in range(2):
-                    self._forward(size)
+                    self._forward(size, width)
             api.current_stream().wait_stream(stream)
             graph = api.Graph()
             with api.graph(graph, pool=pool):
-                logits = self._forward(size)
+                logits = self._forward(size, width)
             pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size, width] = (graph, logits, self.runner.model.final_streams)
         api.synchronize()
 
-    def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.sizes[-1]
+    def can_run(self, num_seqs: int, width: int = 1) -> bool:
+        """Whether a step of `num_seqs` requests of `width` tokens each fits a captured shape."""
+        return num_seqs <= self.sizes[-1] and width in self.widths
 
     def run(self, requests, states, carried=None) -> torch.Tensor:
-        """Decode one token of each of `requests` (a plan's `ScheduledRequest`s, each computing its last
-        token, with the runner's `states`) by replaying the smallest graph that fits; return fp32 logits
-        for their rows. Pending last tokens come from `carried` (a `CarriedTokens`) on the device."""
-        n = len(requests)
+        """Compute every token of `requests` (a plan's `ScheduledRequest`s, each computing its last
+        token and maybe drafts, all the same count, with the runner's `states`) by replaying the
+        smallest graph that fits; return fp32 logits for all their tokens, request by request. Pending
+        tokens come from `carried` (a `CarriedTokens`) on the device. After the call
+        `runner.model.final_streams` holds the step's residual streams when the model keeps them."""
+        n, width = len(requests), requests[0].num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        pad = size - n
+        tokens, pad = size * width, (size - n) * width
         scratch_slot = self.runner.kv_cache.scratch_slot
-        host = [max(r.token_ids[0], 0) for r in requests]  # a pending token (-1) is filled below
+        host = [max(t, 0) for r in requests for t in r.token_ids]  # a pending token (-1) is filled below
         host += [0] * pad
-        host += [r.start for r in requests]
-        host += [0] * pad
-        host += [s.slot for s in states]
-        host += [scratch_slot] * pad
-        host += [r.no_write_before for r in requests]
-        host += [NO_WRITE] * pad
-        host += [r.window_start for r in requests]
-        host += [0] * pad
-        self.inputs[:, :size] = host_tensor(host).view(5, size).to(self.runner.device, non_blocking=True)
-        pending = [(i, r.request_id) for i, r in enumerate(requests) if r.token_ids[0] < 0]
+        host += [r.start + j for r in requests for j in range(width)]
+        host += [j for _ in range(size - n) for j in range(width)]
+        for values, fill in (([s.slot for s in states], scratch_slot), ([r.no_write_before for r in requests], NO_WRITE),
+                             ([r.window_start for r in requests], 0), ([r.start for r in requests], 0)):
+            host += values
+            host += [fill] * (tokens - n)
+        self.inputs[:, :tokens] = host_tensor(host).view(6, tokens).to(self.runner.device, non_blocking=True)
+        pending = [(i * width + j, r.request_id) for i, r in enumerate(requests)
+                   for j, t in enumerate(r.token_ids) if t < 0]
         if pending:
             if carried is None:
                 raise RuntimeError("the plan has pending tokens but no step sampled before it")
             carried.fill(self.input_ids, pending)
         self.slot_tables.sync(states)
         self.slot_tables.gather(self.slots[:size], self.block_tables[:size])
-        if size not in self.graphs:  # not captured (e.g. on the CPU): same padded step, run eagerly
-            return self._forward(size)[:n]
-        graph, logits = self.graphs[size]
+        if (size, width) not in self.graphs:  # not captured (e.g. on the CPU): same padded step, run eagerly
+            return self._forward(size, width)[: n * width]
+        graph, logits, streams = self.graphs[size, width]
         graph.replay()
-        return logits[:n]
+        if streams is not None:
+            self.runner.model.final_streams = streams
+        return logits[: n * width]
 
-    def _pad(self, start: int, end: int) -> None:
+    def _pad(self, start: int, end: int, width: int = 1) -> None:
         if start >= end:
             return
         cache = self.runner.kv_cache
-        self.input_ids[start:end] = 0
-        self.positions[start:end] = 0
+        self.input_ids[start * width : end * width] = 0
+        self.positions[start * width : end * width] = torch.arange(width, device=self.positions.device).repeat(end - start)
         self.slots[start:end] = cache.scratch_slot
         self.block_tables[start:end] = cache.scratch_block
         self.no_write_before[start:end] = NO_WRITE
         self.window_starts[start:end] = 0
+        self.starts[start:end] = 0
 
-    def _forward(self, size: int) -> torch.Tensor:
-        positions = self.positions[:size]
+    def _forward(self, size: int, width: int) -> torch.Tensor:
+        tokens = size * width
+        positions = self.positions[:tokens]
+        starts = positions if width == 1 else self.starts[:size]
         ctx = self.runner.make_context(
-            self.input_ids[:size], positions, positions + 1, self.no_write_before[:size],
-            query_start_loc=self.rows[: size + 1], start_positions=positions, slots=self.slots[:size],
-            block_tables=self.block_tables[:size], query_lens=[1] * size,
+            self.input_ids[:tokens], positions, starts + width, self.no_write_before[:size],
+            query_start_loc=self.rows[: size + 1] * width if width > 1 else self.rows[: size + 1],
+            start_positions=starts, slots=self.slots[:size],
+            block_tables=self.block_tables[:size], query_lens=[width] * size,
             start_positions_host=[0] * size,  # stale under replay: decode paths read device tensors only
             window_starts=self.window_starts[:size], needs_static_shapes=True, max_seq_len=self.max_seq_len,
         )
-        return self.runner.model(ctx, self.runner.kv_cache.layers, self.rows[:size])
+        return self.runner.model(ctx, self.runner.kv_cache.layers, self.rows[:tokens])

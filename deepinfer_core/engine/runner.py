@@ -232,12 +232,16 @@ class ModelRunner:
             logger.info("decode runs eagerly: no plugin offers graph capture on %s", self.device)
             return None
         max_len = self.engine_config.max_model_len
+        spec = getattr(self.engine_config, "speculative_config", None)
+        # verification steps whose requests all carry d <= k drafts replay the graphs of width 1 + d
+        widths = range(1, 2 + spec.num_speculative_tokens) if spec is not None else (1,)
         graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api,
-                              sizes=self.engine_config.cuda_graph_sizes)
+                              sizes=self.engine_config.cuda_graph_sizes, widths=widths)
         start = time.perf_counter()
         graphs.capture(progress=logger.isEnabledFor(logging.INFO))
-        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s (first capture compiles the "
-                    "kernels; cuda_graph_sizes sets the sizes)", graphs.sizes, time.perf_counter() - start)
+        logger.info("captured decode CUDA graphs for batch sizes %s x tokens per request %s in %.1f s (first "
+                    "capture compiles the kernels; cuda_graph_sizes sets the sizes)", graphs.sizes, graphs.widths,
+                    time.perf_counter() - start)
         return graphs
 
     # -- one step -----------------------------------------------------------------------------------
@@ -267,10 +271,13 @@ class ModelRunner:
         if plan.cache_ops:  # prefix-tier transfers first: a block saved here may be rewritten below
             return self._execute_with_cache_ops(plan)
         states = self.update_states(plan)
-        if self._is_graph_step(plan):
-            sampled = list(range(len(states)))
-            tensors = self._sampling_tensors(plan, states, sampled)  # before the launch: no wait on copies
-            return self._sample(plan, sampled, self.graphs.run(plan.requests, states, self._carried), tensors, {})
+        if self._graph_width(plan):  # decode, or verification with the same number of drafts everywhere
+            rows = spec_verify.logits_row_requests(plan, list(range(len(states))))
+            tensors = self._sampling_tensors(plan, states, rows)  # before the launch: no wait on copies
+            saved = self.spec.capture(plan, states) if self.spec is not None else None
+            logits = self.graphs.run(plan.requests, states, self._carried)
+            return self._finish(plan, states, rows, logits, tensors, {}, saved,
+                                self.graphs.input_ids[: plan.num_tokens])
         layout = self.context_parallel.layout(plan, states) if self.context_parallel is not None else None
         if layout is not None:  # a prefill step split over the cp ranks
             logits, sampled, prompt_spans = self.context_parallel.forward(self, layout, self._carried)
@@ -287,11 +294,17 @@ class ModelRunner:
         saved = self.spec.capture(plan, states) if self.spec is not None else None
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        result = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
+        return self._finish(plan, states, rows, logits[: len(rows)], tensors, prompt_logits, saved, ctx.input_ids)
+
+    def _finish(self, plan: StepPlan, states: list[RequestState], rows: list[int], logits: torch.Tensor, tensors,
+                prompt_logits: dict, saved: list | None, input_ids: torch.Tensor) -> StepResult:
+        """Sample the step's logits rows, then verify drafts (`saved`: the cache rows they overwrote)
+        and let the MTP drafter propose the next ones."""
+        result = self._sample(plan, rows, logits, tensors, prompt_logits)
         if saved is not None:
-            result = self.spec.finish(plan, states, rows, logits[: len(rows)], tensors, result, saved)
+            result = self.spec.finish(plan, states, rows, logits, tensors, result, saved)
         if self.mtp is not None and result.output is not None:
-            result.drafts = self.mtp.propose(self, plan, states, ctx.input_ids, self.model.final_streams, result)
+            result.drafts = self.mtp.propose(self, plan, states, input_ids, self.model.final_streams, result)
         return result
 
     def _execute_with_cache_ops(self, plan: StepPlan) -> StepResult:
@@ -329,10 +342,15 @@ class ModelRunner:
         token_ids = torch.where(is_finite, output.token_ids, NONFINITE_TOKEN)
         return StepResult(sampled, replace(output, token_ids=token_ids), prompt_logits)
 
-    def _is_graph_step(self, plan: StepPlan) -> bool:
-        # the MTP drafter reads every step's residual streams: its steps run eagerly
-        return (self.graphs is not None and self.mtp is None and self.graphs.can_run(len(plan.requests))
-                and plan.is_all_decodes)
+    def _graph_width(self, plan: StepPlan) -> int:
+        """Tokens per request when the plan replays a decode graph (every request computes its last
+        token and the same number of drafts, and samples), else 0."""
+        if self.graphs is None or not plan.requests:
+            return 0
+        width = plan.requests[0].num_tokens
+        if not all(r.is_sampled and r.num_tokens == width == r.num_draft_tokens + 1 for r in plan.requests):
+            return 0
+        return width if self.graphs.can_run(len(plan.requests), width) else 0
 
     @functools.cached_property
     def compress_rates(self) -> set[int]:

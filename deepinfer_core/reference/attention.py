@@ -25,6 +25,8 @@ class ReferenceAttention:
     def forward(self, q, kv, window, compressed, sinks, metadata: AttentionMetadata, topk_indices=None, num_entries=None):
         if metadata.is_decode_only:
             return self._decode(q, kv, window, compressed, sinks, metadata, topk_indices, num_entries)
+        if metadata.needs_static_shapes:  # a verification step under CUDA graphs: k + 1 queries a request
+            return self._decode_multi(q, kv, window, compressed, sinks, metadata, topk_indices, num_entries)
         out = torch.empty_like(q)
         qsl = metadata.query_start_loc.tolist()
         counts = num_entries.tolist() if num_entries is not None else None
@@ -51,6 +53,35 @@ class ReferenceAttention:
             entry_visible = (ids >= 0) & (ids < ((positions + 1) // self.spec.compress_rate)[:, None])
             entries = _gather_rows(compressed, metadata.block_tables, ids.clamp(min=0), self.spec.entries_per_block)
             keys, visible = torch.cat((keys, entries), dim=1), torch.cat((visible, entry_visible), dim=1)
+        return self._attend_rows(q, keys, visible, sinks)
+
+    def _decode_multi(self, q, kv, window, compressed, sinks, metadata: AttentionMetadata, topk_indices, num_entries):
+        """The same number of queries for every request (its last token and its drafts), all at once and
+        without host round trips: each query reads the ring as it was before the step, then the step's
+        keys, masked to its own window and causal prefix."""
+        num_seqs, w = metadata.num_seqs, self.spec.sliding_window
+        width = q.shape[0] // num_seqs
+        positions, starts = metadata.positions.view(num_seqs, width), metadata.start_positions
+        before = starts[:, None] - 1  # ring slot j holds the latest position before the step that maps to it
+        ring_pos = before - (before - torch.arange(w, device=q.device)) % w
+        keys = torch.cat((window[metadata.slots], kv.view(num_seqs, width, -1).to(window.dtype)), dim=1)
+        key_pos = torch.cat((ring_pos, positions), dim=1)[:, None]  # [S, 1, w + width]
+        first = metadata.window_starts if metadata.window_starts is not None else torch.zeros_like(starts)
+        q_pos = positions[..., None]
+        visible = (key_pos <= q_pos) & (key_pos > q_pos - w) & (key_pos >= first.clamp(min=0)[:, None, None])
+        keys = keys[:, None].expand(-1, width, -1, -1).reshape(q.shape[0], w + width, -1)
+        visible = visible.reshape(q.shape[0], w + width)
+        if compressed is not None:
+            tables = metadata.block_tables.repeat_interleave(width, dim=0)
+            counts = num_entries.repeat_interleave(width) if num_entries is not None else None
+            ids = topk_indices if topk_indices is not None else self._entry_ids(metadata, counts)
+            entry_visible = (ids >= 0) & (ids < ((metadata.positions + 1) // self.spec.compress_rate)[:, None])
+            entries = _gather_rows(compressed, tables, ids.clamp(min=0), self.spec.entries_per_block)
+            keys, visible = torch.cat((keys, entries), dim=1), torch.cat((visible, entry_visible), dim=1)
+        return self._attend_rows(q, keys, visible, sinks)
+
+    def _attend_rows(self, q, keys, visible, sinks):
+        """Each query row `[H, D]` over its own keys `[K, D]`, `visible` `[rows, K]`, with the sink."""
         keys = keys.masked_fill(~visible[..., None], 0)  # rows it may not read must not reach the output
         bias = _mask_bias(visible)
         scores = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * self.spec.head_dim**-0.5 + bias[:, None]
@@ -61,6 +92,10 @@ class ReferenceAttention:
     def _decode_entry_ids(self, metadata: AttentionMetadata, num_entries, topk_indices):
         if topk_indices is not None:
             return topk_indices
+        return self._entry_ids(metadata, num_entries)
+
+    def _entry_ids(self, metadata: AttentionMetadata, num_entries):
+        """Per row, entries `0 .. bound - 1` of the static bound, -1 past the row's `num_entries`."""
         bound = max(_max_seq_len(metadata) // self.spec.compress_rate, 1)
         ids = torch.arange(bound, device=num_entries.device).expand(len(num_entries), -1)
         return torch.where(ids < num_entries[:, None], ids, -1)
@@ -93,7 +128,7 @@ class ReferenceAttention:
         return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys).to(q.dtype)
 
     def indexer_topk(self, q, weights, index_keys, metadata: AttentionMetadata, num_entries):
-        if metadata.is_decode_only:
+        if metadata.is_decode_only or metadata.needs_static_shapes:  # one query a request, or k + 1 under graphs
             return self._indexer_decode(q, weights, index_keys, metadata)
         k = self.spec.index_topk
         out = torch.full((q.shape[0], k), -1, dtype=torch.long, device=q.device)
@@ -117,7 +152,9 @@ class ReferenceAttention:
         rate, k = self.spec.compress_rate, self.spec.index_topk
         bound = max(_max_seq_len(metadata) // rate, 1)
         ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
-        keys = _gather_rows(index_keys, metadata.block_tables, ids, self.spec.entries_per_block)
+        width = q.shape[0] // max(metadata.num_seqs, 1)  # queries per request: 1, or k + 1 (verification)
+        tables = metadata.block_tables if width == 1 else metadata.block_tables.repeat_interleave(width, dim=0)
+        keys = _gather_rows(index_keys, tables, ids, self.spec.entries_per_block)
         scores = torch.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * self.spec.index_head_dim**-0.5
         scores = (scores * weights[:, :, None]).sum(dim=1)
         limit = ((metadata.positions + 1) // rate)[:, None]

@@ -166,7 +166,11 @@ def write_rings(metadata: AttentionMetadata, *rings_and_rows: torch.Tensor) -> N
     ring = rings_and_rows[0].shape[1]
     positions, slots = metadata.positions, metadata.slots
     live = None
-    if not metadata.is_decode_only:
+    if metadata.needs_static_shapes and not metadata.is_decode_only:
+        # a verification step under CUDA graphs: k + 1 rows a request, no more than any ring holds
+        # (`check_ring_sizes`), so every row is written, without a mask
+        slots = slots.repeat_interleave(len(positions) // metadata.num_seqs)
+    elif not metadata.is_decode_only:
         lens = metadata.query_start_loc.diff()
         live = positions >= (metadata.start_positions + lens).repeat_interleave(lens) - ring
         positions, slots = positions[live], slots.repeat_interleave(lens)[live]

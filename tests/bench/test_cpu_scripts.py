@@ -49,5 +49,5 @@ def test_prefill_tiles_tiny_runs_every_sweep():
     for r in rows:
         counts[r["kernel"], r.get("case")] += 1
     assert counts == {("attention", "hca"): 2, ("attention", "csa"): 2, ("hc_post_pre", None): 2,
-                      ("moe_experts", None): 2}
+                      ("moe_experts", None): 2, ("fp4_experts", None): 2}
     assert all(r["ms"] > 0 for r in rows)

@@ -13,3 +13,31 @@ def test_spec_decode_tiny_reports_every_case_with_unchanged_tokens():
     assert all(row["tokens_equal"] for row in rows if "tokens_equal" in row)
     oracle = [row for row in rows if row.get("case") == "oracle"]
     assert [row["k"] for row in oracle] == [2] and all(row["allowed_speedup"] > 1 for row in oracle)
+
+
+def test_a_divergence_is_reported_with_its_step_and_reference_logprob_gap(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from deepinfer_core import SamplingParams
+    from tests.engine.test_spec_decode import MIXED, make_engine
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import spec_decode
+
+    engine, batch = make_engine(tmp_path), MIXED[:2]
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    reference = [list(done[str(i)].outputs[0].token_ids) for i in range(2)]
+    assert spec_decode.compare(engine, batch, reference, [list(r) for r in reference]) == {"tokens_equal": True}
+    entry = done["1"].outputs[0].logprobs[3]  # the top token and one more: swap in the runner-up at step 3
+    runner_up = next(t for t, lp in entry.items() if lp.rank == 2)
+    out = [list(r) for r in reference]
+    out[1][3:] = [runner_up] * 3
+    row = spec_decode.compare(engine, batch, reference, out)
+    gap = entry[reference[1][3]].logprob - entry[runner_up].logprob
+    assert row["tokens_equal"] is False and row["first_divergence"]["rerun_equals_reference"]
+    assert (row["first_divergence"]["request"], row["first_divergence"]["step"]) == (1, 3)
+    assert abs(row["first_divergence"]["reference_logprob_gap"] - gap) < 1e-4 and gap > 0

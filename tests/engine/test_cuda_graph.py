@@ -13,6 +13,7 @@ from deepinfer_core.engine.cuda_graph import (
 )
 from deepinfer_core.engine.plan import PENDING_TOKEN
 from deepinfer_core.engine.runner import CarriedTokens
+from tests.models.test_v41_decode_graphs import RaiseOnHostReads
 from tests.oracle import (
     FakeSeq,
     all_position_logprobs,
@@ -165,13 +166,65 @@ def test_capture_and_replay_go_through_the_devices_graph_api(tmp_path):
     api = GraphApi(Graph=Graph, graph=graph, Stream=Stream, stream=lambda s: nullcontext(),
                    current_stream=Stream, synchronize=lambda: calls.append("sync"))
     runner = make_runner(tmp_path, CONFIG, WEIGHTS)
-    graphs = DecodeGraphs(runner, max_batch=3, max_blocks=2, max_seq_len=256, api=api)
+    graphs = DecodeGraphs(runner, max_batch=3, max_blocks=2, max_seq_len=256, api=api, widths=(1, 3))
     graphs.capture()
-    assert sorted(graphs.graphs) == graphs.sizes == [1, 2, 3] and calls[-1] == "sync"
+    assert graphs.sizes == [1, 2, 3] and calls[-1] == "sync"
+    assert sorted(graphs.graphs) == [(s, w) for s in (1, 2, 3) for w in (1, 3)]  # every size, both widths
     pools = [c[1] for c in calls if isinstance(c, tuple)]
-    assert pools[0] is None and pools[1] == graphs.graphs[3][0].pool()  # the largest first, then its pool
+    assert pools[0] is None and pools[1] == graphs.graphs[3, 3][0].pool()  # the most tokens first, then its pool
     seqs = [FakeSeq([3, 4], slot=0, block_table=[0], num_computed_tokens=1),
             FakeSeq([5], slot=1, block_table=[1])]
     plan = step_plan(runner, seqs, [1, 1])
     logits = graphs.run(plan.requests, runner.update_states(plan))
-    assert graphs.graphs[2][0].replays == 1 and logits.shape[0] == 2  # replayed the size-2 graph
+    assert graphs.graphs[2, 1][0].replays == 1 and logits.shape[0] == 2  # replayed the size-2 decode graph
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids += [6, 7, 8]
+    plan = step_plan(runner, seqs, [3, 3])
+    logits = graphs.run(plan.requests, runner.update_states(plan))
+    assert graphs.graphs[2, 3][0].replays == 1 and logits.shape[0] == 6  # three tokens a request
+    assert not graphs.can_run(2, 2) and graphs.can_run(3, 3) and not graphs.can_run(4, 1)
+
+
+def test_padded_multi_token_steps_equal_eager_steps(tmp_path):
+    """Steps of three tokens a request (a verification step's shape) through the padded static buffers
+    give the logits and cache of the eager step computing the same tokens."""
+    plain, padded = make_runner(tmp_path, CONFIG, WEIGHTS), make_runner(tmp_path, CONFIG, WEIGHTS)
+    graphs = DecodeGraphs(padded, max_batch=6, max_blocks=4, max_seq_len=512, widths=(1, 3))
+    forward = graphs._forward
+
+    def checked_forward(size, width):  # what a CUDA graph captures may not read device values on the host
+        with RaiseOnHostReads():
+            return forward(size, width)
+
+    graphs._forward = checked_forward
+    prompts = [list(range(2, 2 + n)) for n in (3, 14, 16)]  # windows close at different tokens of a step
+    pairs = []
+    for runner in (plain, padded):
+        seqs = [FakeSeq(list(p), slot=i, block_table=[i]) for i, p in enumerate(prompts)]
+        all_position_logprobs(runner, seqs, [len(p) for p in prompts])
+        pairs.append(seqs)
+    for step in range(8):  # 24 positions: CSA (4), HCA (16) and window (8) boundaries inside steps
+        new = [5 + step, 40 + step, 70 - step]
+        for seqs in pairs:
+            for s in seqs:
+                s.token_ids += new
+        expected = torch.cat(all_position_logprobs(plain, pairs[0], [3] * 3))
+        carried = None
+        if step % 2:  # a pending first token, read from the last step's device copy
+            carried = CarriedTokens(torch.tensor([new[0]] * 3), [s.request_id for s in pairs[1]])
+            for s in pairs[1]:
+                s.token_ids[-3] = PENDING_TOKEN
+        plan = step_plan(padded, pairs[1], [3] * 3)
+        logits = graphs.run(plan.requests, padded.update_states(plan), carried)
+        for s in pairs[1]:
+            s.num_computed_tokens += 3
+            if step % 2:
+                s.token_ids[-3] = new[0]
+        assert logits.shape[0] == 9  # 3 requests padded to a ladder size of 4, padding rows dropped
+        assert (logits.log_softmax(-1) - expected).abs().max().item() < 1e-5, step
+    for a, b in zip(plain.kv_cache.layers, padded.kv_cache.layers):
+        torch.testing.assert_close(a.window[:3], b.window[:3], rtol=0, atol=1e-5)
+        if a.compressed is not None:  # real blocks only: the scratch block and row may differ
+            rows = 3 * (a.compressed.shape[0] - 1) // (plain.num_blocks + 1)
+            assert torch.allclose(a.compressed[:rows], b.compressed[:rows], atol=1e-6)

@@ -153,3 +153,23 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(tmp_path, greedy_refer
     assert done["0"].outputs[0].token_ids == first[: first.index(stop) + 1]
     assert done["0"].outputs[0].finish_reason == "stop"
     assert done["1"].outputs[0].token_ids == first[:4]
+
+
+def test_deterministic_mode_gives_bitwise_equal_logprobs_with_speculation(tmp_path):
+    """Under `deterministic=True` (batch-invariant kernels) a (k + 1)-token verify step computes each
+    position exactly as a 1-token decode does, so in bf16 too the emitted tokens and every logprob are
+    bitwise those of decoding without speculation (default mode promises equal greedy tokens only)."""
+    write_config(tmp_path, CONFIG)
+
+    def engine(spec=None):
+        return Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", deterministic=True, max_num_seqs=4,
+                                   num_kv_blocks=24, speculative_config=spec), weights=WEIGHTS)
+
+    reference = generate(engine(), MIXED, temperature=0, logprobs=3)
+    spec = engine({"method": "ngram", "num_speculative_tokens": 3})
+    spec.speculator.drafter = ScriptedDrafter({k: v.outputs[0].token_ids for k, v in reference.items()}, 0)
+    outputs = generate(spec, MIXED, temperature=0, logprobs=3)
+    assert tokens(outputs) == tokens(reference) and spec.stats()["spec_accepted_tokens"] > 0
+    for key, out in outputs.items():
+        got = [{t: lp.logprob for t, lp in entry.items()} for entry in out.outputs[0].logprobs]
+        assert got == [{t: lp.logprob for t, lp in entry.items()} for entry in reference[key].outputs[0].logprobs]

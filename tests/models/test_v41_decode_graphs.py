@@ -86,9 +86,9 @@ def test_the_padded_decode_step_reads_nothing_on_the_host_and_equals_eager_decod
         pairs.append(seqs)
     forward = graphs._forward
 
-    def checked_forward(size):
+    def checked_forward(size, width):
         with RaiseOnHostReads():
-            return forward(size)
+            return forward(size, width)
 
     graphs._forward = checked_forward
     for step in range(16):

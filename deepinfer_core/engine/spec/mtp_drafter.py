@@ -48,7 +48,7 @@ class MTPDrafter:
         index = host_tensor(rows["h"] + rows["tok"]).to(self.device, non_blocking=True).view(2, -1)
         prev, ids = streams.index_select(0, index[0]), tokens.index_select(0, index[1])
         ctx = self._context(runner, rows["requests"], rows["positions"], ids)
-        heads = host_tensor(rows["heads"]).to(self.device)
+        heads = host_tensor(rows["heads"]).to(self.device, non_blocking=True)
         logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
         sampled = rows["sampled"]  # (state index, position of the drafted token)
         drafts, confidences = [self._draw(runner, states, sampled, logits)], []
@@ -66,9 +66,10 @@ class MTPDrafter:
             confidences.append(self._confidence(runner, states, shifted, logits, drafts[-1]))
         DraftRollback.restore(saved, [DraftRows(states[i].slot, p - 1, self.num_drafts - 1, []) for i, p in sampled],
                               [0] * len(sampled))
-        token_lists = torch.stack(drafts, dim=1).tolist()
-        confidence_lists = torch.stack(confidences, dim=1).tolist()
-        return list(zip(token_lists, confidence_lists, strict=True))
+        # one copy to the host for both (float64 holds every token id exactly)
+        host = torch.cat((torch.stack(drafts, dim=1).double(), torch.stack(confidences, dim=1).double()), dim=1).tolist()
+        k = self.num_drafts
+        return [([int(t) for t in row[:k]], row[k:]) for row in host]
 
     def _rows(self, plan: StepPlan, result: StepResult) -> dict | None:
         """Host lists of the MTP rows this step makes final (see the module docstring)."""
@@ -127,6 +128,6 @@ class MTPDrafter:
 
     def _confidence(self, runner, states, sampled, logits, tokens) -> torch.Tensor:
         temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
-                                  torch.float32).to(self.device)
+                                  torch.float32).to(self.device, non_blocking=True)
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         return probs.gather(1, tokens[:, None]).squeeze(1)

@@ -101,7 +101,7 @@ class DraftRollback:
             return []
         saved = []
         device = self._slot_rings[0].device
-        slot_t, pos_t, owner_t = (host_tensor(v).to(device) for v in (slots, positions, owners))
+        slot_t, pos_t, owner_t = (host_tensor(v).to(device, non_blocking=True) for v in (slots, positions, owners))
         for ring in self._slot_rings:
             index = (slot_t, pos_t % ring.shape[1])
             saved.append(_Saved(ring, index, ring[index].clone(), pos_t, owner_t))
@@ -118,19 +118,22 @@ class DraftRollback:
                     row_pos.append(q)
                     row_owner.append(r)
             if rows:
-                index = (host_tensor(rows).to(device),)
-                saved.append(_Saved(pool, index, pool[index].clone(), host_tensor(row_pos).to(device),
-                                    host_tensor(row_owner).to(device)))
+                index = (host_tensor(rows).to(device, non_blocking=True),)
+                saved.append(_Saved(pool, index, pool[index].clone(), host_tensor(row_pos).to(device, non_blocking=True),
+                                    host_tensor(row_owner).to(device, non_blocking=True)))
         return saved
 
     @staticmethod
     def restore(saved: list[_Saved], drafts: list[DraftRows], num_accepted: list[int]) -> None:
-        """Write back the rows of rejected draft positions (after the forward, acceptance known)."""
+        """Write back the rows of rejected draft positions (after the forward, acceptance known).
+
+        Every saved row is rewritten, with its saved value where its position was rejected and its
+        current one elsewhere: no boolean indexing, so the device never waits for the host here."""
         if not saved:
             return
         device = saved[0].positions.device
-        last_kept = host_tensor([d.start + a for d, a in zip(drafts, num_accepted, strict=True)]).to(device)
+        last_kept = host_tensor([d.start + a for d, a in zip(drafts, num_accepted, strict=True)])
+        last_kept = last_kept.to(device, non_blocking=True)
         for s in saved:
-            rejected = s.positions > last_kept[s.requests]
-            index = tuple(i[rejected] for i in s.index)
-            s.tensor[index] = s.values[rejected]
+            rejected = (s.positions > last_kept[s.requests]).view(-1, *[1] * (s.values.dim() - 1))
+            s.tensor[s.index] = torch.where(rejected, s.values, s.tensor[s.index])

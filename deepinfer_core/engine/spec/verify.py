@@ -23,6 +23,7 @@ import torch
 from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.backends.verify import VerifyBackend
 from deepinfer_core.engine.plan import StepPlan
+from deepinfer_core.engine.sampling import host_tensor
 from deepinfer_core.sampling_ops import sampler_output
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -86,7 +87,7 @@ def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput
         emit += range(row, row + a + 1)
         num_accepted.append(a)
         row += d + 1
-    index = torch.tensor(emit, device=output.token_ids.device)
+    index = host_tensor(emit).to(output.token_ids.device, non_blocking=True)
     picked = {f.name: getattr(output, f.name) for f in fields(output) if getattr(output, f.name) is not None}
     selected = replace(output, **{name: value.index_select(0, index) for name, value in picked.items()})
     return Verified([row_requests[r] for r in emit], selected, num_accepted)

@@ -70,6 +70,15 @@ def test_rms_norm_reads_strided_rows(kernel_device: torch.device) -> None:
                                **TOLERANCE[torch.float32])
 
 
+def test_rms_norm_of_no_rows(kernel_device: torch.device) -> None:
+    """Zero rows (a step in which no compressed entry closes) give an empty result, not a reshape error."""
+    from deepinfer_nvidia_sm100.layer_kernels import rms_norm
+
+    x = torch.empty(0, 512, device=kernel_device)
+    out = rms_norm(x, torch.ones(512, device=kernel_device), EPS)
+    assert out.shape == (0, 512)
+
+
 # name: (shape, rope_dim)
 ROTARY_CASES = {
     "attention_output_inverse": ((2, 64, 512), 64),

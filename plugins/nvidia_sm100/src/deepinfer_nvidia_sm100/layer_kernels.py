@@ -10,8 +10,6 @@ Launchers never read device values on the host, so they are safe inside CUDA gra
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -97,13 +95,13 @@ def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     num_tokens, width = x.shape[0], x.shape[-1]
-    rows = x.reshape(num_tokens, math.prod(x.shape[1:-1]), width)  # explicit: x may have no rows
+    if x.numel() == 0:  # e.g. a step in which no compressed entry closes
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x.reshape(num_tokens, -1, width)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     heads = rows.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
     half_rope, stride_cos, stride_sin = 0, 0, 0
     if cos is not None:
         if cos.shape[0] != num_tokens or sin.shape != cos.shape or 2 * cos.shape[-1] > width:

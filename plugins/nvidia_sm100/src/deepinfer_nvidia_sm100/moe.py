@@ -128,6 +128,10 @@ class TritonMoE:
         self._scoring = SCORING_CODES[spec.scoring_func]
         self._ieee = spec.dtype == torch.float32
         self._fp4 = spec.expert_format == "fp4"
+        formats = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+        self.scaled_dot = formats.get(spec.dtype, "") if self._fp4 else ""
+        """The activations' `tl.dot_scaled` format when FP4 tiles go packed into it (bf16/fp16); "": FP4
+        tiles decoded in registers (fp32), or dense experts."""
         if self._fp4 and (spec.hidden_size % 32 or spec.intermediate_size % 32):
             raise ValueError(f"FP4 experts need hidden and intermediate sizes divisible by 32, got {spec}")
 
@@ -240,6 +244,8 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
+            SCALED_DOT=bool(self.scaled_dot),
+            LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -268,6 +274,8 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
+            SCALED_DOT=bool(self.scaled_dot),
+            LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )

@@ -53,6 +53,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     engram_placement = "device"
     """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
+    final_streams: torch.Tensor | None = None
+    """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
 
     @classmethod
     def layer_plan(cls, config, dtype: torch.dtype) -> list[V41LayerPlan]:

@@ -231,6 +231,20 @@ class TritonAttention:
         cap = max_visible_entries(metadata, spec.compress_rate)
         if num_tokens == 0 or cap == 0:
             return torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
+        scores = self.index_scores(q, weights, index_keys, metadata, cap)
+        values, picked = scores.topk(min(spec.index_topk, cap), dim=-1)
+        picked = torch.where(values == float("-inf"), -1, picked)
+        if picked.shape[1] == spec.index_topk:
+            return picked
+        topk = torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
+        topk[:, : picked.shape[1]] = picked
+        return topk
+
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
+                     metadata: AttentionMetadata, cap: int) -> torch.Tensor:
+        """`[T, cap]` fp32 lightning-indexer scores of entries `0..cap-1`, -inf where not visible."""
+        spec = self.spec
+        num_tokens = q.shape[0]
         q, index_keys = _last_dim_contiguous(q), _last_dim_contiguous(index_keys)
         index = prepare_token_index(metadata, num_tokens)
         scores = torch.empty(num_tokens, cap, dtype=torch.float32, device=q.device)
@@ -261,10 +275,4 @@ class TritonAttention:
             IS_DECODE=index.is_decode,
             IEEE=self._ieee,
         )
-        values, picked = scores.topk(min(spec.index_topk, cap), dim=-1)
-        picked = torch.where(values == float("-inf"), -1, picked)
-        if picked.shape[1] == spec.index_topk:
-            return picked
-        topk = torch.full((num_tokens, spec.index_topk), -1, dtype=torch.int64, device=q.device)
-        topk[:, : picked.shape[1]] = picked
-        return topk
+        return scores

@@ -332,23 +332,26 @@ def hyper_tail_kernel(src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm
 
 
 def hc_pre(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
-           counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           counters: torch.Tensor | None = None, plan: LaunchPlan | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`LayerOps.hc_pre`: `post` fp32 `[T, n]`, `comb` fp32 `[T, n, n]`, `x` `[T, D]` in the stream dtype.
 
-    `streams` `[T, n, D]` is read through its strides (a stride-0 expand of the embedding is fine)."""
+    `streams` `[T, n, D]` is read through its strides (a stride-0 expand of the embedding is fine). The
+    three launchers take `plan` when given (deterministic mode: one plan for any row count), else
+    `launch_plan`'s."""
     _check_streams(streams, spec)
     _check_weights(hc, spec, is_head=False)
     num_tokens, n, hidden = streams.shape
     post = streams.new_empty((num_tokens, n), dtype=torch.float32)
     comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
     x = streams.new_empty((num_tokens, hidden))
-    _launch(streams, None, None, None, None, hc, norm_weight, spec, None, post, comb, x, counters)
+    _launch(streams, None, None, None, None, hc, norm_weight, spec, None, post, comb, x, counters, plan)
     return post, comb, x
 
 
 def hc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                 hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
-                counters: torch.Tensor | None = None,
+                counters: torch.Tensor | None = None, plan: LaunchPlan | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`LayerOps.hc_post_pre`: the new streams `[T, n, D]` (contiguous), then `hc_pre`'s three outputs."""
     _check_streams(streams, spec)
@@ -358,13 +361,14 @@ def hc_post_pre(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tens
     new_post = streams.new_empty((num_tokens, n), dtype=torch.float32)
     new_comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
     x = streams.new_empty((num_tokens, hidden))
-    _launch(streams, block_out, post, comb, None, hc, norm_weight, spec, new, new_post, new_comb, x, counters)
+    _launch(streams, block_out, post, comb, None, hc, norm_weight, spec, new, new_post, new_comb, x, counters,
+            plan)
     return new, new_post, new_comb, x
 
 
 def hc_post_head(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  rows: torch.Tensor, head: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, plan: LaunchPlan | None = None) -> torch.Tensor:
     """`LayerOps.hc_post_head`: `[R, D]` in the stream dtype for the `R` token indices `rows`."""
     _check_streams(streams, spec)
     _check_weights(head, spec, is_head=True)
@@ -373,19 +377,20 @@ def hc_post_head(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Ten
     new = streams.new_empty((num_rows, n, hidden))  # the folded rows, read back by the collapse
     hidden_out = streams.new_empty((num_rows, hidden))
     _launch(streams, block_out, post, comb, rows, head, norm_weight, spec, new, None, None, hidden_out,
-            counters)
+            counters, plan)
     return hidden_out
 
 
 def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight, spec: LayerOpsSpec, new,
-            post_out, comb_out, x, counters, collapse_pre: torch.Tensor | None = None) -> torch.Tensor:
+            post_out, comb_out, x, counters, plan: LaunchPlan | None = None,
+            collapse_pre: torch.Tensor | None = None) -> torch.Tensor:
     """Run the boundary; returns phase 2's `pre` `[T, n]` (a view of the scratch)."""
     n, hidden = spec.hc_mult, spec.hidden_size
     num_rows = x.shape[0]
     if num_rows == 0:
         return x.new_zeros((0, n), dtype=torch.float32)
     is_head, has_fold = rows is not None, block_out is not None
-    plan = launch_plan(num_rows, n, hidden, is_head, x.device)
+    plan = plan or launch_plan(num_rows, n, hidden, is_head, x.device)
     num_blocks = triton.cdiv(num_rows, plan.block_tokens)
     padded = num_blocks * plan.block_tokens
     pre = x.new_empty((padded, plan.n_pow2), dtype=torch.float32)

@@ -40,7 +40,7 @@ class TritonLayerOps:
 
     def hc_post_mix(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight, collapse_pre):
         return single_pass.hc_post_mix(streams, block_out, post, comb, hc, norm_weight, collapse_pre, self.spec,
-                                         counters=self.counters)
+                                       counters=self.counters)
 
     def rms_norm(self, x, weight, cos=None, sin=None):
         return layer_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, cos, sin)

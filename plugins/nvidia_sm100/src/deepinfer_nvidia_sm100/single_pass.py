@@ -24,7 +24,7 @@ def hc_mix(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, c
     comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
     x = streams.new_empty((num_tokens, hidden))
     pre = hyper_kernels._launch(streams, None, None, None, None, hc, norm_weight, spec, None, post, comb, x,
-                                counters, collapse_pre.float())
+                                counters, collapse_pre=collapse_pre.float())
     return pre, post, comb, x
 
 
@@ -41,5 +41,5 @@ def hc_post_mix(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tens
     new_comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
     x = streams.new_empty((num_tokens, hidden))
     pre = hyper_kernels._launch(streams, block_out, post, comb, None, hc, norm_weight, spec, new, new_post,
-                                new_comb, x, counters, collapse_pre.float())
+                                new_comb, x, counters, collapse_pre=collapse_pre.float())
     return new, pre, new_post, new_comb, x

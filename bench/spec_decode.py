@@ -35,6 +35,8 @@ class ReplayDrafter:
     """Proposes the continuation recorded for the prompt (`shift` 0: the target's own greedy tokens,
     always accepted; 1: a token that is never the target's, always rejected)."""
 
+    has_confidences = False  # the requests' acceptance histories estimate its drafts' survival
+
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], shift: int, vocab: int) -> None:
         self.continuations, self.shift, self.vocab = continuations, shift, vocab
 
@@ -110,10 +112,11 @@ def compare(plain, prompts: list[list[int]], reference: list[list[int]], out: li
         "rerun_equals_reference": list(rerun.token_ids) == reference[request]}}
 
 
-def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02) -> None:
+def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02, sync_cost: float = 0.25) -> None:
     speculator = engine.speculator
     speculator.config = speculator.config.model_copy(update={
-        "num_speculative_tokens": k, "draft_length_policy": policy, "verify_cost_per_token": verify_cost})
+        "num_speculative_tokens": k, "draft_length_policy": policy, "verify_cost_per_token": verify_cost,
+        "sync_cost": sync_cost})
     speculator.drafter = drafter
 
 
@@ -143,12 +146,13 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
                 "of_allowed": round(speed / base / allowed_speedup(counts, batch, k, context), 3),
                 **compare(plain, prompts, reference, out)})
     for policy in ("fixed", "confidence"):
-        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost)
+        set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost, args.sync_cost)
         if args.warmup:
             generate(spec, prompts, new)
         out, seconds = generate(spec, prompts, new)
         speed = batch * (new - 1) / seconds
         report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
+                "sync_cost": args.sync_cost,
                 "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
                 "slowdown": round(1 - speed / base, 3), **compare(plain, prompts, reference, out)})
 
@@ -196,6 +200,9 @@ def main() -> None:
     parser.add_argument("--verify-cost", type=float, default=0.02,
                         help="the confidence policy's verify_cost_per_token (a verified token's cost relative "
                         "to a step's fixed cost)")
+    parser.add_argument("--sync-cost", type=float, default=0.25,
+                        help="the confidence policy's sync_cost (a verify step's host round trip, which a plain "
+                        "decode step overlaps, relative to a step's fixed cost)")
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs on either side (verify steps always run eagerly; this compares like "
                         "with like)")

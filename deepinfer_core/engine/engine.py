@@ -10,7 +10,9 @@ reading those tokens on the device; only then does the host wait for the step in
 without blocking the stream), write them in and apply stop rules. The device never waits for the host
 between decode steps. A sequence that stops ran one step more than it needed; that token is dropped.
 Any step that is not all decodes (a prefill, an admission, a sequence waiting) first settles the step
-in flight, so prefill and preemption see only real tokens.
+in flight, so prefill and preemption see only real tokens. Under speculative decoding a verify step is
+never left in flight (the next plan's positions and drafts follow from its accepted counts), and a step
+in flight is overlapped only while the next would verify no draft (`Speculator.allows_overlap`).
 """
 
 from __future__ import annotations
@@ -139,8 +141,6 @@ class Engine:
         self._seq_owner: dict[str, _Completion] = {}
         overlap = self.config.async_scheduling
         self._overlap = info.device.type == "cuda" if overlap is None else overlap
-        if self.speculator is not None:
-            self._overlap = False  # a verify step's emitted count is known only on the host: no overlap yet
         self._in_flight: InFlightStep | None = None
         self._touched: dict[str, _Request] = {}
         self._seed_source = random.Random(self.config.seed)
@@ -274,7 +274,7 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         touched, self._touched = self._touched, {}  # requests added with their first token count as progressed
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and not can_overlap(self.scheduler, self.config.max_model_len):
+        if in_flight is not None and not self._can_overlap():
             self._settle(in_flight, touched)
             in_flight = None
         owner = self._seq_owner
@@ -308,6 +308,8 @@ class Engine:
             for seq in seqs:
                 if not seq.is_finished:
                     seq.append_token(PENDING_TOKEN)
+            if self.speculator is not None:
+                self.speculator.record(plan, None)
             self._in_flight = launched
             return outputs
         self.scheduler.postprocess(plan)
@@ -325,6 +327,14 @@ class Engine:
                 self.scheduler.accept_drafts(plan, result.num_accepted)
             self.speculator.record(plan, result.num_accepted)
         return [self._finish_output(request) for request in touched.values()]
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may launch while the one in flight is unread (`overlap.can_overlap`);
+        under speculation only while it would verify no draft: a verify step's plan needs the accepted
+        counts of the step before it (`Speculator.allows_overlap`)."""
+        if not can_overlap(self.scheduler, self.config.max_model_len):
+            return False
+        return self.speculator is None or self.speculator.allows_overlap(self.scheduler.running)
 
     def _end_failed_grammars(self, touched: dict[str, _Request]) -> None:
         """End, with finish_reason "error", the sequences whose grammar failed to compile or timed out."""

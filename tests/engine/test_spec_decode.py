@@ -173,3 +173,44 @@ def test_deterministic_mode_gives_bitwise_equal_logprobs_with_speculation(tmp_pa
     for key, out in outputs.items():
         got = [{t: lp.logprob for t, lp in entry.items()} for entry in out.outputs[0].logprobs]
         assert got == [{t: lp.logprob for t, lp in entry.items()} for entry in reference[key].outputs[0].logprobs]
+
+
+def count_overlapped(engine) -> list[int]:
+    """A list that gains one entry per step the engine leaves in flight (overlapped decode)."""
+    launched, settle = [], engine._settle
+
+    def record_settle(in_flight, touched):
+        launched.append(len(in_flight.seqs))
+        return settle(in_flight, touched)
+
+    engine._settle = record_settle
+    return launched
+
+
+def test_overlapped_decode_resumes_once_confidence_declines_every_draft(tmp_path, greedy_reference):
+    """An always-wrong drafter under the confidence policy: once the requests' histories say no draft
+    pays (the sync cost included), plain decode steps are left in flight again; the output is unchanged."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_length_policy": "confidence",
+            "verify_cost_per_token": 0.05, "sync_cost": 0.3}
+    engine = make_engine(tmp_path, spec, async_scheduling=True)
+    engine.speculator.drafter = ScriptedDrafter({str(i): v[0] for i, v in enumerate(greedy_reference.values())}, 1)
+    engine.speculator.drafter.has_confidences = False  # its confidences are the requests' histories
+    overlapped = count_overlapped(engine)
+    assert tokens(generate(engine, MIXED, max_tokens=16, temperature=0)) == tokens(
+        generate(make_engine(tmp_path), MIXED, max_tokens=16, temperature=0))
+    stats = engine.stats()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] == 0 and len(overlapped) > 3
+
+
+def test_overlap_never_displaces_drafts_that_pay(tmp_path, greedy_reference):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_length_policy": "confidence"}
+    engine = make_engine(tmp_path, spec, async_scheduling=True)
+    engine.speculator.drafter = ScriptedDrafter({str(i): v[0] for i, v in enumerate(greedy_reference.values())}, 0)
+    engine.speculator.drafter.has_confidences = False
+    overlapped = count_overlapped(engine)
+    assert tokens(generate(engine, MIXED, temperature=0)) == greedy_reference
+    stats = engine.stats()  # every draft right: the histories keep verifying
+    assert stats["spec_accepted_tokens"] == stats["spec_verified_tokens"] > 0
+    # 10 tokens: the prefill's, two steps of four, and the last one, which may not carry drafts: only
+    # that step (one, of all three requests) was left in flight
+    assert overlapped == [3] and stats["spec_verify_steps"] == 6

@@ -50,3 +50,11 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
 def test_bad_speculative_configs_are_clear_errors(options, message):
     with pytest.raises(ValidationError, match=message):
         SpeculativeConfig.model_validate(options)
+
+
+def test_confidence_lengths_decline_drafts_that_do_not_pay_for_the_round_trip():
+    # one request, a weak draft: worth a token of work, not a host round trip
+    assert confidence_draft_lengths([[0.1]], budget=4, cost_per_token=0.02) == [1]
+    assert confidence_draft_lengths([[0.1]], budget=4, cost_per_token=0.02, sync_cost=0.3) == [0]
+    # many confident requests share one round trip: verified
+    assert confidence_draft_lengths([[0.9]] * 64, budget=64, cost_per_token=0.02, sync_cost=0.3) == [1] * 64

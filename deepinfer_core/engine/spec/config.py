@@ -33,6 +33,11 @@ class SpeculativeConfig(BaseModel):
         0.02, gt=0, le=1,
         description="confidence policy: the time one extra verified token adds to a step, relative to the "
         "step's fixed cost (memory-bound decode: small).")
+    sync_cost: float = Field(
+        0.25, ge=0, le=10,
+        description="confidence policy: the time a step that verifies drafts loses, once, to reading its "
+        "accepted counts before the next step is planned (a plain decode step overlaps that host work), "
+        "relative to the step's fixed cost; drafts are verified only if they pay for it too.")
     acceptance: Literal["seeded", "rejection"] = Field(
         "seeded",
         description='"seeded": accept a draft iff it equals the target\'s own seeded draw there (output '

@@ -10,6 +10,11 @@ the candidates by survival, best first, extends a request by one draft while tha
 fits the token budget, and stops at the first candidate that does not (the early break keeps the
 choice from depending on later drafts' values, which DSpark needs for losslessness; our seeded rule
 is lossless whatever is verified).
+
+A step that verifies any draft also costs `sync_cost`: its accepted counts must reach the host before
+the next step is planned, so it cannot overlap the next step's host work the way a plain decode step
+does (`engine/overlap.py`). The walk above ignores it; the chosen drafts are kept only if their rate
+with it still beats the rate of verifying nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ def fixed_draft_lengths(num_proposed: Sequence[int], budget: int) -> list[int]:
 
 
 def confidence_draft_lengths(confidences: Sequence[Sequence[float]], budget: int,
-                             cost_per_token: float) -> list[int]:
+                             cost_per_token: float, sync_cost: float = 0.0) -> list[int]:
     """Per request, how many of its drafts to verify (a prefix), by expected tokens per unit time.
 
     :param confidences: per request, each draft's probability of surviving given the ones before it
         survived (in [0, 1]); its length is the number of drafts proposed.
     :param budget: most draft tokens the step can add beyond each request's own token.
     :param cost_per_token: time one more verified token adds, relative to a step's fixed cost.
+    :param sync_cost: time a step that verifies any draft adds once (its host round trip), same unit.
     :returns: per request, the number of drafts to verify (<= its proposals).
     """
     num_requests = len(confidences)
@@ -58,4 +64,7 @@ def confidence_draft_lengths(confidences: Sequence[Sequence[float]], budget: int
             break
         lengths[r], tokens, expected, best_rate = j, tokens + 1, expected - neg_survival, rate
         budget -= 1
+    if tokens > num_requests and expected / (1 + cost_per_token * tokens + sync_cost) <= num_requests / (
+            1 + cost_per_token * num_requests):
+        return [0] * num_requests  # the drafts do not pay for the round trip they cost
     return lengths

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from deepinfer_core.engine.plan import StepPlan
+from deepinfer_core.engine.plan import PENDING_TOKEN, StepPlan
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.engine.spec.config import SpeculativeConfig
 from deepinfer_core.engine.spec.ngram import propose_ngram
@@ -38,6 +38,8 @@ class NgramDrafter:
 
     min_n: int
     max_n: int
+    has_confidences = False
+    """It proposes no confidences: the request's history stands for them (`Speculator.allows_overlap`)."""
 
     def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
         return propose_ngram(seq.token_ids, max_drafts, self.min_n, self.max_n), None
@@ -92,8 +94,11 @@ class Speculator:
     def max_drafts(self, seq: Sequence) -> int:
         """Drafts worth verifying for `seq`: none while its sampling reads its history or a grammar
         (penalties, structured output), else at most k and one fewer than the tokens it may still emit."""
-        if seq.needs_host_token:
+        if seq.needs_host_token or seq.token_ids[-1] == PENDING_TOKEN:  # drafts follow known tokens only
             return 0
+        return self._draft_limit(seq)
+
+    def _draft_limit(self, seq: Sequence) -> int:
         limit = self.config.num_speculative_tokens
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
@@ -114,10 +119,26 @@ class Speculator:
             confidences.append(list(confidence[: len(drafts)]))
             self._proposed[seq.request_id] = len(drafts)
         if self.config.draft_length_policy == "confidence":
-            lengths = confidence_draft_lengths(confidences, budget, self.config.verify_cost_per_token)
+            lengths = confidence_draft_lengths(confidences, budget, self.config.verify_cost_per_token,
+                                               self.config.sync_cost)
         else:
             lengths = fixed_draft_lengths([len(p) for p in proposals], budget)
         return [tuple(p[:n]) for p, n in zip(proposals, lengths, strict=True)]
+
+    def allows_overlap(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step of `seqs` may launch before the host reads this step's tokens
+        (overlapped decode): only when it would verify no draft whatever the drafter proposed. That is
+        known without the tokens for the confidence policy over a drafter without confidences of its own
+        (`has_confidences = False`): the requests' acceptance histories decide, and here they say no."""
+        if self.config.draft_length_policy != "confidence" or getattr(self.drafter, "has_confidences", True):
+            return False
+        confidences = []
+        for seq in seqs:
+            history = self._history.get(seq.request_id) or _History()
+            confidences.append([history.confidence] * self._draft_limit(seq))
+        budget = sum(map(len, confidences))  # the policy's choice only shrinks with a smaller budget
+        config = self.config
+        return not any(confidence_draft_lengths(confidences, budget, config.verify_cost_per_token, config.sync_cost))
 
     def record(self, plan: StepPlan, num_accepted: list[int] | None) -> None:
         """After a step: update each decoding request's acceptance estimate and metrics."""

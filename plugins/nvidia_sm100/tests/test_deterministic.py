@@ -2,9 +2,10 @@
 batches of any size and mix, for every prefill chunk size, after a preemption and a prefix hit, and over
 100 repeated runs of a batch under changing load.
 
-The plugin declines deterministic specs (its kernels are not batch-invariant yet), so the reference's
-invariant backends run on the GPU (`deepinfer_core.reference.invariant`: fixed-shape cuBLAS GEMMs in row
-tiles, attention in fixed key splits). Needs a CUDA device of compute capability >= 9.0.
+The plugin's batch-invariant kernels serve deterministic specs (`invariant_attention`: fixed key splits
+folded in order, the indexer's tie-broken top-k; `invariant_moe`: one tile configuration, slot-order
+combine; `invariant_layer_ops`: fixed launch plans, projections on fixed row tiles), and decode still
+replays CUDA graphs. Needs a CUDA device of compute capability >= 9.0 and the plugin installed.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def alone(engine) -> tuple:
     return generate(engine, [TARGET])[0]
 
 
-def test_the_invariant_backends_serve_deterministic_specs(cuda_device, engine) -> None:
+def test_the_plugins_invariant_backends_serve_deterministic_specs(cuda_device, engine) -> None:
     model = engine.runner.model
     names = {type(b).__name__ for b in [*model.attention_backends, *model.moe_backends, model.ops]}
-    assert names == {"InvariantAttention", "InvariantMoE", "InvariantLayerOps"}
+    assert names == {"InvariantTritonAttention", "InvariantTritonMoE", "InvariantTritonLayerOps"}
+    assert engine.runner.graphs is not None, "deterministic decode should replay CUDA graphs"
 
 
 @pytest.mark.parametrize("num_others", [1, 7, 63, 255])

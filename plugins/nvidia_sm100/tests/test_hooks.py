@@ -83,3 +83,25 @@ def test_kernel_cache_defaults_under_deepinfers_cache_dir(monkeypatch: pytest.Mo
     assert Path(__import__("os").environ["TRITON_CACHE_DIR"]) == tmp_path / "deepinfer" / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert use_kernel_cache() == tmp_path / "mine"  # the user's choice stands
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_specs_get_the_invariant_backends(monkeypatch: pytest.MonkeyPatch, deterministic: bool) -> None:
+    """Where the device passes, a deterministic spec is served by the plugin's batch-invariant variant."""
+    import dataclasses
+
+    monkeypatch.setattr(hooks, "device_problem", lambda device=None: None)
+    monkeypatch.setattr(hooks, "use_kernel_cache", lambda: None)
+    pm, reasons = plugin_manager(), []
+    device = torch.device("cpu")
+    built = [pm.hook.make_attention(spec=dataclasses.replace(ATTENTION, deterministic=deterministic), device=device,
+                                    decline=reasons.append),
+             pm.hook.make_moe(spec=dataclasses.replace(MOE, deterministic=deterministic), device=device,
+                              decline=reasons.append),
+             pm.hook.make_layer_ops(spec=dataclasses.replace(LAYER_OPS, deterministic=deterministic), device=device,
+                                    decline=reasons.append)]
+    assert reasons == []
+    names = [type(backend).__name__ for backend in built]
+    expected = ["TritonAttention", "TritonMoE", "TritonLayerOps"]
+    assert names == (["Invariant" + name for name in expected] if deterministic else expected)
+    assert all(backend.supports_cuda_graphs for backend in built)

@@ -87,11 +87,11 @@ def test_fp4_needs_e8m0_scales(kernel_device: torch.device) -> None:
         TritonMoE(FP4_SPEC).forward(x.to(kernel_device), input_ids.to(kernel_device), packed)
 
 
-@pytest.mark.parametrize("num_tokens", [3, 300])
+@pytest.mark.parametrize("num_tokens", [3, 40])
 def test_fp4_scaled_dot_gives_the_fp32_kernel_result(kernel_device: torch.device, num_tokens: int) -> None:
-    """bf16 activations take `tl.dot_scaled` on the packed tiles; they give the fp32 in-register decode's
-    result on the same weights and inputs within bf16's rounding (3 tokens: decode tiles; 300: prefill)."""
-    from deepinfer_nvidia_sm100.moe import TritonMoE
+    """bf16 activations at decode sizes take `tl.dot_scaled` on the packed tiles; they give the fp32
+    in-register decode's result on the same weights and inputs within bf16's rounding."""
+    from deepinfer_nvidia_sm100.moe import FP4_DECODE, TritonMoE, pick_config
 
     spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=16, top_k=4)
     x, input_ids, weights = random_moe_case(spec, num_tokens, seed=5)
@@ -100,7 +100,7 @@ def test_fp4_scaled_dot_gives_the_fp32_kernel_result(kernel_device: torch.device
                                             for f in dataclasses.fields(packed) if getattr(packed, f.name) is not None})
     x, input_ids = x.to(kernel_device).bfloat16(), input_ids.to(kernel_device)
     bf16 = TritonMoE(dataclasses.replace(spec, dtype=torch.bfloat16))
-    assert bf16.scaled_dot == "bf16"
+    assert bf16.scaled_dot == "bf16" and pick_config(num_tokens * spec.top_k, spec.num_experts, 2, True) == FP4_DECODE
     fp32_packed = dataclasses.replace(packed, router=packed.router.float())
     want = TritonMoE(spec).forward(x.float(), input_ids, fp32_packed)
     got = bf16.forward(x, input_ids, dataclasses.replace(packed, router=packed.router.bfloat16()))

@@ -2,7 +2,9 @@
 
 Every factory checks the device, Triton and the spec, and declines with a reason when one does not fit,
 so the reference backends (or another plugin) serve instead. Kernel modules are imported only after
-the checks pass: Triton is never imported on machines without a suitable GPU.
+the checks pass: Triton is never imported on machines without a suitable GPU. Deterministic specs
+(`EngineConfig.deterministic`) get the batch-invariant variants (`invariant_attention`, `invariant_moe`,
+`invariant_layer_ops`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.backends.deterministic import deterministic_problem
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem, linear_problem, use_kernel_cache
 
@@ -60,10 +61,14 @@ def _spec_problem(device: torch.device, dtype: torch.dtype) -> str | None:
 def make_attention(
     spec: AttentionSpec, device: torch.device, decline: Callable[[str], None]
 ) -> AttentionBackend | None:
-    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
+    problem = _spec_problem(device, spec.dtype)
     if problem is not None:
         decline(problem)
         return None
+    if spec.deterministic:
+        from deepinfer_nvidia_sm100.invariant_attention import InvariantTritonAttention
+
+        return InvariantTritonAttention(spec)
     from deepinfer_nvidia_sm100.attention import TritonAttention
 
     return TritonAttention(spec)
@@ -71,7 +76,7 @@ def make_attention(
 
 @hookimpl
 def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]) -> MoEBackend | None:
-    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
+    problem = _spec_problem(device, spec.dtype)
     if problem is None and spec.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
         problem = f"scoring_func {spec.scoring_func!r} not supported"
     if problem is None and spec.expert_format not in ("dense", "fp4"):
@@ -83,6 +88,10 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
     if problem is not None:
         decline(problem)
         return None
+    if spec.deterministic:
+        from deepinfer_nvidia_sm100.invariant_moe import InvariantTritonMoE
+
+        return InvariantTritonMoE(spec)
     from deepinfer_nvidia_sm100.moe import TritonMoE
 
     return TritonMoE(spec)
@@ -90,12 +99,16 @@ def make_moe(spec: MoESpec, device: torch.device, decline: Callable[[str], None]
 
 @hookimpl
 def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[str], None]) -> LayerOps | None:
-    problem = _spec_problem(device, spec.dtype) or deterministic_problem(spec)
+    problem = _spec_problem(device, spec.dtype)
     if problem is None and spec.hc_mult > 8:
         problem = f"hc_mult {spec.hc_mult} > 8 not supported"
     if problem is not None:
         decline(problem)
         return None
+    if spec.deterministic:
+        from deepinfer_nvidia_sm100.invariant_layer_ops import InvariantTritonLayerOps
+
+        return InvariantTritonLayerOps(spec, device)
     from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
     return TritonLayerOps(spec, device)

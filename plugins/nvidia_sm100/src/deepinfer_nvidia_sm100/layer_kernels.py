@@ -89,7 +89,7 @@ def _rows_per_program(num_rows: int, block_w: int, device: torch.device) -> int:
     return 1 if num_rows < 4096 else max(1, min(8, 4096 // block_w))
 
 
-def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
+def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool, rows_per_program: int | None) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(f"expected x of shape [tokens, ..., width], got {tuple(x.shape)}")
     if (cos is None) != (sin is None):
@@ -114,7 +114,7 @@ def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
     if weight is not None and weight.numel() != width:
         raise ValueError(f"norm weight has {weight.numel()} elements, expected {width}")
     num_rows, block_w = num_tokens * heads, triton.next_power_of_2(width)
-    block_rows = _rows_per_program(num_rows, block_w, x.device)
+    block_rows = rows_per_program or _rows_per_program(num_rows, block_w, x.device)
     _norm_rope_kernel[(triton.cdiv(num_rows, block_rows),)](
         rows, weight if weight is not None else rows, cos if cos is not None else rows,
         sin if sin is not None else rows, out,
@@ -127,15 +127,16 @@ def _launch_norm_rope(x, weight, eps, cos, sin, norm: bool) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
-             sin: torch.Tensor | None = None) -> torch.Tensor:
+             sin: torch.Tensor | None = None, rows_per_program: int | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of `x` `[T, ..., W]` (`weight` fp32 `[W]`, None for unit), then, with
-    `cos/sin` fp32 `[T, R/2]`, RoPE on the trailing `R` channels; one launch, returns a new tensor."""
-    return _launch_norm_rope(x, weight, eps, cos, sin, norm=True)
+    `cos/sin` fp32 `[T, R/2]`, RoPE on the trailing `R` channels; one launch, returns a new tensor.
+    `rows_per_program` fixes the tile (deterministic mode); None picks it from the row count."""
+    return _launch_norm_rope(x, weight, eps, cos, sin, True, rows_per_program)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows_per_program: int | None = None) -> torch.Tensor:
     """RoPE on the trailing `2 * cos.shape[-1]` channels of `x` `[T, ..., W]`; returns a new tensor."""
-    return _launch_norm_rope(x, None, 0.0, cos, sin, norm=False)
+    return _launch_norm_rope(x, None, 0.0, cos, sin, False, rows_per_program)
 
 
 @triton.jit
@@ -346,12 +347,13 @@ def _channel_split(width: int, span: int, num_tokens: int) -> int:
 
 def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, metadata: AttentionMetadata,
              kv_tail: torch.Tensor, gate_tail: torch.Tensor, entries: torch.Tensor, no_write_before: torch.Tensor,
-             eps: float) -> None:
+             eps: float, channel_split: int | None = None) -> None:
     """Close the windows this step ends into `entries`, then refresh the tail rings (two launches).
 
     Semantics of `LayerOps.compress`; tokens that close nothing or whose entry is cached write nothing
     (the pool's scratch row is never touched). The second launch's ring write overwrites tail rows that
-    the first launch's window close reads.
+    the first launch's window close reads. `channel_split` fixes `_channel_split`'s choice (deterministic
+    mode); None picks it from the step's size.
     """
     _check_compress(kv, gate, weights, kv_tail, gate_tail, entries)
     num_tokens = kv.shape[0]
@@ -361,7 +363,7 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, m
     num_seqs = meta.query_start_loc.shape[0] - 1
     block_s = min(triton.next_power_of_2(max(num_seqs, 1)), 1024)
     span = 2 * w.rate if w.overlap else w.rate
-    split = _channel_split(w.width, span, num_tokens)
+    split = _channel_split(w.width, span, num_tokens) if channel_split is None else channel_split
     block_pairs = split // 2 if split else triton.next_power_of_2((w.width + 1) // 2)
     block_r = max(1, min(triton.next_power_of_2(span), _MAX_TILE // (2 * block_pairs)))
     # split pooling leaves each closing token's pooled row here for the finishing launch

@@ -52,13 +52,26 @@ class GemmConfig:
         return (num_blocks, n_tiles), False
 
 
-def pick_config(num_rows: int, num_experts: int, element_size: int = 2) -> GemmConfig:
-    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill.
+SCALED_DOT_BLOCK_N = 32
+"""The only tile width at which FP4 experts take `tl.dot_scaled`: with Triton 3.6 on the H200, 64- and
+128-column tiles gave wrong products (bench/RESULTS.md, `prefill_tiles.py --only fp4`), 32 gave the
+dense kernel's on the dequantised weights."""
+
+FP4_DECODE = GemmConfig(block_m=16, block_n=SCALED_DOT_BLOCK_N, block_k=256, num_warps=4, num_stages=3)
+"""FP4 decode tiles on `tl.dot_scaled` (H200, V4-Flash sizes, 16 tokens: 2.47 ms for both GEMMs against
+3.35 ms for the best in-register decode tiles)."""
+
+
+def pick_config(num_rows: int, num_experts: int, element_size: int = 2, scaled_dot: bool = False) -> GemmConfig:
+    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill;
+    `scaled_dot`: FP4 experts whose decode tiles may take `tl.dot_scaled`.
 
     `element_size` is the activation/weight dtype's: fp32 tiles take twice the shared memory, so fp32
     keeps tiles whose pipelined stages fit a Hopper SM (227 KiB)."""
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
+        if scaled_dot:
+            return FP4_DECODE
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     # H200, V4-Flash sizes, 256 experts, both GEMMs (bench/RESULTS.md): 2,048 tokens (48 rows an
     # expert) 3.44 ms with 64x64 tiles (64x256: 3.57); 8,192 tokens (192 rows) 7.23 ms with 128x128
@@ -130,8 +143,9 @@ class TritonMoE:
         self._fp4 = spec.expert_format == "fp4"
         formats = {torch.bfloat16: "bf16", torch.float16: "fp16"}
         self.scaled_dot = formats.get(spec.dtype, "") if self._fp4 else ""
-        """The activations' `tl.dot_scaled` format when FP4 tiles go packed into it (bf16/fp16); "": FP4
-        tiles decoded in registers (fp32), or dense experts."""
+        """The activations' `tl.dot_scaled` format when FP4 tiles go packed into it (bf16/fp16, tiles
+        `SCALED_DOT_BLOCK_N` wide: decode); "": FP4 tiles decoded in registers (fp32, and prefill tiles),
+        or dense experts."""
         if self._fp4 and (spec.hidden_size % 32 or spec.intermediate_size % 32):
             raise ValueError(f"FP4 experts need hidden and intermediate sizes divisible by 32, got {spec}")
 
@@ -150,11 +164,7 @@ class TritonMoE:
         """Return `[T, top_k]` int32 expert ids and fp32 weights (normalised, scaled)."""
         spec = self.spec
         num_tokens = x.shape[0]
-        if x.is_cuda and x.dtype == weights.router.dtype == torch.bfloat16:
-            # bf16 products are exact in fp32 and cuBLAS adds them in fp32: fp32 logits at bf16 speed
-            logits = torch.mm(x, weights.router.t(), out_dtype=torch.float32)
-        else:
-            logits = torch.matmul(x.float(), weights.router.float().t()).contiguous()
+        logits = self.router_logits(x, weights)
         ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int32, device=x.device)
         topk_weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
         if num_tokens == 0:
@@ -181,6 +191,18 @@ class TritonMoE:
         )
         return ids, topk_weights
 
+    def router_logits(self, x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        """`[T, num_experts]` fp32 router logits, contiguous."""
+        if x.is_cuda and x.dtype == weights.router.dtype == torch.bfloat16:
+            # bf16 products are exact in fp32 and cuBLAS adds them in fp32: fp32 logits at bf16 speed
+            return torch.mm(x, weights.router.t(), out_dtype=torch.float32)
+        return torch.matmul(x.float(), weights.router.float().t()).contiguous()
+
+    @staticmethod
+    def sum_slots(rows: torch.Tensor) -> torch.Tensor:
+        """`[T, hidden]` sum over the `[T, top_k, hidden]` fp32 rows of each token's picked experts."""
+        return rows.sum(dim=1)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         """Route and run the routed experts (see `MoEBackend.forward`)."""
         ids, topk_weights = self.route(x, input_ids, weights)
@@ -203,7 +225,7 @@ class TritonMoE:
         if num_tokens == 0:
             return torch.zeros_like(x)
         if config is None:
-            config = pick_config(num_rows, spec.num_experts, x.element_size())
+            config = pick_config(num_rows, spec.num_experts, x.element_size(), bool(self.scaled_dot))
             down_config = down_config or pick_down_config(config, x.element_size())
         down_config = down_config or config
         if down_config.block_m != config.block_m:
@@ -244,7 +266,7 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=bool(self.scaled_dot),
+            SCALED_DOT=bool(self.scaled_dot) and config.block_n == SCALED_DOT_BLOCK_N,
             LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -274,9 +296,9 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=bool(self.scaled_dot),
+            SCALED_DOT=bool(self.scaled_dot) and down_config.block_n == SCALED_DOT_BLOCK_N,
             LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )
-        return out.view(num_tokens, spec.top_k, hidden).sum(dim=1).to(x.dtype)
+        return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

@@ -9,7 +9,13 @@ every other implementation is tested against (`deepinfer_core.testing`).
 from deepinfer_core.backends.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from deepinfer_core.backends.eplb import EplbBackend, EplbSpec
 from deepinfer_core.backends.graphs import GraphApi, GraphCapturable, supports_cuda_graphs
-from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOps, LayerOpsSpec
+from deepinfer_core.backends.layer_ops import (
+    CompressorWeights,
+    HyperWeights,
+    LayerOps,
+    LayerOpsSpec,
+    SinglePassMixing,
+)
 from deepinfer_core.backends.linear import LinearBackend, LinearSpec
 from deepinfer_core.backends.moe import MoEBackend, MoESpec, MoEWeights
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingBackend, SamplingSpec, SamplingTensors
@@ -36,6 +42,7 @@ __all__ = [
     "SamplingBackend",
     "SamplingSpec",
     "SamplingTensors",
+    "SinglePassMixing",
     "VerifyBackend",
     "VerifyOutput",
     "VerifySpec",

@@ -302,7 +302,8 @@ class ModelRunner:
         and let the MTP drafter propose the next ones."""
         result = self._sample(plan, rows, logits, tensors, prompt_logits)
         if saved is not None:
-            result = self.spec.finish(plan, states, rows, logits, tensors, result, saved)
+            draft_probs = self.mtp.draft_probs(plan) if self.mtp is not None else None
+            result = self.spec.finish(plan, states, rows, logits, tensors, result, saved, draft_probs)
         if self.mtp is not None and result.output is not None:
             result.drafts = self.mtp.propose(self, plan, states, input_ids, self.model.final_streams, result)
         return result

@@ -10,8 +10,8 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
 - Engram before the attention of its layers (`models/engram.py`); MoE with `bias` (and `bias_vl` at
   image positions) selecting the experts.
 The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
-bound backends; the V4.1 compressor close, the two-level indexer and the single-pass mixing are plain
-PyTorch here (no backend contract for them yet). Decode steps read no device value on the host (the
+bound backends, and so does the single-pass mixing when the layer ops serve it (`SinglePassMixing`; else
+the reference's); the V4.1 compressor close and the two-level indexer are plain PyTorch here. Decode steps read no device value on the host (the
 compressor and the two-level indexer size their work from `max_seq_len`), so the runner captures them
 in CUDA graphs when the backends allow it.
 """
@@ -26,7 +26,7 @@ from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.attention import BLOCK_SIZE
-from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec
+from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec, SinglePassMixing
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.engram import EngramHasher, EngramTable, engram_forward
 from deepinfer_core.models.interface import ForwardContext, LayerCache
@@ -35,7 +35,7 @@ from deepinfer_core.models.rope import Rotary
 from deepinfer_core.models.v41_compressor import closed_groups, two_level_topk, write_entries
 from deepinfer_core.models.v41_modules import Block
 from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
-from deepinfer_core.reference.layer_ops import collapse, hyper_mix, hyper_residual, write_rings
+from deepinfer_core.reference.layer_ops import ReferenceLayerOps, collapse, hyper_residual, write_rings
 
 
 class _HostEngramTables:
@@ -53,6 +53,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     engram_placement = "device"
     """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
+    final_streams: torch.Tensor | None = None
+    """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
 
     @classmethod
     def layer_plan(cls, config, dtype: torch.dtype) -> list[V41LayerPlan]:
@@ -96,6 +98,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                     HyperWeights(b.hc_ffn_fn, b.hc_ffn_base, b.hc_ffn_scale)) for b in self.layers]
         self.mix_spec = LayerOpsSpec(self.config.hidden_size, self.hc_mult, self.config.hc_sinkhorn_iters,
                                      self.config.hc_eps, self.config.rms_norm_eps)
+        self.mixing = ops if isinstance(ops, SinglePassMixing) else ReferenceLayerOps(self.mix_spec)
+        """The single-pass mHC boundaries: the layer ops' own when they serve them, else the reference's."""
         self.hasher = self.tables = None
         if self.config.engram_layer_ids:
             self.hasher = EngramHasher(self.config, self.engram_token_map.tolist()).to(device)
@@ -129,17 +133,23 @@ class DeepseekV41ForCausalLM(nn.Module):
         streams = x.unsqueeze(1).repeat(1, self.hc_mult, 1)
         pre = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0
-        shared: dict = {}
+        mixing, shared = self.mixing, {}
+        pending = None  # the last FFN's (output, post, comb), folded in at the next boundary
         for i, (block, plan) in enumerate(zip(self.layers, self.plans)):
-            if plan.has_engram:
-                streams = self.engram(i, streams, hashes, image_mask)
-            pre_a, post_a, comb_a = hyper_mix(streams, self.hc[i][0], self.mix_spec)
-            out = self.attention(i, self.ops.rms_norm(collapse(streams, pre), block.attn_norm.weight), ctx,
-                                 caches[i], shared)
-            streams = hyper_residual(streams, out, post_a, comb_a)
-            pre, post_f, comb_f = hyper_mix(streams, self.hc[i][1], self.mix_spec)
-            out = self.moe(i, self.ops.rms_norm(collapse(streams, pre_a), block.ffn_norm.weight), ctx, image_mask)
-            streams = hyper_residual(streams, out, post_f, comb_f)
+            if pending is not None and not plan.has_engram:
+                streams, pre_a, post_a, comb_a, x = mixing.hc_post_mix(streams, *pending, self.hc[i][0],
+                                                                      block.attn_norm.weight, pre)
+            else:  # Engram reads the folded streams before this site mixes them
+                if pending is not None:
+                    streams = hyper_residual(streams, *pending)
+                if plan.has_engram:
+                    streams = self.engram(i, streams, hashes, image_mask)
+                pre_a, post_a, comb_a, x = mixing.hc_mix(streams, self.hc[i][0], block.attn_norm.weight, pre)
+            out = self.attention(i, x, ctx, caches[i], shared)
+            streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
+                                                                block.ffn_norm.weight, pre_a)
+            pending = (self.moe(i, x, ctx, image_mask), post_f, comb_f)
+        streams = hyper_residual(streams, *pending)
         hidden = self.ops.rms_norm(collapse(streams[logits_indices], pre[logits_indices]), self.norm.weight)
         return F.linear(hidden.float(), self.head.weight)
 

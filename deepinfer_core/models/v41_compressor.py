@@ -11,8 +11,8 @@ ratio`. The candidate source also keeps, per query, the `candidate_topk_blocks` 
 kept); later index sources score only inside them. The top `index_topk` entries are kept; as in the
 reference only picks beyond the visible count become -1 (a candidate-masked pick scored -inf is kept).
 Ties go to the lower entry number (stable sorts), so a request's picks do not depend on its batch.
-Decode steps (one query per request) run batched, without host reads (`two_level_topk_decode`), so
-they can be captured in a CUDA graph; their picks equal the per-request path's.
+Decode steps (one query per request) and every step under CUDA graphs run batched, without host reads
+(`two_level_topk_batched`), so they can be captured; their picks equal the per-request path's.
 """
 
 from __future__ import annotations
@@ -104,9 +104,10 @@ def two_level_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Ten
                    num_entries: torch.Tensor, plan, config, candidates: list[torch.Tensor] | None):
     """One index source's picks `[T, index_topk]`; the candidate source also returns each request's
     candidate mask (a list of `[n_i, count_i]`), a later source reads `candidates`. Decode steps go to
-    `two_level_topk_decode` (their masks are one `[num_seqs, bound]` tensor)."""
-    if meta.is_decode_only and q.shape[0] == meta.num_seqs:
-        return two_level_topk_decode(q, weights, index_keys, meta, plan, config, candidates)
+    `two_level_topk_batched`, and so does every step under CUDA graphs (their masks are one `[T, bound]`
+    tensor)."""
+    if meta.needs_static_shapes or (meta.is_decode_only and q.shape[0] == meta.num_seqs):
+        return two_level_topk_batched(q, weights, index_keys, meta, plan, config, candidates)
     return two_level_topk_per_request(q, weights, index_keys, meta, num_entries, plan, config, candidates)
 
 
@@ -135,16 +136,19 @@ def two_level_topk_per_request(q: torch.Tensor, weights: torch.Tensor, index_key
     return picks, (masks if plan.is_candidate_source else None)
 
 
-def two_level_topk_decode(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, meta: AttentionMetadata,
-                          plan, config, candidates: torch.Tensor | None):
-    """`two_level_topk` for one query per request, every request at once and without host reads (CUDA
-    graphs): each scores the first `bound` entries of its table, `bound` the static `max_seq_len // ratio`
-    (entries it cannot see score -inf, so blocks made of them are never candidates and the picks past
-    its visible count become -1: the per-request path's picks, mask columns beyond its count added)."""
+def two_level_topk_batched(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, meta: AttentionMetadata,
+                           plan, config, candidates: torch.Tensor | None):
+    """`two_level_topk` for every token at once, without host reads (decode steps, and any step under
+    CUDA graphs, e.g. a verification step of k + 1 tokens a request): each token scores the first `bound`
+    entries of its request's table, `bound` the static `max_seq_len // ratio` (entries it cannot see
+    score -inf, so blocks made of them are never candidates and the picks past its visible count become
+    -1: the per-request path's picks, mask columns beyond its count added)."""
     spec = plan.attention
     bound = max(_max_seq_len(meta) // spec.compress_rate, 1)
+    lens = meta.query_start_loc.diff()
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens, output_size=q.shape[0])
     ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
-    keys = _gather_rows(index_keys, meta.block_tables, ids, spec.entries_per_block)
+    keys = _gather_rows(index_keys, meta.block_tables[seq], ids, spec.entries_per_block)
     visible = (meta.positions + 1) // spec.compress_rate
     scores = index_scores(q, weights, keys, visible)
     masks = None

@@ -82,6 +82,16 @@ class ReferenceLayerOps:
         pre = torch.sigmoid(mixes(new, head, self.spec) * head.scale + head.base) + self.spec.hc_eps
         return weighted_rms_norm(collapse(new, pre), norm_weight, self.spec.rms_norm_eps)
 
+    def hc_mix(self, streams, hc: HyperWeights, norm_weight, collapse_pre):
+        """`SinglePassMixing.hc_mix` (V4.1)."""
+        pre, post, comb = hyper_mix(streams, hc, self.spec)
+        return pre, post, comb, weighted_rms_norm(collapse(streams, collapse_pre), norm_weight, self.spec.rms_norm_eps)
+
+    def hc_post_mix(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight, collapse_pre):
+        """`SinglePassMixing.hc_post_mix` (V4.1)."""
+        new = hyper_residual(streams, block_out, post, comb)
+        return (new, *self.hc_mix(new, hc, norm_weight, collapse_pre))
+
     def map_rows(self, fn, *rows):
         return fn(*rows)
 

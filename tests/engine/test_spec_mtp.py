@@ -98,3 +98,23 @@ def test_mtp_weights_load_from_the_checkpoint_directory(tmp_path, reference):
     layer = engine.runner.mtp.module[0]
     torch.testing.assert_close(layer.e_proj.weight, WEIGHTS["mtp.0.e_proj.weight"], rtol=0, atol=0)
     assert tokens(generate(engine, MIXED[:1], temperature=0))["0"] == reference["0"]
+
+
+def test_rejection_sampling_uses_the_mtp_layers_draft_distributions(tmp_path):
+    engine = make_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": 2, "acceptance": "rejection"})
+    verifier, calls = engine.runner.spec.verifier, []
+    verify = verifier.verify
+
+    def recorded(drafts, probs, logits, temperature, generator=None):
+        calls.append((drafts, probs))
+        return verify(drafts, probs, logits, temperature, generator)
+
+    verifier.verify = recorded
+    outputs = generate(engine, MIXED, temperature=1.0)  # no seed: rejection sampling verifies them
+    assert all(len(out.outputs[0].token_ids) == 10 for out in outputs.values())
+    given = [(drafts, probs) for drafts, probs in calls if probs is not None]
+    assert given and len(given) == len(calls)  # every verified draft came with the MTP's q
+    for drafts, probs in given:
+        assert probs.shape == (*drafts.shape, CONFIG["vocab_size"])
+        torch.testing.assert_close(probs.sum(-1), torch.ones(drafts.shape))
+        assert (probs.gather(-1, drafts[..., None]) > 0).all()  # each draft was drawn from its q

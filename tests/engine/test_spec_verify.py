@@ -109,3 +109,44 @@ def test_both_rules_accept_a_one_hot_draft_as_often_as_the_target_draws_it():
     for rejection in (False, True):
         _, accepted = with_speculation(PARAMS, rejection)
         assert abs(accepted - NUM_SEEDS * p_bad) < 4 * sigma
+
+
+DRAFTER = torch.softmax(torch.tensor([0.2, 1.0, -0.4, 0.6]), -1)
+"""A drafter's distribution of the first token, unlike the target's."""
+
+
+def with_draft_distribution(params: SamplingParams, pass_q: bool) -> tuple[list[tuple[int, int]], int]:
+    """One verify step per seed whose draft is drawn from `DRAFTER` (the verifier told q when `pass_q`),
+    then (if it was rejected) the next ordinary step."""
+    drafts = torch.multinomial(DRAFTER, NUM_SEEDS, replacement=True, generator=torch.Generator().manual_seed(1))
+    plan = StepPlan(tuple(ScheduledRequest(str(s), 4, (9, int(drafts[s])), True, num_draft_tokens=1)
+                          for s in range(NUM_SEEDS)))
+    rows = verify.logits_row_requests(plan, list(range(NUM_SEEDS)))
+    steps = [1 + j for j in verify.row_token_offsets(plan, rows)]
+    tensors = prepare_sampling_tensors([params] * len(rows), rows, steps, [], DEVICE, VOCAB)
+    logits = torch.stack([torch.stack([FIRST, SECOND[d]]) for d in drafts.tolist()]).view(-1, VOCAB)
+    output = ReferenceSampler(SamplingSpec(VOCAB), DEVICE).sample(logits, tensors)
+    verifier = ReferenceVerifier(VerifySpec(VOCAB, 1), DEVICE)
+    q = {s: DRAFTER[None] for s in range(NUM_SEEDS)} if pass_q else None
+    results = verify.rejection_verify(verifier, plan, rows, set(range(NUM_SEEDS)), logits, tensors.temperature,
+                                      torch.Generator().manual_seed(0), q)
+    verified = verify.accept_drafts(plan, rows, verify.merge_rejection(output, logits, tensors, rows, results), results)
+    emitted: dict[int, list[int]] = {}
+    for i, token in zip(verified.sampled, verified.output.token_ids.tolist()):
+        emitted.setdefault(i, []).append(token)
+    rejected = [seed for seed in range(NUM_SEEDS) if len(emitted[seed]) == 1]
+    firsts = torch.tensor([emitted[seed][0] for seed in rejected])
+    seconds = dict(zip(rejected, sample([params] * len(rejected), rejected, [1] * len(rejected), SECOND[firsts]).tolist()))
+    pairs = [(emitted[seed][0], emitted[seed][1] if seed not in seconds else seconds[seed]) for seed in range(NUM_SEEDS)]
+    return pairs, sum(verified.num_accepted)
+
+
+def test_rejection_with_the_drafters_distribution_is_lossless_and_accepts_min_p_q():
+    """Told the q its drafts came from, rejection sampling keeps the target's distribution and accepts
+    with probability sum min(p, q), more than the sum q p of treating the drafts as one-hot."""
+    p = torch.softmax(FIRST / PARAMS.temperature, -1)
+    for pass_q, rate in ((True, float(torch.minimum(p, DRAFTER).sum())), (False, float((p * DRAFTER).sum()))):
+        pairs, accepted = with_draft_distribution(PARAMS, pass_q)
+        assert chi_square(pairs, PARAMS) < critical_value(VOCAB * VOCAB - 1)
+        sigma = math.sqrt(NUM_SEEDS * rate * (1 - rate))
+        assert abs(accepted - NUM_SEEDS * rate) < 4 * sigma, (pass_q, accepted, NUM_SEEDS * rate)

@@ -150,7 +150,7 @@ def test_image_positions_route_with_bias_vl(checkpoint):
     from types import SimpleNamespace
 
     model = make_runner(*checkpoint).model
-    layer, x = 3, torch.randn(5, model.config.hidden_size) * 0.5
+    layer, x = 3, torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.5
     ffn = model.layers[layer].ffn
     with torch.no_grad():
         ffn.gate.bias_vl.copy_(-ffn.gate.bias - 5 * torch.arange(len(ffn.gate.bias)))  # favours low experts
@@ -158,7 +158,8 @@ def test_image_positions_route_with_bias_vl(checkpoint):
     image = torch.tensor([False, True, False, True, True])
     mixed = model.moe(layer, x, ctx, image)
     text = model.moe(layer, x, ctx, None)
-    assert torch.equal(mixed[~image], text[~image])
+    # text rows route alone in `mixed`: a matmul over fewer rows may move the last bits on the CPU
+    assert torch.allclose(mixed[~image], text[~image], rtol=0, atol=1e-6)
     weights, backend = model.moe_weights[layer], model.moe_backends[layer]
     vl = dataclasses.replace(weights, score_bias=ffn.gate.bias_vl)
     expected = backend.forward(x[image], ctx.input_ids[image], vl) + ffn.shared_experts(x[image], 10.0)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from deepinfer_core.backends import AttentionMetadata, supports_cuda_graphs
 from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.models import deepseek_v41
-from deepinfer_core.models.v41_compressor import two_level_topk_decode, two_level_topk_per_request
+from deepinfer_core.models.v41_compressor import two_level_topk_batched, two_level_topk_per_request
 from tests.models.v41_helpers import make_runner, random_prompt, tiny_checkpoint
 from tests.oracle import FakeSeq, all_position_logprobs, step_plan
 
@@ -84,13 +84,6 @@ def test_the_padded_decode_step_reads_nothing_on_the_host_and_equals_eager_decod
         seqs = [FakeSeq(list(p), slot=i, block_table=[i]) for i, p in enumerate(prompts)]
         all_position_logprobs(runner, seqs, [len(p) for p in prompts])
         pairs.append(seqs)
-    forward = graphs._forward
-
-    def checked_forward(size, width):
-        with RaiseOnHostReads():
-            return forward(size, width)
-
-    graphs._forward = checked_forward
     for step in range(16):
         live = 4 if step < 13 else 3  # the last steps: three requests, padded to the 4-row graph
         token = 7 + 31 * step
@@ -99,7 +92,7 @@ def test_the_padded_decode_step_reads_nothing_on_the_host_and_equals_eager_decod
                 s.token_ids.append(token)
         expected = torch.cat(all_position_logprobs(plain, pairs[0][:live], [1] * live))
         plan = step_plan(padded, pairs[1][:live], [1] * live)
-        logits = graphs.run(plan.requests, padded.update_states(plan))
+        logits = _run_checked(graphs, plan, padded.update_states(plan))
         for s in pairs[1][:live]:
             s.num_computed_tokens += 1
         assert logits.shape[0] == live
@@ -108,6 +101,79 @@ def test_the_padded_decode_step_reads_nothing_on_the_host_and_equals_eager_decod
         else:  # a padding row changes the matmuls' row count, which may move the last bits on the CPU
             assert torch.equal(logits.argmax(-1), expected.argmax(-1)), step
             assert (logits.log_softmax(-1) - expected).abs().max().item() < 1e-5, step
+
+
+def test_a_verification_step_of_two_tokens_a_request_reads_nothing_on_the_host(checkpoint):
+    """Speculative decoding's k + 1-token steps run the same graph-safe path (width 2 here)."""
+    plain, padded = make_runner(*checkpoint), make_runner(*checkpoint)
+    graphs = DecodeGraphs(padded, max_batch=4, max_blocks=2, max_seq_len=256, sizes=[4], widths=(1, 2))
+    prompts = [random_prompt(n, seed=n) for n in (6, 15, 20)]  # three requests: one padding row
+    pairs = []
+    for runner in (plain, padded):
+        seqs = [FakeSeq(list(p), slot=i, block_table=[i]) for i, p in enumerate(prompts)]
+        all_position_logprobs(runner, seqs, [len(p) for p in prompts])
+        pairs.append(seqs)
+    for step in range(3):
+        for seqs in pairs:
+            for s in seqs:
+                s.token_ids += [11 + step, 40 + step]
+        expected = torch.cat(all_position_logprobs(plain, pairs[0], [2] * 3))
+        plan = step_plan(padded, pairs[1], [2] * 3)
+        states = padded.update_states(plan)
+        logits = _run_checked(graphs, plan, states)
+        for s in pairs[1]:
+            s.num_computed_tokens += 2
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1)), step
+        assert (logits.log_softmax(-1) - expected).abs().max().item() < 1e-5, step
+
+
+def _run_checked(graphs, plan, states):
+    """`graphs.run`, its padded static step (what a graph captures) inside `RaiseOnHostReads`."""
+    forward = graphs._forward
+
+    def checked(size, width):
+        with RaiseOnHostReads():
+            return forward(size, width)
+
+    graphs._forward = checked
+    try:
+        return graphs.run(plan.requests, states)
+    finally:
+        graphs._forward = forward
+
+
+def test_capture_goes_through_the_devices_graph_api(checkpoint):
+    """The runner's capture path on a stand-in graph API: every size captured, a replay per step."""
+    from contextlib import nullcontext
+
+    from deepinfer_core.backends import GraphApi
+
+    class Graph:
+        replays = 0
+
+        def pool(self):
+            return None
+
+        def replay(self):
+            self.replays += 1
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    api = GraphApi(Graph=Graph, graph=lambda g, pool=None: nullcontext(), Stream=Stream,
+                   stream=lambda s: nullcontext(), current_stream=Stream, synchronize=lambda: None)
+    runner = make_runner(*checkpoint)
+    graphs = DecodeGraphs(runner, max_batch=2, max_blocks=1, max_seq_len=128, api=api)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [(1, 1), (2, 1)]
+    seqs = [FakeSeq(random_prompt(5), slot=0, block_table=[0]), FakeSeq(random_prompt(3), slot=1, block_table=[1])]
+    all_position_logprobs(runner, seqs, [5, 3])
+    for s in seqs:
+        s.token_ids.append(9)
+    plan = step_plan(runner, seqs, [1, 1])
+    assert graphs.run(plan.requests, runner.update_states(plan)).shape[0] == 2
+    assert graphs.graphs[2, 1][0].replays == 1
 
 
 def test_the_host_read_check_catches_the_eager_prefill(checkpoint):
@@ -144,7 +210,7 @@ def test_batched_decode_picks_equal_the_per_request_picks(checkpoint, ratio):
     for plan in (source, inside):
         q = torch.randn(n, heads, dim, generator=gen)
         weights = torch.randn(n, heads, generator=gen)
-        batched, masks = two_level_topk_decode(q, weights, keys, meta, plan, config, candidates)
+        batched, masks = two_level_topk_batched(q, weights, keys, meta, plan, config, candidates)
         each, lists = two_level_topk_per_request(q, weights, keys, meta, counts, plan, config,
                                                  per_request)
         assert torch.equal(batched, each), plan.index

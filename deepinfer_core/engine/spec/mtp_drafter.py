@@ -20,17 +20,35 @@ from deepinfer_core.engine.kv_cache import KVCache
 from deepinfer_core.engine.plan import StepPlan, StepResult
 from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
 from deepinfer_core.engine.spec.rollback import DraftRollback, DraftRows
+from deepinfer_core.engine.spec.verify import is_rejection_eligible
 
 
 class MTPDrafter:
     """Runs the MTP module over each step's final positions; one per runner."""
 
-    def __init__(self, module, num_slots: int, dtype: torch.dtype, device: torch.device, num_drafts: int) -> None:
+    def __init__(self, module, num_slots: int, dtype: torch.dtype, device: torch.device, num_drafts: int,
+                 keeps_probs: bool = False) -> None:
+        """`keeps_probs`: keep each rejection-eligible request's draft distributions for the next
+        step's rejection sampling (`acceptance="rejection"`)."""
         self.module, self.num_drafts, self.device = module, num_drafts, device
         self.cache = KVCache([module.plan], 1, num_slots, dtype, device).layers
         self.rollback = DraftRollback(self.cache, [module.plan])
         self.first_row: dict[str, int] = {}
         """Per request, its first MTP row since admission: older ring rows belong to someone else."""
+        self.keeps_probs = keeps_probs
+        self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
+        """Per request id: the last drafts proposed and `[k, vocab]` the distributions they were drawn from."""
+
+    def draft_probs(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        """Per index into `plan.requests`, the distributions its drafts were drawn from, for requests
+        whose drafts are a prefix of what this drafter last proposed for them (others have none)."""
+        found = {}
+        for i, request in enumerate(plan.requests):
+            kept = self._probs.get(request.request_id)
+            d = request.num_draft_tokens
+            if kept is not None and d and list(request.token_ids[-d:]) == kept[0][:d]:
+                found[i] = kept[1]
+        return found
 
     def propose(self, runner, plan: StepPlan, states, input_ids: torch.Tensor, streams: torch.Tensor,
                 result: StepResult) -> list[tuple[list[int], list[float]]] | None:
@@ -44,15 +62,16 @@ class MTPDrafter:
             return None
         self._plan, self._states = plan, states
         # a non-finite row's placeholder (< 0) ends its request; any valid id keeps the batch running
-        tokens = torch.cat([input_ids, result.output.token_ids.to(input_ids.dtype).clamp(min=0)])
+        emitted = result.output.token_ids.to(input_ids.device, input_ids.dtype, non_blocking=True)
+        tokens = torch.cat([input_ids, emitted.clamp(min=0)])
         index = host_tensor(rows["h"] + rows["tok"]).to(self.device, non_blocking=True).view(2, -1)
         prev, ids = streams.index_select(0, index[0]), tokens.index_select(0, index[1])
         ctx = self._context(runner, rows["requests"], rows["positions"], ids)
         heads = host_tensor(rows["heads"]).to(self.device, non_blocking=True)
         logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
         sampled = rows["sampled"]  # (state index, position of the drafted token)
-        drafts, confidences = [self._draw(runner, states, sampled, logits)], []
-        confidences.append(self._confidence(runner, states, sampled, logits, drafts[-1]))
+        drafts, confidences, probs = [self._draw(runner, states, sampled, logits)], [], []
+        self._confidence(runner, states, sampled, logits, drafts[-1], confidences, probs)
         saved = self.rollback.capture([DraftRows(states[i].slot, p - 1, self.num_drafts - 1, [])
                                        for i, p in sampled])
         prev = out_streams.index_select(0, heads)
@@ -63,13 +82,24 @@ class MTPDrafter:
             logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
             shifted = [(i, p + depth) for i, p in sampled]
             drafts.append(self._draw(runner, states, shifted, logits))
-            confidences.append(self._confidence(runner, states, shifted, logits, drafts[-1]))
+            self._confidence(runner, states, shifted, logits, drafts[-1], confidences, probs)
         DraftRollback.restore(saved, [DraftRows(states[i].slot, p - 1, self.num_drafts - 1, []) for i, p in sampled],
                               [0] * len(sampled))
         # one copy to the host for both (float64 holds every token id exactly)
         host = torch.cat((torch.stack(drafts, dim=1).double(), torch.stack(confidences, dim=1).double()), dim=1).tolist()
         k = self.num_drafts
-        return [([int(t) for t in row[:k]], row[k:]) for row in host]
+        proposals = [([int(t) for t in row[:k]], row[k:]) for row in host]
+        self._keep_probs(plan, states, sampled, proposals, probs)
+        return proposals
+
+    def _keep_probs(self, plan: StepPlan, states, sampled, proposals, probs: list[torch.Tensor]) -> None:
+        self._probs = {}
+        if not self.keeps_probs:
+            return
+        stacked = torch.stack(probs, dim=1)  # [requests, k, vocab]
+        for row, ((i, p), (tokens, _)) in enumerate(zip(sampled, proposals, strict=True)):
+            if is_rejection_eligible(states[i].sampling_params, p - states[i].num_prompt_tokens):
+                self._probs[plan.requests[i].request_id] = (tokens, stacked[row])
 
     def _rows(self, plan: StepPlan, result: StepResult) -> dict | None:
         """Host lists of the MTP rows this step makes final (see the module docstring)."""
@@ -126,8 +156,12 @@ class MTPDrafter:
         """Each draft as the request's own sampler draws it at that position (seeded noise included)."""
         return runner.sampler.sample(logits, self._tensors(runner, states, sampled)).token_ids
 
-    def _confidence(self, runner, states, sampled, logits, tokens) -> torch.Tensor:
+    def _confidence(self, runner, states, sampled, logits, tokens, confidences: list, probs: list) -> None:
+        """Append the drafted tokens' probabilities to `confidences` and (when kept) the distributions
+        `softmax(logits / temperature)` they were drawn from to `probs`."""
         temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
                                   torch.float32).to(self.device, non_blocking=True)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
-        return probs.gather(1, tokens[:, None]).squeeze(1)
+        distributions = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+        confidences.append(distributions.gather(1, tokens[:, None]).squeeze(1))
+        if self.keeps_probs:
+            probs.append(distributions)

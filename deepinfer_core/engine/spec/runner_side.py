@@ -49,16 +49,18 @@ class SpecVerifier:
         return self.rollback.capture(drafts) if drafts else None
 
     def finish(self, plan: StepPlan, states, rows: list[int], logits: torch.Tensor, tensors,
-               result: StepResult, saved: list) -> StepResult:
+               result: StepResult, saved: list, draft_probs: dict[int, torch.Tensor] | None = None) -> StepResult:
         """After sampling every row: accept drafts, roll back the rejected ones' cache rows and blocks,
-        and return one output row per emitted token (`StepResult.num_accepted` per sampled request)."""
+        and return one output row per emitted token (`StepResult.num_accepted` per sampled request).
+        `draft_probs`: per request index, the distributions its drafts were drawn from (MTP), which
+        rejection sampling uses as q."""
         output, rejection = result.output, None
         if self.verifier is not None:
             eligible = {i for i in set(rows) if verify.is_rejection_eligible(
                 states[i].sampling_params, plan.requests[i].start + 1 - states[i].num_prompt_tokens)}
             if eligible:
                 rejection = verify.rejection_verify(self.verifier, plan, rows, eligible, logits,
-                                                    tensors.temperature, self.generator)
+                                                    tensors.temperature, self.generator, draft_probs)
                 if rejection:
                     merged = verify.merge_rejection(output, logits, tensors, rows, rejection)
                     output = replace(merged, token_ids=_keep_nonfinite(output.token_ids, merged.token_ids))
@@ -102,4 +104,5 @@ def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     moe = plugins.make_moe(module.plan.moe, runner.device)
     module.bind(runner.model, attention, moe, runner.model.ops, runner.device)
     runner.model.keeps_final_streams = True
-    return MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens)
+    return MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens,
+                      keeps_probs=config.acceptance == "rejection")

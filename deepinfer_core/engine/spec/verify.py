@@ -70,7 +70,8 @@ class Verified:
 def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput,
                   rejection: dict[int, tuple[torch.Tensor, int]] | None = None) -> Verified:
     """Apply the seeded-draw rule to a step's sampler output (`rejection`: per request index, tokens
-    `[d + 1]` and accepted count from the verifier, which replace the rule for that request)."""
+    `[d + 1]` and accepted count from the verifier, which replace the rule for that request). Reads the
+    sampled ids once; the emitted `token_ids` come back on the host, the other fields stay on the device."""
     tokens = output.token_ids.tolist()
     emit, num_accepted, row = [], [], 0
     requests = plan.requests
@@ -89,15 +90,20 @@ def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput
         row += d + 1
     index = host_tensor(emit).to(output.token_ids.device, non_blocking=True)
     picked = {f.name: getattr(output, f.name) for f in fields(output) if getattr(output, f.name) is not None}
-    selected = replace(output, **{name: value.index_select(0, index) for name, value in picked.items()})
-    return Verified([row_requests[r] for r in emit], selected, num_accepted)
+    selected = {name: value.index_select(0, index) for name, value in picked.items() if name != "token_ids"}
+    # the emitted ids are already on the host: the engine reads them without a second device round trip
+    selected["token_ids"] = host_tensor([tokens[r] for r in emit]).to(output.token_ids.dtype)
+    return Verified([row_requests[r] for r in emit], replace(output, **selected), num_accepted)
 
 
 def rejection_verify(verifier: VerifyBackend, plan: StepPlan, row_requests: list[int], eligible: set[int],
-                     logits: torch.Tensor, temperature: torch.Tensor,
-                     generator: torch.Generator | None) -> dict[int, tuple[torch.Tensor, int]]:
+                     logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None,
+                     draft_probs: dict[int, torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, int]]:
     """Run the verifier over the eligible requests with drafts, grouped by draft count; per request
-    index, its `[d + 1]` tokens (accepted drafts, then the correction or bonus) and accepted count."""
+    index, its `[d + 1]` tokens (accepted drafts, then the correction or bonus) and accepted count.
+
+    `draft_probs`: per request index, the distributions `[>= d, vocab]` its drafts were drawn from (the
+    MTP drafter's); requests without are verified as one-hot drafts (q = 1 at the draft)."""
     first_row: dict[int, int] = {}
     for row, i in enumerate(row_requests):
         first_row.setdefault(i, row)
@@ -111,10 +117,22 @@ def rejection_verify(verifier: VerifyBackend, plan: StepPlan, row_requests: list
         rows = torch.tensor([first_row[i] + j for i in members for j in range(d + 1)], device=logits.device)
         drafts = torch.tensor([plan.requests[i].token_ids[-d:] for i in members], device=logits.device)
         temps = temperature[rows.view(len(members), d + 1)[:, 0]]
-        out = verifier.verify(drafts, None, logits[rows].view(len(members), d + 1, -1), temps, generator)
+        probs = _draft_distributions(members, drafts, d, logits.shape[-1], draft_probs or {})
+        out = verifier.verify(drafts, probs, logits[rows].view(len(members), d + 1, -1), temps, generator)
         for m, i in enumerate(members):
             results[i] = (out.token_ids[m], int(out.num_accepted[m]))
     return results
+
+
+def _draft_distributions(members: list[int], drafts: torch.Tensor, d: int, vocab: int,
+                         draft_probs: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """`[M, d, vocab]` q of a group's drafts: the drafter's where it gave them, one-hot elsewhere (None
+    when no member has any, which the verifier reads as one-hot)."""
+    if not any(i in draft_probs for i in members):
+        return None
+    one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
+    return torch.stack([draft_probs[i][:d].float() if i in draft_probs else one_hot[m]
+                        for m, i in enumerate(members)])
 
 
 def merge_rejection(output: SamplerOutput, logits: torch.Tensor, tensors, row_requests: list[int],

@@ -1,5 +1,6 @@
-"""A tiny DeepSeek-V4.1 model (every layer role) on the Triton attention and indexer gives the reference's
-logits: prefill, then decode steps that close ratio-2 groups and reuse the sources' pools and picks."""
+"""A tiny DeepSeek-V4.1 model (every layer role) on the Triton attention, indexer and layer ops (the
+single-pass mHC boundaries included) gives the reference's logits: prefill, then decode steps that close
+ratio-2 groups and reuse the sources' pools and picks."""
 
 from __future__ import annotations
 
@@ -33,12 +34,18 @@ def step(runner, tokens: list[int], start: int) -> torch.Tensor:
     return runner.model(ctx, runner.kv_cache.layers, torch.arange(n, device=device))
 
 
-def test_the_v41_model_on_triton_attention_matches_the_reference(kernel_device, tmp_path):
+def test_the_v41_model_on_triton_attention_and_layer_ops_matches_the_reference(kernel_device, tmp_path):
+    """The Triton layer ops serve the norms, ropes, window writes and the single-pass mHC boundaries."""
     from deepinfer_nvidia_sm100.attention import TritonAttention
+    from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
     directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(hidden_size=32, moe_intermediate_size=32), seed=1)
     reference, triton = build(directory, torch.device("cpu")), build(directory, kernel_device)
-    triton.model.attention_backends = [TritonAttention(plan.attention) for plan in triton.model.plans]
+    model = triton.model
+    ops = TritonLayerOps(model.mix_spec, kernel_device)
+    model.bind_backends([TritonAttention(plan.attention) for plan in model.plans], model.moe_backends, ops,
+                        kernel_device)
+    assert model.mixing is ops
     prompt = torch.randint(3, 129000, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     for tokens, start in ((prompt[:11], 0), (prompt[11:12], 11), (prompt[12:13], 12)):
         expected, got = step(reference, tokens, start), step(triton, tokens, start).cpu()

@@ -7,6 +7,7 @@ With one split the program goes straight on; otherwise it stores its partial sum
 arrival counter, and the block's last program to arrive adds the partials up (in split order, so results do
 not depend on arrival order) and goes on. Phase 2, in registers: the mixing weights (sigmoid, softmax,
 Sinkhorn). Phase 3: the collapse `sum_i pre[i] * stream[i]`, stored; phase 4: its weighted RMSNorm in place.
+V4.1's single pass (`single_pass.py`) collapses with a given `pre` instead (`GIVEN_PRE`) and keeps phase 2's.
 
 Splitting `D` spreads decode's read of `fn` (1.5 MB at V4-Flash, fp32) over the GPU instead of one SM.
 From `TWO_PASS_MIN_ROWS` rows on (prefill) a call takes two launches: `hyper_kernel` runs phase 1 over
@@ -139,9 +140,10 @@ def _mixing_weights(acc, sumsq, rows, live, base_ptr, scale_ptr, post_ptr, comb_
 
 
 @triton.jit
-def _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, norm_w_ptr, x_ptr, hidden, rms_eps,
-                   N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, TAIL_D: tl.constexpr):
-    """Phases 3-4: `x = sum_i pre[i] * stream[i]` rounded to the stream dtype, then its weighted RMSNorm."""
+def _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, pre_st, norm_w_ptr, x_ptr, hidden,
+                   rms_eps, N: tl.constexpr, BT: tl.constexpr, TAIL_D: tl.constexpr):
+    """Phases 3-4: `x = sum_i pre[i] * stream[i]` rounded to the stream dtype, then its weighted RMSNorm
+    (`pre` rows `pre_st` apart: the scratch of phase 2, or the caller's `collapse_pre`)."""
     dtype = x_ptr.dtype.element_ty
     d = tl.arange(0, TAIL_D)
     x_sq = tl.zeros([BT, TAIL_D], dtype=tl.float32)
@@ -152,7 +154,7 @@ def _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, norm_w_
         for i in tl.static_range(N):
             stream = tl.load(src_ptr + rows[:, None] * src_st + i * src_sn + dd[None, :] * src_sd, mask=ok,
                              other=0.0, cache_modifier=".cg")
-            x += tl.load(pre_ptr + rows * NP + i)[:, None] * stream.to(tl.float32)
+            x += tl.load(pre_ptr + rows * pre_st + i, mask=live, other=0.0)[:, None] * stream.to(tl.float32)
         x = _round(x, dtype)
         tl.store(x_ptr + rows[:, None] * hidden + dd[None, :], x, mask=ok)
         x = x.to(tl.float32)
@@ -170,11 +172,13 @@ def _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, norm_w_
 
 @triton.jit
 def _tail(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr, post_ptr,
-          comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N: tl.constexpr, NP: tl.constexpr,
-          C: tl.constexpr, BT: tl.constexpr, TAIL_D: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
-          IS_HEAD: tl.constexpr):
+          comb_ptr, x_ptr, pre_ptr, given_pre_ptr, given_st, hidden, hc_eps, rms_eps, N: tl.constexpr,
+          NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, TAIL_D: tl.constexpr,
+          SINKHORN_ITERS: tl.constexpr, IS_HEAD: tl.constexpr, GIVEN_PRE: tl.constexpr):
     """Phases 2-4. When one tile holds the block's streams, they are loaded before the mixing weights are
-    worked out (their latency hides behind the Sinkhorn) and the collapse is normalised in registers."""
+    worked out (their latency hides behind the Sinkhorn) and the collapse is normalised in registers.
+    `GIVEN_PRE` (V4.1's single pass): the collapse uses `given_pre` `[T, n]` (rows `given_st` apart)
+    instead of the `pre` just worked out, which is still stored."""
     if TAIL_D >= hidden:
         j = tl.arange(0, NP)[None, :, None]
         d = tl.arange(0, TAIL_D)[None, None, :]
@@ -183,6 +187,10 @@ def _tail(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, sca
                           other=0.0, cache_modifier=".cg")
         pre = _mixing_weights(acc, sumsq, rows, live, base_ptr, scale_ptr, post_ptr, comb_ptr, pre_ptr,
                               hidden, hc_eps, rms_eps, N, NP, C, BT, SINKHORN_ITERS, IS_HEAD)
+        if GIVEN_PRE:
+            jp = tl.arange(0, NP)
+            pre = tl.load(given_pre_ptr + rows[:, None] * given_st + jp[None, :],
+                          mask=live[:, None] & (jp < N)[None, :], other=0.0)
         dtype = x_ptr.dtype.element_ty
         x = _round(tl.sum(pre[:, :, None] * streams.to(tl.float32), axis=1), dtype).to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + rms_eps)
@@ -194,19 +202,23 @@ def _tail(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, sca
         _mixing_weights(acc, sumsq, rows, live, base_ptr, scale_ptr, post_ptr, comb_ptr, pre_ptr, hidden,
                         hc_eps, rms_eps, N, NP, C, BT, SINKHORN_ITERS, IS_HEAD)
         tl.debug_barrier()
-        _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, norm_w_ptr, x_ptr, hidden,
-                       rms_eps, N, NP, BT, TAIL_D)
+        if GIVEN_PRE:
+            _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, given_pre_ptr, given_st, norm_w_ptr,
+                           x_ptr, hidden, rms_eps, N, BT, TAIL_D)
+        else:
+            _collapse_norm(rows, live, src_ptr, src_st, src_sn, src_sd, pre_ptr, NP, norm_w_ptr, x_ptr, hidden,
+                           rms_eps, N, BT, TAIL_D)
 
 
 @triton.jit
 def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_in_ptr, comb_in_ptr, rows_ptr,
                  fn_ptr, base_ptr, scale_ptr, norm_w_ptr, new_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr,
-                 part_m_ptr, part_sq_ptr, counter_ptr, num_rows, hidden, chunks_per_split, num_splits,
-                 hc_eps, rms_eps,
+                 given_pre_ptr, given_st, part_m_ptr, part_sq_ptr, counter_ptr, num_rows, hidden,
+                 chunks_per_split, num_splits, hc_eps, rms_eps,
                  N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                  TAIL_D: tl.constexpr, SG: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HAS_FOLD: tl.constexpr,
                  IS_HEAD: tl.constexpr, IS_SPLIT: tl.constexpr, TAIL: tl.constexpr, SPLIT_DOT: tl.constexpr,
-                 EMULATE: tl.constexpr):
+                 EMULATE: tl.constexpr, GIVEN_PRE: tl.constexpr):
     """One program: `BT` output rows x one split of the hidden dim (see the module docstring). Without
     `TAIL` the program only stores its partial sums (`hyper_tail_kernel` goes on from there)."""
     block = tl.program_id(0)
@@ -294,29 +306,29 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
                 tl.atomic_xchg(counter_ptr + block, 0)
                 acc, sumsq = _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT, C, SG)
                 _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
-                      norm_w_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT,
-                      TAIL_D, SINKHORN_ITERS, IS_HEAD)
+                      norm_w_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr, given_pre_ptr, given_st, hidden, hc_eps,
+                      rms_eps, N, NP, C, BT, TAIL_D, SINKHORN_ITERS, IS_HEAD, GIVEN_PRE)
     else:
         tl.debug_barrier()
         _tail(acc, sumsq, rows_at, live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr,
-              post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
-              SINKHORN_ITERS, IS_HEAD)
+              post_ptr, comb_ptr, x_ptr, pre_ptr, given_pre_ptr, given_st, hidden, hc_eps, rms_eps, N, NP, C,
+              BT, TAIL_D, SINKHORN_ITERS, IS_HEAD, GIVEN_PRE)
 
 
 @triton.jit
 def hyper_tail_kernel(src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr,
-                      x_ptr, pre_ptr, part_m_ptr, part_sq_ptr, num_rows, padded, hidden, num_splits, hc_eps,
-                      rms_eps, N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
-                      TAIL_D: tl.constexpr, SG: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
-                      IS_HEAD: tl.constexpr):
+                      x_ptr, pre_ptr, given_pre_ptr, given_st, part_m_ptr, part_sq_ptr, num_rows, padded,
+                      hidden, num_splits, hc_eps, rms_eps, N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr,
+                      BT: tl.constexpr, TAIL_D: tl.constexpr, SG: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
+                      IS_HEAD: tl.constexpr, GIVEN_PRE: tl.constexpr):
     """The two-pass path's second launch: `BT` rows a program add up the partial sums `hyper_kernel`
     stored and go on with phases 2-4, so the collapse of many tokens is spread over the whole GPU."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     live = rows < num_rows
     acc, sumsq = _combine_partials(part_m_ptr, part_sq_ptr, rows, num_splits, padded, BT, C, SG)
     _tail(acc, sumsq, rows.to(tl.int64), live, src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr,
-          norm_w_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr, hidden, hc_eps, rms_eps, N, NP, C, BT, TAIL_D,
-          SINKHORN_ITERS, IS_HEAD)
+          norm_w_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr, given_pre_ptr, given_st, hidden, hc_eps, rms_eps, N,
+          NP, C, BT, TAIL_D, SINKHORN_ITERS, IS_HEAD, GIVEN_PRE)
 
 
 def hc_pre(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, spec: LayerOpsSpec, *,
@@ -370,11 +382,13 @@ def hc_post_head(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Ten
 
 
 def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight, spec: LayerOpsSpec, new,
-            post_out, comb_out, x, counters, plan: LaunchPlan | None = None) -> None:
+            post_out, comb_out, x, counters, plan: LaunchPlan | None = None,
+            collapse_pre: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the boundary; returns phase 2's `pre` `[T, n]` (a view of the scratch)."""
     n, hidden = spec.hc_mult, spec.hidden_size
     num_rows = x.shape[0]
     if num_rows == 0:
-        return
+        return x.new_zeros((0, n), dtype=torch.float32)
     is_head, has_fold = rows is not None, block_out is not None
     plan = plan or launch_plan(num_rows, n, hidden, is_head, x.device)
     num_blocks = triton.cdiv(num_rows, plan.block_tokens)
@@ -388,7 +402,10 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
         if counters is None and not plan.two_pass:
             counters = torch.zeros(num_blocks, dtype=torch.int32, device=x.device)
     common = {"N": n, "NP": plan.n_pow2, "C": plan.num_cols, "SINKHORN_ITERS": spec.hc_sinkhorn_iters,
-              "IS_HEAD": is_head}
+              "IS_HEAD": is_head, "GIVEN_PRE": collapse_pre is not None}
+    if collapse_pre is not None and collapse_pre.stride(1) != 1:
+        collapse_pre = collapse_pre.contiguous()
+    given = (pre, 0) if collapse_pre is None else (collapse_pre, collapse_pre.stride(0))
     # the second launch's rows stay within the first's padded rows (both powers of two)
     tail_tokens = min(TAIL_TOKENS, plan.block_tokens) if plan.two_pass else plan.block_tokens
     tail = {"TAIL_D": min(triton.next_power_of_2(hidden), max(32, 4096 // tail_tokens)),
@@ -400,7 +417,7 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
         pre if rows is None else rows,
         hc.fn.contiguous(), hc.base, hc.scale, norm_weight,
         x if new is None else new, pre if post_out is None else post_out,
-        pre if comb_out is None else comb_out, x, pre, part_m, part_sq, pre if counters is None else counters,
+        pre if comb_out is None else comb_out, x, pre, *given, part_m, part_sq, pre if counters is None else counters,
         num_rows, hidden, plan.chunks_per_split, plan.num_splits, spec.hc_eps, spec.rms_norm_eps,
         BT=plan.block_tokens, BD=plan.block_d, HAS_FOLD=has_fold, IS_SPLIT=stores_partials,
         TAIL=not plan.two_pass, SPLIT_DOT=plan.split_dot and x.dtype == torch.bfloat16,
@@ -413,9 +430,10 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
             src, strides = streams, streams.stride()
         hyper_tail_kernel[(triton.cdiv(num_rows, tail_tokens),)](
             src, *strides, hc.base, hc.scale, norm_weight, pre if post_out is None else post_out,
-            pre if comb_out is None else comb_out, x, pre, part_m, part_sq, num_rows, padded, hidden,
+            pre if comb_out is None else comb_out, x, pre, *given, part_m, part_sq, num_rows, padded, hidden,
             plan.num_splits, spec.hc_eps, spec.rms_norm_eps, BT=tail_tokens, num_warps=4, **common, **tail,
         )
+    return pre[:num_rows, :n]
 
 
 class LaunchPlan(NamedTuple):

@@ -1,4 +1,5 @@
-"""Triton layer ops: mHC fused across each block boundary, RMSNorm with RoPE, the compressor close.
+"""Triton layer ops: mHC fused across each block boundary (V4's, and V4.1's single pass: `SinglePassMixing`),
+RMSNorm with RoPE, the compressor close.
 
 Per layer a decode step runs two mHC launches (each folds the previous block's output into the
 streams, computes the next block's mixing weights with Sinkhorn, collapses and normalises its input),
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOpsSpec
-from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels
+from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels, single_pass
 
 
 class TritonLayerOps:
@@ -33,6 +34,13 @@ class TritonLayerOps:
     def hc_post_head(self, streams, block_out, post, comb, rows, head: HyperWeights, norm_weight):
         return hyper_kernels.hc_post_head(streams, block_out, post, comb, rows, head, norm_weight, self.spec,
                                           counters=self.counters)
+
+    def hc_mix(self, streams, hc: HyperWeights, norm_weight, collapse_pre):
+        return single_pass.hc_mix(streams, hc, norm_weight, collapse_pre, self.spec, counters=self.counters)
+
+    def hc_post_mix(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight, collapse_pre):
+        return single_pass.hc_post_mix(streams, block_out, post, comb, hc, norm_weight, collapse_pre, self.spec,
+                                       counters=self.counters)
 
     def rms_norm(self, x, weight, cos=None, sin=None):
         return layer_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, cos, sin)

@@ -1,6 +1,6 @@
 """Compile every kernel a tiny model's forward launches for an H100/H200 (sm_90), on a machine without one.
 
-    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41 ...]
+    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det ...]
 
 Triton's interpreter (how the kernel tests run off the GPU) executes a kernel's Python, not its
 compilation: code the compiler rejects (a `str` constexpr in an `if`, an unsupported dtype in a dot, a
@@ -79,7 +79,7 @@ def install() -> None:
 
 def forward(family: str, directory: str) -> dict:
     """Two prompts (9 and 3 tokens) in chunks of 4 on the plugin's backends (bf16): prefill steps, and a
-    last step of one token (the decode path)."""
+    last step of one token (the decode path). "v4-det": V4 in deterministic mode (the invariant kernels)."""
     from deepinfer_nvidia_sm100 import hooks
 
     from deepinfer_core import plugins
@@ -103,9 +103,12 @@ def forward(family: str, directory: str) -> dict:
     plugins.get_plugin_manager = lambda: manager
     model_config = load_model_config(directory)
     engine_config = EngineConfig(model=directory, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=40,
-                                 enforce_eager=True).resolve(model_config)
+                                 enforce_eager=True, deterministic=family == "v4-det").resolve(model_config)
     runner = ModelRunner(model_config, engine_config, torch.device("cpu"))
     backends = sorted({type(b).__name__ for b in (*runner.model.moe_backends, *runner.linear_backends)})
+    if family == "v4-det":
+        backends = sorted({type(b).__name__ for b in (*runner.model.moe_backends, *runner.model.attention_backends,
+                                                      runner.model.ops)})
     run_chunked(runner, [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5]], 4)
     return {"model": family, "backends": backends}
 

@@ -43,11 +43,12 @@ def _hyper_case(device, num_tokens: int, seed: int = 0, spec: LayerOpsSpec = SPE
 
 
 def _hyper_calls(ops, hc, head, x, rows: slice):
-    """Every mHC op on the tokens `rows` of case `x`: a flat tuple of result tensors."""
+    """Every mHC op (V4's, and V4.1's single pass) on the tokens `rows` of case `x`: a flat tuple of results."""
     s, out, post, comb = (x[k][rows] for k in ("streams", "block_out", "post", "comb"))
     every = torch.arange(s.shape[0], device=s.device)
     return (*ops.hc_pre(s, hc, x["norm"]), *ops.hc_post_pre(s, out, post, comb, hc, x["norm"]),
-            ops.hc_post_head(s, out, post, comb, every, head, x["norm"]))
+            ops.hc_post_head(s, out, post, comb, every, head, x["norm"]),
+            *ops.hc_mix(s, hc, x["norm"], post), *ops.hc_post_mix(s, out, post, comb, hc, x["norm"], post))
 
 
 def test_conforms_to_the_reference(kernel_device) -> None:

@@ -5,7 +5,7 @@ What the default launchers choose by the number of rows, and what is fixed here:
 
 - RMSNorm / RoPE (`layer_kernels.rms_norm`, `rotary`): rows a program (1 below 4,096 rows, up to 8 above)
   and with it the warps that reduce a row; here one row a program, always;
-- mHC (`hyper_kernels`): tokens a program, one or two launches, the split of the hidden dim and the dot's
+- mHC (`hyper_kernels`, and V4.1's single pass `single_pass`): tokens a program, one or two launches, the split of the hidden dim and the dot's
   form; here `invariant_launch_plan`, one plan (two launches, 16-token programs, a fixed split, partial sums
   added in split order) for every row count;
 - the compressor's window close (`layer_kernels.compress`): whether channels are split over programs;
@@ -26,7 +26,7 @@ import triton
 
 from deepinfer_core.backends import LayerOpsSpec
 from deepinfer_core.reference.invariant import tile_rows
-from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels
+from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels, single_pass
 from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
 PLAN_TOKENS = 16
@@ -79,6 +79,13 @@ class InvariantTritonLayerOps(TritonLayerOps):
     def hc_post_head(self, streams, block_out, post, comb, rows, head, norm_weight):
         return hyper_kernels.hc_post_head(streams, block_out, post, comb, rows, head, norm_weight, self.spec,
                                           plan=self._head_plan)
+
+    def hc_mix(self, streams, hc, norm_weight, collapse_pre):
+        return single_pass.hc_mix(streams, hc, norm_weight, collapse_pre, self.spec, plan=self._block_plan)
+
+    def hc_post_mix(self, streams, block_out, post, comb, hc, norm_weight, collapse_pre):
+        return single_pass.hc_post_mix(streams, block_out, post, comb, hc, norm_weight, collapse_pre, self.spec,
+                                       plan=self._block_plan)
 
     def rms_norm(self, x, weight, cos=None, sin=None):
         return layer_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, cos, sin, rows_per_program=1)

@@ -14,9 +14,10 @@ from deepinfer_nvidia_sm100 import hyper_kernels
 
 
 def hc_mix(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, collapse_pre: torch.Tensor,
-           spec: LayerOpsSpec, *, counters: torch.Tensor | None = None):
+           spec: LayerOpsSpec, *, counters: torch.Tensor | None = None,
+           plan: hyper_kernels.LaunchPlan | None = None):
     """`SinglePassMixing.hc_mix` (V4.1): `hc_pre`'s launch, the collapse taking `collapse_pre` `[T, n]`;
-    returns `pre` (a strided view), `post`, `comb`, `x`."""
+    returns `pre` (a strided view), `post`, `comb`, `x`. `plan` as in `hyper_kernels.hc_pre`."""
     hyper_kernels._check_streams(streams, spec)
     hyper_kernels._check_weights(hc, spec, is_head=False)
     num_tokens, n, hidden = streams.shape
@@ -24,13 +25,13 @@ def hc_mix(streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, c
     comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
     x = streams.new_empty((num_tokens, hidden))
     pre = hyper_kernels._launch(streams, None, None, None, None, hc, norm_weight, spec, None, post, comb, x,
-                                counters, collapse_pre=collapse_pre.float())
+                                counters, plan, collapse_pre=collapse_pre.float())
     return pre, post, comb, x
 
 
 def hc_post_mix(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                 hc: HyperWeights, norm_weight: torch.Tensor, collapse_pre: torch.Tensor, spec: LayerOpsSpec, *,
-                counters: torch.Tensor | None = None):
+                counters: torch.Tensor | None = None, plan: hyper_kernels.LaunchPlan | None = None):
     """`SinglePassMixing.hc_post_mix` (V4.1): `hc_post_pre`'s launch, the collapse taking `collapse_pre`;
     returns the new streams, then `hc_mix`'s four tensors."""
     hyper_kernels._check_streams(streams, spec)
@@ -41,5 +42,5 @@ def hc_post_mix(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tens
     new_comb = streams.new_empty((num_tokens, n, n), dtype=torch.float32)
     x = streams.new_empty((num_tokens, hidden))
     pre = hyper_kernels._launch(streams, block_out, post, comb, None, hc, norm_weight, spec, new, new_post,
-                                new_comb, x, counters, collapse_pre=collapse_pre.float())
+                                new_comb, x, counters, plan, collapse_pre=collapse_pre.float())
     return new, pre, new_post, new_comb, x

@@ -31,9 +31,13 @@ def test_fp4_experts_conform_to_the_reference(kernel_device) -> None:
     conformance.check_moe(_backend(spec), kernel_device, num_tokens_list=(1, 5))
 
 
-def test_token_is_the_same_alone_and_in_batches(kernel_device) -> None:
-    backend = _backend(SPEC)
-    x, input_ids, weights = random_moe_case(SPEC, 70, seed=4)
+@pytest.mark.parametrize("expert_format", ["dense", "fp4"])
+def test_token_is_the_same_alone_and_in_batches(kernel_device, expert_format) -> None:
+    spec = dataclasses.replace(SPEC, expert_format=expert_format)
+    backend = _backend(spec)
+    x, input_ids, weights = random_moe_case(spec, 70, seed=4)
+    if expert_format == "fp4":
+        weights = conformance.fp4_moe_weights(weights)
     x, input_ids = x.to(kernel_device), input_ids.to(kernel_device)
     weights = dataclasses.replace(weights, **{f.name: getattr(weights, f.name).to(kernel_device)
                                               for f in dataclasses.fields(weights)

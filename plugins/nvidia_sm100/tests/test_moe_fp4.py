@@ -87,21 +87,35 @@ def test_fp4_needs_e8m0_scales(kernel_device: torch.device) -> None:
         TritonMoE(FP4_SPEC).forward(x.to(kernel_device), input_ids.to(kernel_device), packed)
 
 
+def _on(weights, device, router_dtype):
+    """`weights`' tensors on `device`, the router in `router_dtype` (the activations')."""
+    moved = {f.name: getattr(weights, f.name).to(device) for f in dataclasses.fields(weights)
+             if isinstance(getattr(weights, f.name), torch.Tensor)}
+    return dataclasses.replace(weights, **{**moved, "router": weights.router.to(device, router_dtype)})
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "scaled_dot"])
 @pytest.mark.parametrize("num_tokens", [3, 40])
-def test_fp4_scaled_dot_gives_the_fp32_kernel_result(kernel_device: torch.device, num_tokens: int) -> None:
-    """bf16 activations at decode sizes take `tl.dot_scaled` on the packed tiles; they give the fp32
-    in-register decode's result on the same weights and inputs within bf16's rounding."""
-    from deepinfer_nvidia_sm100.moe import FP4_DECODE, TritonMoE, pick_config
+def test_fp4_decode_kernels_give_the_fp32_tile_result(kernel_device: torch.device, num_tokens: int,
+                                                      kernel: str) -> None:
+    """At decode sizes (at most 16 rows an expert) the CUDA-core products ("gemv", any dtype) and
+    `tl.dot_scaled` on the packed tiles (bf16) give the fp32 tensor-core tiles' result on the same weights
+    and inputs: to fp32 rounding in fp32, within bf16's in bf16."""
+    from deepinfer_nvidia_sm100.moe import FP4_GEMV, GemmConfig, TritonMoE, pick_config
 
     spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=16, top_k=4)
     x, input_ids, weights = random_moe_case(spec, num_tokens, seed=5)
     packed = conformance.fp4_moe_weights(weights)
-    packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(kernel_device)
-                                            for f in dataclasses.fields(packed) if getattr(packed, f.name) is not None})
-    x, input_ids = x.to(kernel_device).bfloat16(), input_ids.to(kernel_device)
+    x, input_ids = x.to(kernel_device), input_ids.to(kernel_device)
+    fp32 = TritonMoE(spec)
+    ids, topk_weights = fp32.route(x, input_ids, _on(packed, kernel_device, torch.float32))
+    tile = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    want = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), tile)
+    if kernel == "gemv":
+        assert pick_config(num_tokens * spec.top_k, spec.num_experts, 4, fp4=True) == FP4_GEMV
+        got = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), FP4_GEMV)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     bf16 = TritonMoE(dataclasses.replace(spec, dtype=torch.bfloat16))
-    assert bf16.scaled_dot == "bf16" and pick_config(num_tokens * spec.top_k, spec.num_experts, 2, True) == FP4_DECODE
-    fp32_packed = dataclasses.replace(packed, router=packed.router.float())
-    want = TritonMoE(spec).forward(x.float(), input_ids, fp32_packed)
-    got = bf16.forward(x, input_ids, dataclasses.replace(packed, router=packed.router.bfloat16()))
+    config = FP4_GEMV if kernel == "gemv" else GemmConfig(16, 32, 256, 4, 3, kernel="scaled_dot")
+    got = bf16.experts(x.bfloat16(), ids, topk_weights, _on(packed, kernel_device, torch.bfloat16), config)
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)

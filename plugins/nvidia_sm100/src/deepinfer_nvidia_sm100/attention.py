@@ -6,7 +6,9 @@ that shape a launch (`num_comp`, the split count, the indexer's score width) com
 `AttentionMetadata.max_seq_len`, never from device values. A decode step (one token per request) reads
 no host list but `len(query_lens)`, so it can be captured in a CUDA graph and replayed with new inputs:
 under graphs `max_seq_len` is the static `max_model_len` bound, and each program stops at its own
-token's visible keys.
+token's visible keys. A step where every request brings the same 2 .. 8 query tokens (a verification
+step) and the queries share their keys (window, HCA) runs `multi_query_kernels` instead: one program a
+request reads those keys once for all its queries (it reads `query_lens`, the step's static shape).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import triton
 
 from deepinfer_core.backends.attention import AttentionMetadata, AttentionSpec
+from deepinfer_nvidia_sm100 import multi_query_kernels
 from deepinfer_nvidia_sm100.attention_kernels import attention_kernel, combine_kernel, indexer_scores_kernel
 
 BLOCK_H = 16
@@ -131,6 +134,10 @@ class TritonAttention:
         if has_comp:
             compressed = _last_dim_contiguous(compressed)
         index = prepare_token_index(metadata, num_tokens)
+        width = multi_query_kernels.uniform_width(metadata, num_tokens)
+        if width and not (has_comp and spec.is_sparse):  # k + 1 queries a request sharing their keys
+            return multi_query_kernels.launch(self, q, kv, window, compressed if has_comp else None, sinks,
+                                              metadata, num_comp, width, index.win_start)
         block_h, block_n, num_warps, num_stages = self.tiles["decode" if index.is_decode else "prefill"]
         num_splits = self._num_splits(num_tokens, spec.sliding_window + num_comp, block_h, block_n)
         is_split = num_splits > 1

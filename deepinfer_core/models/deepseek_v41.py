@@ -100,6 +100,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.rotary = {"main": Rotary(self.config.rope(0), rope_dim, device),
                        "compress": Rotary(self.config.rope(1), rope_dim, device)}
         self.attention_backends, self.moe_backends, self.ops = list(attention), list(moe), ops
+        self.index_scorers = [b if isinstance(b, IndexScorer) else None for b in self.attention_backends]
+        """Per layer, its attention backend when it hands out indexer scores (`IndexScorer`), else None."""
         self.moe_weights = [_moe_weights(layer.ffn) for layer in self.layers]
         self.hc = [(HyperWeights(b.hc_attn_fn, b.hc_attn_base, b.hc_attn_scale),
                     HyperWeights(b.hc_ffn_fn, b.hc_ffn_base, b.hc_ffn_scale)) for b in self.layers]
@@ -235,10 +237,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         weights = indexer.weights_proj(x).float() * indexer.num_heads**-0.5
         if not (plan.is_candidate_source or plan.uses_candidates):
             return self.attention_backends[i].indexer_topk(q, weights, cache.index_keys, ctx.metadata, num_entries)
-        backend, meta, candidates = self.attention_backends[i], ctx.metadata, shared.get("candidates")
-        if isinstance(backend, IndexScorer):  # the backend's kernels score; the selection stays here
-            scores = backend.index_scores(q, weights, cache.index_keys, meta,
-                                          batched_entry_bound(meta, plan.ratio))
+        scorer, meta, candidates = self.index_scorers[i], ctx.metadata, shared.get("candidates")
+        if scorer is not None:  # the backend's kernels score; the selection stays here
+            scores = scorer.index_scores(q, weights, cache.index_keys, meta, batched_entry_bound(meta, plan.ratio))
             visible = (meta.positions + 1) // plan.ratio
             picks, masks = select_two_level(scores, visible, plan, self.config, candidates)
         else:

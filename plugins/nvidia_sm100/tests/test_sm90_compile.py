@@ -32,7 +32,7 @@ def test_every_kernel_of_the_tiny_models_compiles_for_sm90():
     assert rows["v4-quant"]["backends"] == ["TritonFP8Linear", "TritonMoE"]
     assert {"act_quant_kernel", "fp8_gemm_kernel", "fp4_gate_up_gemv_kernel", "fp4_down_gemv_kernel"} <= set(
         rows["v4-quant"]["kernels"])
-    assert {"attention_kernel", "route_kernel", "hyper_kernel"} <= set(rows["v41"]["kernels"])
+    assert {"attention_kernel", "route_kernel", "hyper_kernel", "indexer_scores_kernel"} <= set(rows["v41"]["kernels"])
     assert rows["v4-det"]["backends"] == ["InvariantTritonAttention", "InvariantTritonLayerOps", "InvariantTritonMoE"]
     assert {"invariant_attention_kernel", "hyper_tail_kernel", "gate_up_kernel"} <= set(rows["v4-det"]["kernels"])
     assert all(row["target"] == "sm_90" for row in rows.values())

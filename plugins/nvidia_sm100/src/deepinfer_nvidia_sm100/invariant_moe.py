@@ -28,7 +28,7 @@ def invariant_config(spec: MoESpec) -> GemmConfig:
     default mode picks for decode (few rows an expert; FP4 experts: the CUDA-core products, whose rows are
     computed one by one)."""
     element_size = torch.empty(0, dtype=spec.dtype).element_size()
-    return pick_config(0, spec.num_experts, element_size, spec.expert_format == "fp4")
+    return pick_config(0, spec.num_experts, element_size, fp4=spec.expert_format == "fp4")
 
 
 class InvariantTritonMoE(TritonMoE):

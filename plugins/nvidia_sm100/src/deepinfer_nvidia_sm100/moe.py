@@ -12,8 +12,9 @@ One step does, with no host synchronisation (so the whole forward can be capture
 4. `down_kernel`: the same for the down projection, multiplied by the routing weight, written back at
    each row's original place; the `top_k` rows of a token are then summed in fp32.
 
-FP4 experts (`MoESpec.expert_format == "fp4"`) run the same kernels with each weight tile decoded from
-its packed codes and e8m0 scales in registers (`moe_kernels._load_weights`): a quarter of bf16's bytes.
+FP4 experts (`MoESpec.expert_format == "fp4"`) read a quarter of bf16's bytes: beyond 16 rows an expert
+the same kernels decode each weight tile from its packed codes and e8m0 scales in registers; at decode
+sizes `fp4_gemv_kernels` multiply the decoded tiles with each real row on CUDA cores (`FP4_GEMV`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ class GemmConfig:
     n_fastest: bool = False
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
     kernel: str = "tile"
-    """FP4 experts: "tile" (tensor-core tiles decoded in registers), "scaled_dot" (packed tiles into
-    `tl.dot_scaled`) or "gemv" (CUDA-core products with each real row, `fp4_gemv_kernels`); dense
-    experts always take "tile"."""
+    """FP4 experts: "tile" (tensor-core tiles decoded in registers) or "gemv" (CUDA-core products with
+    each real row, `fp4_gemv_kernels`); dense experts always take "tile"."""
 
     def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
         """The launch grid over `num_blocks` row blocks and `num_cols` output columns, and whether it puts
@@ -57,12 +57,10 @@ class GemmConfig:
         return (num_blocks, n_tiles), False
 
 
-SCALED_DOT_BLOCK_N = 32
-"""The only tile width verified for `kernel="scaled_dot"`: with Triton 3.6 on the H200, 64- and 128-column
-tiles gave wrong products (bench/RESULTS.md, `prefill_tiles.py --only fp4`)."""
-
-FP4_GEMV = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2, kernel="gemv")
-"""FP4 experts at decode sizes (at most 16 rows an expert)."""
+FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=2, kernel="gemv")
+"""FP4 experts at decode sizes (at most 16 rows an expert). H200, V4-Flash sizes, both GEMMs
+(`bench/prefill_tiles.py --only fp4`, bench/RESULTS.md): 16 tokens 2.08 ms, 64 tokens 5.69 ms, against
+3.33 / 7.92 ms for the register-decoded tensor-core tiles and 1.03 / 2.38 ms for bf16 experts."""
 
 
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: bool = False) -> GemmConfig:
@@ -144,10 +142,6 @@ class TritonMoE:
         self._scoring = SCORING_CODES[spec.scoring_func]
         self._ieee = spec.dtype == torch.float32
         self._fp4 = spec.expert_format == "fp4"
-        formats = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-        self.scaled_dot = formats.get(spec.dtype, "") if self._fp4 else ""
-        """The activations' `tl.dot_scaled` format for `GemmConfig.kernel == "scaled_dot"` (bf16/fp16
-        activations only; "" otherwise)."""
         if self._fp4 and (spec.hidden_size % 32 or spec.intermediate_size % 32):
             raise ValueError(f"FP4 experts need hidden and intermediate sizes divisible by 32, got {spec}")
 
@@ -233,12 +227,10 @@ class TritonMoE:
         if down_config.block_m != config.block_m:
             raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
                              f"{down_config.block_m} differ")
-        for tiles in (config, down_config):
-            if tiles.kernel != "tile" and not self._fp4:
-                raise ValueError(f"kernel {tiles.kernel!r} is for FP4 experts; dense experts take 'tile'")
-            if tiles.kernel == "scaled_dot" and (not self.scaled_dot or tiles.block_n != SCALED_DOT_BLOCK_N):
-                raise ValueError(f"kernel 'scaled_dot' needs bf16/fp16 activations and {SCALED_DOT_BLOCK_N}-wide "
-                                 f"tiles, got {tiles} for {spec.dtype}")
+        if {config.kernel, down_config.kernel} - {"tile", "gemv"}:
+            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile' or 'gemv'")
+        if config.kernel != down_config.kernel or (config.kernel == "gemv" and not self._fp4):
+            raise ValueError(f"both GEMMs take one kernel, and 'gemv' only for FP4 experts: {config} / {down_config}")
         x = x.contiguous()
         gate_up, down = weights.gate_up, weights.down
         gate_up_scale, down_scale = self._scales(weights)
@@ -277,8 +269,6 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=config.kernel == "scaled_dot",
-            LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -307,8 +297,6 @@ class TritonMoE:
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
             FP4=self._fp4,
-            SCALED_DOT=down_config.kernel == "scaled_dot",
-            LHS_FORMAT=self.scaled_dot or "bf16",
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )

@@ -3,8 +3,10 @@
 The trace (seeded): `--sessions` agent sessions share one system prompt; each turn resends the whole
 history plus a tool result of 300-1000 tokens, and the greedy answer (32-64 tokens) joins the history,
 so by the last of `--turns` turns a history is past 16K tokens. Sessions interleave: each round serves
-turn t of every session, `--concurrency` at a time, so the device cache (`--device-blocks`, sized to
-hold a few histories) evicts blocks that come back from the host tier (`--host-gib`) or the store.
+turn t of every session, `--concurrency` at a time, in a fresh (seeded) order, so a session comes back
+after a varying number of others: the device cache (`--device-blocks`, sized to hold a few histories)
+has evicted its blocks, which come back from the host tier (`--host-gib`, half the trace: the recent
+sessions) or the store (the others).
 `--scale` shrinks every length (0.1 for a CPU run).
 
 Modes, one JSON line each: "off" (no prefix cache), "device" (the device cache only), "tiers" (device
@@ -30,6 +32,12 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
 
 TIERS = ("device", "host", "store")
+WORKLOADS = {
+    "tiny": {},
+    "wide": {"hidden_size": 1024, "moe_intermediate_size": 512, "num_attention_heads": 16, "q_lora_rank": 512,
+             "o_lora_rank": 256, "n_routed_experts": 16, "index_n_heads": 8},
+}
+"""Overrides of the CPU workload's config (`cpu_throughput.WORKLOAD`) per `--workload`."""
 COUNTERS = ("prefix_cache_hit_tokens", "num_prefill_tokens", *(f"prefix_cache_hit_tokens_{t}" for t in TIERS),
             "prefix_store_bytes_read", "prefix_store_bytes_written", "host_cache_bytes_out",
             "prefix_store_load_seconds_total", "prefix_store_loads", "prefix_store_corrupt_blocks",
@@ -42,6 +50,8 @@ class AgentTrace:
     tools: list[list[list[int]]]
     """tools[session][turn]: the tool result sent with that turn."""
     answer_tokens: list[list[int]]
+    orders: list[list[int]]
+    """orders[turn]: the order sessions are served in that round (a fresh shuffle each round)."""
 
 
 def add_arguments(parser) -> None:
@@ -54,9 +64,12 @@ def add_arguments(parser) -> None:
     group.add_argument("--device-blocks", type=int, default=None,
                        help="device cache blocks (default: room for `concurrency` + 1 full histories)")
     group.add_argument("--host-gib", type=float, default=None,
-                       help="host tier GiB (default: a quarter of the trace's blocks)")
+                       help="host tier GiB (default: half the trace's blocks)")
     group.add_argument("--device", default="cpu", help='torch device ("cuda" on a GPU)')
-    group.add_argument("--model", default=None, help="checkpoint directory (default: the bench's random tiny model)")
+    group.add_argument("--model", default=None, help="checkpoint directory (default: a random model of --workload)")
+    group.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                       help="the random model: tiny (the CPU workload, hidden 128) or wide (hidden 1024, 16 "
+                            "experts: prefill costs compute on a GPU, so the cache's saving shows in its time)")
 
 
 def make_agent_trace(args, vocab: int) -> AgentTrace:
@@ -70,7 +83,8 @@ def make_agent_trace(args, vocab: int) -> AgentTrace:
     tools = [[tokens(300, 1000) for _ in range(args.agent_turns)] for _ in range(args.agent_sessions)]
     answers = [[rng.randint(max(1, int(32 * args.scale)), max(1, int(64 * args.scale))) for _ in range(args.agent_turns)]
                for _ in range(args.agent_sessions)]
-    return AgentTrace(system, tools, answers)
+    orders = [rng.sample(range(args.agent_sessions), args.agent_sessions) for _ in range(args.agent_turns)]
+    return AgentTrace(system, tools, answers, orders)
 
 
 def longest_history(trace: AgentTrace) -> int:
@@ -82,9 +96,9 @@ def serve_turns(llm: LLM, trace: AgentTrace, histories: list[list[int]], answers
     """Turns `turns` of every session, interleaved, `concurrency` sessions per batch. Returns the
     prefill phase's seconds: per batch, from its submission to the last of its first tokens (the
     prompts' prefill, loads from the tiers included; the answers' decode after that is not)."""
-    sessions = range(len(trace.tools))
     prefill_s = 0.0
     for t in turns:
+        sessions = trace.orders[t]
         for start in range(0, len(sessions), concurrency):
             batch = list(sessions[start : start + concurrency])
             prompts = [{"prompt_token_ids": histories[s] + trace.tools[s][t]} for s in batch]
@@ -166,7 +180,8 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     model = args.model
     if model is None:
         model = tempfile.mkdtemp(prefix="deepinfer-agent-bench-")
-        write_checkpoint(model, {**workload_config(args.vocab), "max_position_embeddings": max(4096, 2 * longest)})
+        write_checkpoint(model, {**workload_config(args.vocab), **WORKLOADS[args.workload],
+                                 "max_position_embeddings": max(4096, 2 * longest)})
     config = ModelConfig.from_dir(model)
     import torch
 
@@ -176,13 +191,14 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     trace_blocks = sum(-(-(len(trace.system) + sum(map(len, tools)) + sum(a)) // BLOCK_SIZE)
                        for tools, a in zip(trace.tools, trace.answer_tokens))
     device_blocks = args.device_blocks or (args.concurrency + 1) * blocks_per_history
-    host_gib = args.host_gib if args.host_gib is not None else trace_blocks // 4 * block_bytes / 2**30
+    host_gib = args.host_gib if args.host_gib is not None else trace_blocks // 2 * block_bytes / 2**30
     options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
                "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks}
     print(json.dumps({"bench": "prefix_cache_agent", "commit": git_commit(), "sessions": args.agent_sessions,
                       "turns": args.agent_turns, "scale": args.scale, "system_tokens": len(trace.system),
                       "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,
-                      "trace_blocks": trace_blocks, "host_gib": round(host_gib, 6), "device": args.device}), flush=True)
+                      "trace_blocks": trace_blocks, "host_gib": round(host_gib, 6), "device": args.device,
+                      "workload": args.model or args.workload}), flush=True)
     rows, cold_answers, cold_wall, cold_prefill_s = [], None, None, None
     for mode in ("off", "device", "tiers", "restart"):
         row, answers = run_mode(mode, trace, args, {**options, "host_cache_gib": host_gib})

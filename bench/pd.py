@@ -84,6 +84,7 @@ def placement(device: str) -> dict[str, tuple[list[str], dict]]:
 
 
 def one_request(base_url: str, content: str, max_tokens: int) -> tuple[float, float, int, str]:
+    """(time to the first streamed token, decode tokens/s after it, streamed chunks, the text)."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
     start = time.perf_counter()
     first, text, tokens = None, [], 0
@@ -91,10 +92,13 @@ def one_request(base_url: str, content: str, max_tokens: int) -> tuple[float, fl
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             extra_body={"chat_template_kwargs": {"thinking": False}})
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        # a random model's answer may stream as reasoning text: every token counts
+        piece = (delta.content or getattr(delta, "reasoning_content", None) or "") if delta is not None else ""
+        if piece:
             first = first or time.perf_counter()
             tokens += 1
-            text.append(chunk.choices[0].delta.content)
+            text.append(piece)
     end = time.perf_counter()
     first = first or end
     return first - start, (tokens - 1) / (end - first) if tokens > 1 and end > first else 0.0, tokens, "".join(text)

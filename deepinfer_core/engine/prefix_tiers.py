@@ -1,10 +1,17 @@
 """The prefix cache below the device: pinned host memory, then the store, and the moves between them.
 
 Blocks move by content key. A block is saved as soon as it is computed and registered on the device
-(a "save" `CacheOp` in the next plan copies it out before anything can overwrite it); the step result
-brings its bytes back, the host tier keeps a copy (LRU) and a writer thread writes it to the store, so
-another process, or this one after a restart, finds it there. A device eviction then loses nothing:
-the block lives on in host memory and in the store.
+(a "save" `CacheOp` in the next plan copies it out, in stream order before anything can overwrite it,
+to pinned host memory on a copy stream); the step result brings the pending copy back, and once it
+finished (`poll_saves`, every plan) the host tier keeps a copy (LRU) and a writer thread writes it to
+the store, so another process, or this one after a restart, finds it there. Until then the block
+manager keeps the block from eviction (`on_saved`), so a device eviction loses nothing: the block lives
+on in host memory and in the store.
+
+Prefill/decode disaggregation (`kv_transfer`): a prefill request's state (slot rings, partial last
+block) is copied out the same way when it finishes ("save_state", `pop_state`); on a decode instance
+the state read with the blocks is staged (`take_staged_state`) and written into the request's slot at
+admission ("load_state").
 
 A request's prefix is looked up device -> host -> store. Before admission (`is_ready`), the blocks
 past what the device and the host hold are read from the store by a loader thread while the request

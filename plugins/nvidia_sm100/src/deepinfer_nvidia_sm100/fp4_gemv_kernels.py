@@ -12,10 +12,14 @@ one conversion: `((c & 7) << 9) | ((c & 8) << 12)` are the bits of a float16 equ
 times 2^-14 (exponent field 0 is the subnormal `m / 2`, as in e2m1), so the e8m0 scale `s` becomes the
 factor 2^(s - 127 + 14), applied once per 32 inputs to the partial sums rather than to each weight.
 Rows' partial sums are kept in fp32; the result matches the tiled kernels up to the order of additions.
+
+`fp4_dequant_kernel` writes whole experts' weights in the activations' dtype with the same decode, for
+steps with many rows an expert (prefill), which then run the dense tiled kernels on them.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -165,6 +169,52 @@ def fp4_down_gemv_kernel(
     safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)
     out_ptrs = out_ptr + safe_rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=row_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def fp4_dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    rows,
+    cols,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_oe,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`out[e, n, k]` = the FP4 weight's value, one program per (expert, row tile, column tile)."""
+    expert, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    offs_s = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    n_valid = (offs_n < rows)[:, None]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
+    s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+    even, odd, factors = _tile(w_ptrs, s_ptrs, n_valid & (2 * offs_h < cols)[None, :],
+                               n_valid & (32 * offs_s < cols)[None, :], BLOCK_N, BLOCK_K)
+    factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    values = tl.reshape(tl.join(even * factors, odd * factors), (BLOCK_N, BLOCK_K))
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
+    tl.store(out_ptrs, values.to(out_ptr.dtype.element_ty), mask=n_valid & (offs_k < cols)[None, :])
+
+
+def dequantize_experts(packed, scales, dtype):
+    """`[E, N, K]` values in `dtype` of packed FP4 experts `[E, N, K / 2]` with e8m0 exponents
+    `[E, N, K / 32]` (uint8)."""
+    num_experts, rows, half = packed.shape
+    out = torch.empty(num_experts, rows, 2 * half, dtype=dtype, device=packed.device)
+    block_n, block_k = 32, 256
+    grid = (num_experts, triton.cdiv(rows, block_n), triton.cdiv(2 * half, block_k))
+    fp4_dequant_kernel[grid](packed, scales, out, rows, 2 * half, packed.stride(0), packed.stride(1),
+                             scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
+                             BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
 
 
 def gemv_grid(num_blocks: int, num_cols: int, block_n: int) -> tuple[int, int]:

@@ -45,6 +45,8 @@ GC_INTERVAL_S = 300.0
 TOUCH_INTERVAL_S = 600.0
 """A block hit again within this long is not touched in the store again."""
 _MAX_TOUCHED = 1 << 16
+MAX_UNCLAIMED_STATES = 32
+"""Exported request states kept for `pop_state` (a prefill route that never asked for its own: the oldest go)."""
 _READY = "ready"
 
 
@@ -78,7 +80,7 @@ class PrefixTiers:
         self._pending_saves: deque[tuple[CacheOp, PendingCopy]] = deque()
         self.on_saved: Callable[[tuple[int, ...]], None] | None = None
         """Called with the block ids of each finished save (the block manager then lets them be evicted)."""
-        self._exported_states: dict[str, torch.Tensor] = {}
+        self._exported_states: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._staged_states: dict[str, tuple[int, torch.Tensor]] = {}
         self.num_loaded_states = 0
         self._save_meta: dict[bytes, tuple[BlockRef, str]] = {}
@@ -170,6 +172,8 @@ class PrefixTiers:
             data = copy.wait()
             if op.kind == SAVE_STATE:
                 self._exported_states[op.keys[0].decode()] = data
+                while len(self._exported_states) > MAX_UNCLAIMED_STATES:
+                    self._exported_states.popitem(last=False)
                 continue
             for key, row in zip(op.keys, data):
                 meta = self._save_meta.pop(key, None)

@@ -118,6 +118,12 @@ class BlockManager:
         if tiers is not None and not enable_prefix_caching:
             raise ValueError("a host cache or prefix store needs enable_prefix_caching=True")
         self.tiers = tiers
+        self._saving: dict[int, int] = {}
+        """Blocks whose save to the tiers has not finished, with how many saves: never evictable meanwhile."""
+        self._state_loads: dict[str, tuple[tuple[int, ...], object]] = {}
+        """Requests whose prefill instance sent their state: (partial last block, bytes), loaded at admission."""
+        if tiers is not None:
+            tiers.on_saved = self._release_saved
         self.hit_tokens = dict.fromkeys(HIT_TIERS, 0)
         """Prefix-hit tokens of admitted requests, by the tier each block came from."""
         self._match_tiers: dict[str, dict[str, int]] = {}
@@ -154,7 +160,14 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """True if `seq.block_table` can be grown to cover positions `< num_computed_tokens + num_new_tokens`."""
-        return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
+        return self._has_free(self._num_missing_blocks(seq, num_new_tokens))
+
+    def _has_free(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` are free; when short while saves are in flight, wait for them first (a
+        block is evictable only once its save finished, see `_release_saved`)."""
+        if num_blocks > self.num_free_blocks and self._saving and self.tiers is not None:
+            self.tiers.poll_saves(wait=True)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow `seq.block_table` to cover positions `< num_computed_tokens + num_new_tokens`.
@@ -163,7 +176,7 @@ class BlockManager:
         :raises NoFreeBlocksError: when `can_allocate` is False.
         """
         missing = self._num_missing_blocks(seq, num_new_tokens)
-        if missing > self.num_free_blocks:
+        if not self._has_free(missing):
             raise NoFreeBlocksError(
                 f"{seq.request_id!r} needs {missing} more blocks but {self.num_free_blocks} are free; "
                 "call can_allocate first"
@@ -193,20 +206,45 @@ class BlockManager:
         Blocks are released last-first, so when cached blocks must be evicted a request's tail goes
         before its head (a chain is only reachable from its first block).
         """
+        if self.tiers is not None and self._exports_state(seq):
+            full = seq.num_prompt_tokens // self.block_size
+            self.tiers.queue_state_save(seq.request_id, seq.slot, tuple(seq.block_table[full : full + 1])
+                                        if seq.num_prompt_tokens % self.block_size else ())
         for block_id in reversed(seq.block_table):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
             if block.hash is not None:
-                self._evictable[block_id] = None
+                if block_id not in self._saving:  # else evictable once saved (`_release_saved`)
+                    self._evictable[block_id] = None
             else:
                 self._free_uncached.append(block_id)
         seq.block_table = []
         self._chains.pop(seq.request_id, None)
         self._match_tiers.pop(seq.request_id, None)
+        self._state_loads.pop(seq.request_id, None)
         if self.tiers is not None:
             self.tiers.forget(seq.request_id)
+
+    def _exports_state(self, seq: Sequence) -> bool:
+        """A prefill instance's request (`kv_transfer_params={"export": True}`) released right after
+        its prompt ran and its first token was sampled: its state goes to the decode instance."""
+        params = getattr(seq.sampling_params, "kv_transfer_params", None)
+        return (bool(params) and params.get("export") is True and seq.slot is not None
+                and seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens == 1)
+
+    def _release_saved(self, block_ids: tuple[int, ...]) -> None:
+        """The tiers finished saving these blocks: unreferenced ones become evictable."""
+        for block_id in block_ids:
+            left = self._saving.get(block_id, 0) - 1
+            if left > 0:
+                self._saving[block_id] = left
+                continue
+            self._saving.pop(block_id, None)
+            block = self._blocks[block_id]
+            if block.ref_count == 0 and block.hash is not None:
+                self._evictable[block_id] = None
 
     def release_tail(self, seq: Sequence, num_kept: int) -> None:
         """Give back `seq`'s blocks past its first `num_kept`, taken this step from the never-cached free
@@ -281,16 +319,44 @@ class BlockManager:
             chain.registrations.append(block.registration)
             parent_hash = block_hash
         self._chains[seq.request_id] = chain
+        state = None
         if self.tiers is not None:
             self.tiers.finish_match(seq.request_id)
             self.tiers.note_hits(hit_refs, getattr(seq.sampling_params, "traffic_class", None))
+            state = self.tiers.take_staged_state(seq.request_id)
+        hit_tokens = len(hit_refs) * self.block_size
+        if state is not None and self._resume(seq, state, hit_tokens, tiers):
+            return
         if not hit_refs:
             return
         self._match_tiers[seq.request_id] = tiers
-        hit_tokens = len(hit_refs) * self.block_size
         seq.num_cached_tokens = seq.no_write_before = hit_tokens
         span = sliding_window if replay == "bounded" else num_layers * sliding_window
         seq.replay_start = seq.num_computed_tokens = max(0, hit_tokens - span)
+
+    def _resume(self, seq: Sequence, state: tuple[int, object], hit_tokens: int, tiers: dict[str, int]) -> bool:
+        """Admit `seq` with its whole prompt computed, from the state its prefill instance sent (slot
+        rings and partial last block, loaded at admission by `record_hit`): no replay, it decodes the
+        first token the prefill instance sampled. False (nothing changed) when the state does not fit:
+        another prompt, blocks missing, or no free block for the partial one."""
+        num_prompt, data = state
+        if not (num_prompt == seq.num_prompt_tokens == seq.num_tokens - 1
+                and hit_tokens == num_prompt // self.block_size * self.block_size):
+            return False
+        tail: tuple[int, ...] = ()
+        if num_prompt % self.block_size:
+            if not self._has_free(1):
+                return False
+            block = self._take_free_block()
+            block.ref_count = 1
+            seq.block_table.append(block.block_id)
+            tail = (block.block_id,)
+        self._state_loads[seq.request_id] = (tail, data)
+        tiers["remote"] += num_prompt - hit_tokens
+        self._match_tiers[seq.request_id] = tiers
+        seq.num_cached_tokens = seq.num_computed_tokens = num_prompt
+        seq.no_write_before, seq.replay_start = hit_tokens, 0
+        return True
 
     def _load_from_tiers(self, seq: Sequence, ref: BlockRef, parent: int) -> tuple[_Block | None, str]:
         """A block the device lacks, from the host tier or the request's staged store reads, into a
@@ -306,9 +372,13 @@ class BlockManager:
         return block, tier
 
     def record_hit(self, seq: Sequence) -> None:
-        """Count an admitted request's prefix hit by tier (its latest `match_prefix`)."""
+        """Count an admitted request's prefix hit by tier (its latest `match_prefix`), and load the state
+        its prefill instance sent into its slot (it has one now)."""
         for tier, tokens in self._match_tiers.pop(seq.request_id, {}).items():
             self.hit_tokens[tier] += tokens
+        resumed = self._state_loads.pop(seq.request_id, None)
+        if resumed is not None:
+            self.tiers.queue_state_load(seq.request_id, seq.slot, *resumed)
 
     def is_prefix_ready(self, seq: Sequence) -> bool:
         """False while the request's prefix blocks are being read from the store (it is "loading");
@@ -364,6 +434,7 @@ class BlockManager:
             if existing is None:
                 existing = self._register(self._blocks[seq.block_table[index]], block_hash, parent, tokens)
                 if self.tiers is not None:
+                    self._saving[existing.block_id] = self._saving.get(existing.block_id, 0) + 1
                     self.tiers.queue_save(existing.block_id, BlockRef(block_hash, parent_hash, tokens),
                                           getattr(seq.sampling_params, "traffic_class", None))
             chain.hashes.append(block_hash)
@@ -379,7 +450,7 @@ class BlockManager:
         if block_id is None:
             return True
         block = self._blocks[block_id]
-        if block.ref_count > 0:
+        if block.ref_count > 0 or block_id in self._saving:
             return False
         del self._evictable[block_id]
         self._unregister(block)

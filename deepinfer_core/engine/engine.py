@@ -31,6 +31,7 @@ from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
 from deepinfer_core.engine.executor import make_executor, parallel_stats
 from deepinfer_core.engine.kv_blocks import layout_bytes
+from deepinfer_core.engine.kv_transfer import first_token_of, first_token_output
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan
 from deepinfer_core.engine.prefix_tiers import make_prefix_tiers
@@ -141,6 +142,7 @@ class Engine:
         overlap = self.config.async_scheduling
         self._overlap = info.device.type == "cuda" if overlap is None else overlap
         self._in_flight: InFlightStep | None = None
+        self._touched: dict[str, _Request] = {}
         self._seed_source = random.Random(self.config.seed)
         self._token_texts: dict[int, str] = {}
         """Single-token decodes (special tokens kept), for logprobs."""
@@ -184,6 +186,7 @@ class Engine:
         store = self.prefix_tiers.store if self.prefix_tiers is not None else None
         if store is not None and params.traffic_class is not None and params.traffic_class not in store.ttl_s:
             raise ValueError(f"traffic_class {params.traffic_class!r} is not configured; classes: {sorted(store.ttl_s)}")
+        first = first_token_of(params, self.model_config.vocab_size)
         grammar = self.structured_output.submit(params.structured_outputs) if params.structured_outputs else None
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], RequestMetrics(arrival_time=time.time()))
@@ -206,6 +209,10 @@ class Engine:
             if grammar is not None:
                 self.structured_output.track(seq_id, grammar, prompt_token_ids)
         self._requests[request_id] = request
+        if first is not None:  # sampled by a prefill instance (kv_transfer): the answer goes on from it
+            self._append_tokens([request.completions[0].seq], first_token_output(first), touched := {})
+            if request.finished:  # else it is reported with the next token, once the prompt's cache is in
+                self._touched.update(touched)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free everything it holds; unknown ids are ignored."""
@@ -256,14 +263,16 @@ class Engine:
     def flush_cache_ops(self) -> None:
         """Run the queued prefix-tier transfers in a plan of their own (no tokens): afterwards every
         computed block is in the host tier and queued for the store."""
-        if self.prefix_tiers is None or not self.prefix_tiers.has_cache_ops:
+        if self.prefix_tiers is None:
             return
-        ops = self.block_manager.take_cache_ops()
-        result = self.executor.execute(StepPlan((), cache_ops=ops))
-        self.prefix_tiers.accept_saved(ops, result.saved)
+        if self.prefix_tiers.has_cache_ops:
+            ops = self.block_manager.take_cache_ops()
+            result = self.executor.execute(StepPlan((), cache_ops=ops))
+            self.prefix_tiers.accept_saved(ops, result.saved)
+        self.prefix_tiers.poll_saves(wait=True)
 
     def _step(self) -> list[RequestOutput]:
-        touched: dict[str, _Request] = {}
+        touched, self._touched = self._touched, {}  # requests added with their first token count as progressed
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not self._can_overlap():
             self._settle(in_flight, touched)

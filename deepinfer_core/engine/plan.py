@@ -91,7 +91,10 @@ class CacheOp:
     """The blocks' content keys (`deepinfer_core.engine.block_manager.block_key`)."""
     data: Any = None
     """"load": the blocks' bytes, `[len(block_ids), block_bytes]` uint8 on the host (layout:
-    `deepinfer_core.engine.kv_blocks`); None for "save" (the step result brings the bytes back)."""
+    `deepinfer_core.engine.kv_blocks`); "load_state": a request's state bytes; None for the saving
+    kinds (the step result brings the bytes back)."""
+    slot: int | None = None
+    """"save_state" / "load_state": the request's state slot (`block_ids`: its partial last block, if any)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class StepResult:
     num_accepted: list[int] | None = None
     """Per sampled request, how many drafts were accepted (None without speculation)."""
     saved: tuple[Any, ...] = ()
-    """Per "save" op of `plan.cache_ops`, in order, the blocks' bytes `[n, block_bytes]` uint8 on the host."""
+    """Per saving op of `plan.cache_ops` ("save", "save_state"), in order, its bytes on their way to the
+    host (`kv_blocks.PendingCopy`: `[n, block_bytes]` uint8 blocks, or a request's state)."""
     drafts: list[tuple[list[int], list[float]]] | None = None
     """Per sampled request, the model-side drafter's next drafts and their confidences (MTP; else None)."""

@@ -19,7 +19,7 @@ import atexit
 import logging
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.engine.host_cache import GIB, HostCache
-from deepinfer_core.engine.kv_blocks import LOAD, SAVE
+from deepinfer_core.engine.kv_blocks import LOAD, LOAD_STATE, SAVE, SAVE_STATE, SAVING_KINDS, PendingCopy
 from deepinfer_core.engine.plan import CacheOp
 from deepinfer_core.engine.prefix_store import PrefixStore
 
@@ -67,7 +67,13 @@ class PrefixTiers:
         self.host, self.store, self.default_class = host, store, default_class
         self.importer, self.exporter = importer, exporter
         """Prefill/decode disaggregation (`kv_transfer`): blocks read from a prefill instance, or exported."""
-        self._ops: list[tuple[str, int, bytes, torch.Tensor | None]] = []
+        self._ops: list[tuple[str, tuple[int, ...], bytes, object]] = []
+        self._pending_saves: deque[tuple[CacheOp, PendingCopy]] = deque()
+        self.on_saved: Callable[[tuple[int, ...]], None] | None = None
+        """Called with the block ids of each finished save (the block manager then lets them be evicted)."""
+        self._exported_states: dict[str, torch.Tensor] = {}
+        self._staged_states: dict[str, tuple[int, torch.Tensor]] = {}
+        self.num_loaded_states = 0
         self._save_meta: dict[bytes, tuple[BlockRef, str]] = {}
         self._loads: dict[str, object] = {}  # request id -> _READY or (future, start time)
         self._staged: dict[str, dict[bytes, tuple[BlockRef, torch.Tensor]]] = {}
@@ -89,9 +95,10 @@ class PrefixTiers:
     # -- cache ops --------------------------------------------------------------------------------
 
     def queue_save(self, block_id: int, ref: BlockRef, traffic_class: str | None) -> None:
-        """A block just computed and registered on the device: copy it out in the next plan."""
+        """A block just computed and registered on the device: copy it out in the next plan (the block
+        manager keeps it from eviction until `on_saved` names it)."""
         self._save_meta[ref.key] = (ref, traffic_class or self.default_class)
-        self._ops.append((SAVE, block_id, ref.key, None))
+        self._ops.append((SAVE, (block_id,), ref.key, None))
 
     def take(self, request_id: str, ref: BlockRef) -> tuple[str, torch.Tensor] | None:
         """A block missing on the device, from the request's staged store reads or the host tier:
@@ -107,7 +114,7 @@ class PrefixTiers:
 
     def queue_load(self, block_id: int, key: bytes, data: torch.Tensor, tier: str) -> None:
         """Write `data` into device block `block_id` before the next plan's forward."""
-        self._ops.append((LOAD, block_id, key, data))
+        self._ops.append((LOAD, (block_id,), key, data))
         self.num_loaded[tier] += 1
 
     @property
@@ -115,24 +122,48 @@ class PrefixTiers:
         return bool(self._ops)
 
     def take_cache_ops(self) -> tuple[CacheOp, ...]:
-        """The queued transfers as plan `CacheOp`s, in queue order (consecutive ones of a kind merged)."""
+        """The queued transfers as plan `CacheOp`s, in queue order (consecutive block ops of a kind merged).
+        Also finishes the saves whose copies are done (called once a plan)."""
+        self.poll_saves()
         ops, groups = self._ops, []
         self._ops = []
-        for kind, block_id, key, data in ops:
+        for kind, block_ids, key, data in ops:
+            if kind in (SAVE_STATE, LOAD_STATE):
+                slot, payload = (data, None) if kind == SAVE_STATE else data
+                groups.append((kind, list(block_ids), [key], payload, slot))
+                continue
             if not groups or groups[-1][0] != kind:
-                groups.append((kind, [], [], []))
-            groups[-1][1].append(block_id)
+                groups.append((kind, [], [], [], None))
+            groups[-1][1].extend(block_ids)
             groups[-1][2].append(key)
             groups[-1][3].append(data)
-        return tuple(CacheOp(kind, tuple(ids), tuple(keys), torch.stack(datas) if kind == LOAD else None)
-                     for kind, ids, keys, datas in groups)
+        return tuple(CacheOp(kind, tuple(ids), tuple(keys), torch.stack(datas) if kind == LOAD else
+                             datas if kind == LOAD_STATE else None, slot)
+                     for kind, ids, keys, datas, slot in groups)
 
-    def accept_saved(self, ops: tuple[CacheOp, ...], saved: tuple[torch.Tensor, ...]) -> None:
-        """The bytes a plan's "save" ops brought back: into the host tier, and written to the store."""
-        saves = [op for op in ops if op.kind == SAVE]
+    def accept_saved(self, ops: tuple[CacheOp, ...], saved: tuple[PendingCopy, ...]) -> None:
+        """The copies a plan's saving ops started: each is finished (`poll_saves`) once its bytes are on
+        the host; only then do its blocks go to the host tier and the store, and become evictable."""
+        saves = [op for op in ops if op.kind in SAVING_KINDS]
         if len(saves) != len(saved):
             raise RuntimeError(f"the step ran {len(saves)} save ops but returned {len(saved)} results")
-        for op, data in zip(saves, saved):
+        self._pending_saves.extend(zip(saves, saved))
+        self.poll_saves()
+        self._maybe_collect_garbage()
+
+    @property
+    def num_pending_saves(self) -> int:
+        """Saving ops whose device-to-host copy has not finished."""
+        return len(self._pending_saves)
+
+    def poll_saves(self, wait: bool = False) -> None:
+        """Finish the saves whose copies are done (`wait`: all of them, blocking until they are)."""
+        while self._pending_saves and (wait or self._pending_saves[0][1].is_done()):
+            op, copy = self._pending_saves.popleft()
+            data = copy.wait()
+            if op.kind == SAVE_STATE:
+                self._exported_states[op.keys[0].decode()] = data
+                continue
             for key, row in zip(op.keys, data):
                 meta = self._save_meta.pop(key, None)
                 if meta is None:
@@ -142,7 +173,29 @@ class PrefixTiers:
                     self.host.put(key, ref.parent, ref.tokens, row)
                 if self._writer is not None:
                     self._writer.submit(self._write, ref, row, cls)
-        self._maybe_collect_garbage()
+            if self.on_saved is not None:
+                self.on_saved(op.block_ids)
+
+    # -- request state (prefill/decode disaggregation) --------------------------------------------
+
+    def queue_state_save(self, request_id: str, slot: int, tail_block_ids: tuple[int, ...]) -> None:
+        """A prefill request finished: copy out its state (slot rings, partial last block) in the next
+        plan, before anything can reuse them; `pop_state` hands it out once copied."""
+        self._ops.append((SAVE_STATE, tail_block_ids, request_id.encode(), slot))
+
+    def pop_state(self, request_id: str) -> torch.Tensor | None:
+        """The state bytes `queue_state_save` copied out for `request_id` (once), or None."""
+        return self._exported_states.pop(request_id, None)
+
+    def take_staged_state(self, request_id: str) -> tuple[int, torch.Tensor] | None:
+        """The state read from a prefill instance for this request (once): (its prompt length, bytes)."""
+        return self._staged_states.pop(request_id, None)
+
+    def queue_state_load(self, request_id: str, slot: int, tail_block_ids: tuple[int, ...], data: torch.Tensor) -> None:
+        """Write a request's state (`take_staged_state`) into `slot` and its partial last block before
+        the next forward."""
+        self._ops.append((LOAD_STATE, tail_block_ids, request_id.encode(), (slot, data)))
+        self.num_loaded_states += 1
 
     # -- loading from the store -------------------------------------------------------------------
 
@@ -152,7 +205,8 @@ class PrefixTiers:
 
         The first call looks its blocks up (`refs()`, in order): if one is neither on the device nor
         in the host tier, the loader reads it and the ones after it from the store, or, for a request
-        with a prefill instance's handle (`kv_source`), every block of the handle from that instance.
+        with a prefill instance's handle (`kv_source`), every block of the handle from that instance
+        (and the request's state, read even when every block is here).
         """
         if self.store is None and (kv_source is None or self.importer is None):
             return True
@@ -161,7 +215,9 @@ class PrefixTiers:
             chain = refs()
             first = next((i for i, ref in enumerate(chain)
                           if not device_has(ref.key) and not (self.host is not None and ref.key in self.host)), None)
-            if first is not None and kv_source is not None and self.importer is not None:
+            # a prefill instance's handle: read it unless every block is here and it carries no state
+            if kv_source is not None and self.importer is not None and (
+                    first is not None or kv_source.get("first_token") is not None):
                 self._staged_tier[request_id] = "remote"
                 self._loads[request_id] = (self._loader.submit(self.importer.fetch, kv_source, chain), time.monotonic())
                 return False
@@ -176,7 +232,7 @@ class PrefixTiers:
         if not future.done():
             return False
         self._loads[request_id] = _READY
-        self._staged[request_id] = self._fetched(future)
+        self._staged[request_id] = self._fetched(request_id, future)
         elapsed = time.monotonic() - started  # how long the request waited "loading"
         self.load_seconds_total += elapsed
         self.load_seconds_max = max(self.load_seconds_max, elapsed)
@@ -189,23 +245,26 @@ class PrefixTiers:
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
-    def _fetched(self, future: Future) -> dict[bytes, tuple[BlockRef, torch.Tensor]]:
+    def _fetched(self, request_id: str, future: Future) -> dict[bytes, tuple[BlockRef, torch.Tensor]]:
         try:
-            blocks = future.result()
+            blocks, state = future.result()
         except OSError as err:
             logger.warning("reading prefix blocks from the store failed (%s); the prefix is recomputed", err)
             return {}
+        if state is not None:
+            self._staged_states[request_id] = state
         return {ref.key: (ref, data) for ref, data in blocks}
 
-    def _fetch(self, chain: list[BlockRef]) -> list[tuple[BlockRef, torch.Tensor]]:
-        """Loader thread: the chain's blocks from the store, up to the first one missing or corrupt."""
+    def _fetch(self, chain: list[BlockRef]) -> tuple[list[tuple[BlockRef, torch.Tensor]], None]:
+        """Loader thread: the chain's blocks from the store, up to the first one missing or corrupt
+        (and no request state: the store holds blocks only)."""
         blocks = []
         for ref in chain:
             payload = self.store.get(ref.key, ref.parent, ref.tokens)
             if payload is None:
                 break
             blocks.append((ref, torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
-        return blocks
+        return blocks, None
 
     def finish_match(self, request_id: str) -> None:
         """After a prefix match: staged blocks it did not take go to the host tier."""
@@ -220,6 +279,7 @@ class PrefixTiers:
         state = self._loads.pop(request_id, None)
         if isinstance(state, tuple):
             state[0].cancel()
+        self._staged_states.pop(request_id, None)
         self.finish_match(request_id)
 
     def note_hits(self, refs: list[BlockRef], traffic_class: str | None) -> None:
@@ -273,7 +333,8 @@ class PrefixTiers:
             self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Finish the queued writes and stop the threads (idempotent)."""
+        """Finish the started saves and the queued writes, and stop the threads (idempotent)."""
+        self.poll_saves(wait=True)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._loader.shutdown(wait=False, cancel_futures=True)
@@ -290,9 +351,10 @@ class PrefixTiers:
                        host_cache_capacity_bytes=self.host.num_slots * self.host.block_bytes,
                        host_cache_evictions=h.num_evicted, host_cache_bytes_in=h.bytes_in,
                        host_cache_bytes_out=h.bytes_out)
+        out["prefix_saves_pending"] = len(self._pending_saves)
         if self.importer is not None:
             out.update(kv_transfer_blocks_in=self.importer.num_fetched, kv_transfer_bytes_in=self.importer.bytes_read,
-                       kv_transfer_failures=self.importer.num_failed)
+                       kv_transfer_failures=self.importer.num_failed, kv_transfer_states_in=self.num_loaded_states)
         if self.exporter is not None:
             out.update(kv_transfer_exports=self.exporter.num_exported, kv_transfer_exports_pending=self.exporter.num_pending)
         if self.store is not None:

@@ -382,7 +382,10 @@ class Scheduler:
                 self.stats.num_replay_tokens += seq.num_cached_tokens - seq.num_computed_tokens
                 self.block_manager.record_hit(seq)
             step.add(seq, num_new_tokens)
-            self.stats.num_prefill_tokens += num_new_tokens
+            if seq.num_output_tokens and seq.num_uncomputed_tokens == 1:  # resumed from a prefill instance's state
+                self.stats.num_decode_tokens += 1
+            else:
+                self.stats.num_prefill_tokens += num_new_tokens
 
     # -- memory pressure -----------------------------------------------------------------------
 

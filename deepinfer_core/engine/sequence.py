@@ -81,9 +81,12 @@ class Sequence:
         self.sampling_params = sampling_params
         self.needs_token_history = needs_token_history(sampling_params)
         """Its sampling reads its own ids (penalties): the runner is sent them."""
+        kv_transfer = getattr(sampling_params, "kv_transfer_params", None)
         self.needs_host_token = (self.needs_token_history
-                                 or getattr(sampling_params, "structured_outputs", None) is not None)
-        """Its next step needs its last token on the host (penalties, a grammar's mask): with overlapped
+                                 or getattr(sampling_params, "structured_outputs", None) is not None
+                                 or bool(kv_transfer and kv_transfer.get("export")))
+        """Its next step needs its last token on the host (penalties, a grammar's mask; a prefill
+        instance's request, whose state is exported as its first token was sampled): with overlapped
         decode it sits out the step launched while that token is still on the device."""
         if seed is None:
             seed = getattr(sampling_params, "seed", None)

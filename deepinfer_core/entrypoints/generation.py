@@ -50,7 +50,7 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
     try:
         body = await read_body(request, state.limits, api)
         prepared = await run_in_threadpool(state.encoding.prepare, api, body, state.context_limit)
-        params = _sampling_params(prepared, api, traffic_class_of(request), kv_transfer_of(request))
+        params = sampling_params_of(prepared, api, traffic_class_of(request), kv_transfer_of(request))
         if params.structured_outputs is not None:
             await _compile_grammar(state, params, api)
     except ApiError as err:
@@ -94,8 +94,9 @@ def traffic_class_of(request: Request) -> str | None:
     return request.headers.get(TRAFFIC_CLASS_HEADER) or None
 
 
-def _sampling_params(prepared: PreparedRequest, api: Api, traffic_class: str | None = None,
-                     kv_transfer_params: dict | None = None) -> SamplingParams:
+def sampling_params_of(prepared: PreparedRequest, api: Api, traffic_class: str | None = None,
+                       kv_transfer_params: dict | None = None) -> SamplingParams:
+    """The engine's `SamplingParams` of a prepared API request. :raises ApiError: 400 when invalid."""
     from deepinfer_core.sampling_params import SamplingParams
 
     try:

@@ -112,6 +112,10 @@ class ServerMetrics:
 _TIERS = ("device", "host", "store", "remote")
 # (metric, type, help, [(labels, engine stats key)])
 _TIER_METRICS = (
+    ("prefill_computed_tokens_total", "counter", "Prompt tokens the model computed (prefill chunks, replays, recomputes).",
+     [("", "num_prefill_tokens")]),
+    ("prefix_cache_replay_tokens_total", "counter", "Tokens below prefix hits recomputed to rebuild the windows.",
+     [("", "prefix_cache_replay_tokens")]),
     ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache, by the tier each block came from.",
      [(f'tier="{t}"', f"prefix_cache_hit_tokens_{t}") for t in _TIERS]),
     ("prefix_cache_bytes_moved_total", "counter", "Bytes of cache blocks moved between the prefix tiers.",
@@ -136,10 +140,14 @@ _TIER_METRICS = (
     ("prefix_store_load_seconds_max", "gauge", "Longest wait for a store load.", [("", "prefix_store_load_seconds_max")]),
     ("kv_transfer_blocks_in_total", "counter", "Blocks a decode instance read from prefill instances.",
      [("", "kv_transfer_blocks_in")]),
+    ("kv_transfer_states_in_total", "counter", "Request states (windows, tails, partial block) read from prefill instances.",
+     [("", "kv_transfer_states_in")]),
     ("kv_transfer_failures_total", "counter", "Reads from prefill instances that failed (prompt computed here).",
      [("", "kv_transfer_failures")]),
     ("kv_transfer_exports_pending", "gauge", "Exports of a prefill instance not yet read.",
      [("", "kv_transfer_exports_pending")]),
+    ("prefix_saves_pending", "gauge", "Block saves whose device-to-host copy is still running.",
+     [("", "prefix_saves_pending")]),
     ("num_requests_loading", "gauge", "Requests waiting for their prefix to load from the store.", [("", "num_loading")]),
 )
 

@@ -1,10 +1,14 @@
 """The HTTP side of prefill/decode disaggregation on a `deepinfer serve --role prefill|decode` instance.
 
 A prefill instance adds `POST /v1/pd/prefill/{api}` (api: chat, responses, messages, completions): the
-router sends it the client's body; it encodes the prompt exactly as the API does, runs it (one token,
-discarded), exports the prompt's blocks (`kv_transfer.export_prompt`) and answers
-`{"kv_transfer_params": {"prefill": its URL, "id": ...}, "prompt_tokens": n}`. `GET /v1/pd/handles/{id}`
-gives the full NIXL handle to the decode instance that reads the blocks.
+router sends it the client's body; it encodes the prompt and builds the sampling parameters exactly as
+the API does, runs the prompt and samples the first token with them, exports the prompt's blocks and
+the request's state (`kv_transfer.export_prompt`) and answers
+`{"kv_transfer_params": {"prefill": its URL, "id": ..., "first_token": id}, "prompt_tokens": n}`; the
+decode instance continues from that token with no prompt token to compute. (A request the decode
+instance cannot continue that way, n > 1, logprobs or structured output, gets the blocks only and no
+first token: the decode instance replays the windows and samples the first token itself.)
+`GET /v1/pd/handles/{id}` gives the full NIXL handle to the decode instance that reads them.
 
 A decode instance reads `KV_TRANSFER_HEADER` (the `kv_transfer_params` JSON) on the usual API routes
 into `SamplingParams.kv_transfer_params`: its engine reads the blocks by NIXL before admitting the
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +30,7 @@ from starlette.responses import Response
 from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.limits import read_body
+from deepinfer_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deepinfer_core.entrypoints.serve import ServerState
@@ -60,12 +66,16 @@ def add_prefill_routes(app: FastAPI, state: ServerState, public_url: str) -> Non
         if api not in PD_APIS:
             return error_response(404, f"no prefill route for {api!r}; one of {PD_APIS}", "chat")
         try:
-            prompt_ids, traffic_class = await _prompt_of(state, api, request)
+            prompt_ids, params = await _prompt_of(state, api, request)
         except ApiError as err:
             return api_error_response(err)
-        handle = await _prefill(state, prompt_ids, traffic_class)
-        return JSONResponse({"kv_transfer_params": {"prefill": public_url, "id": handle["id"]},
-                             "prompt_tokens": len(prompt_ids), "num_blocks": len(handle["blocks"])})
+        try:
+            handle = await _prefill(state, prompt_ids, params)
+        except ValueError as err:  # the engine refused the request (an unknown traffic class, ...)
+            return error_response(400, str(err), "chat" if api == "completions" else api)
+        kv = {"prefill": public_url, "id": handle["id"], "first_token": handle["first_token"]}
+        return JSONResponse({"kv_transfer_params": kv, "prompt_tokens": len(prompt_ids),
+                             "num_blocks": len(handle["blocks"]), "has_state": handle.get("state_bytes") is not None})
 
     @app.get("/v1/pd/handles/{handle_id}")
     async def handle(handle_id: str) -> Response:
@@ -75,27 +85,36 @@ def add_prefill_routes(app: FastAPI, state: ServerState, public_url: str) -> Non
         return JSONResponse(found)
 
 
-async def _prompt_of(state: ServerState, api: str, request: Request) -> tuple[list[int], str | None]:
-    from deepinfer_core.entrypoints.generation import traffic_class_of
+async def _prompt_of(state: ServerState, api: str, request: Request) -> tuple[list[int], SamplingParams]:
+    from deepinfer_core.entrypoints.generation import sampling_params_of, traffic_class_of
 
     raw = await read_body(request, state.limits, "chat" if api == "completions" else api)
     if api == "completions":
         from deepinfer_core.entrypoints.completions import parse_request
 
         parsed = await run_in_threadpool(parse_request, state, raw)
-        return parsed.prompt_token_ids, traffic_class_of(request)
+        parsed.params.traffic_class = traffic_class_of(request)
+        return parsed.prompt_token_ids, parsed.params
     prepared = await run_in_threadpool(state.encoding.prepare, api, raw, state.context_limit)
-    return list(prepared.prompt_token_ids), traffic_class_of(request)
+    return list(prepared.prompt_token_ids), sampling_params_of(prepared, api, traffic_class_of(request))
 
 
-async def _prefill(state: ServerState, prompt_ids: list[int], traffic_class: str | None) -> dict[str, Any]:
-    from deepinfer_core.engine.kv_transfer import export_prompt
-    from deepinfer_core.sampling_params import SamplingParams
+async def _prefill(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """Run the prompt and sample its first token with the request's own parameters (so the decode
+    instance's answer is the one a single instance gives), then export blocks, state and token."""
+    from deepinfer_core.engine.kv_transfer import continues_from_first_token, export_prompt
 
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, traffic_class=traffic_class)
-    async for _ in state.engine.generate(prompt_ids, params, "pd-" + uuid.uuid4().hex):
-        pass
-    return await state.engine.call(lambda engine: export_prompt(engine, prompt_ids))
+    if continues_from_first_token(params):
+        run = replace(params, max_tokens=1, min_tokens=0, first_n_token_no_eos=0, kv_transfer_params={"export": True})
+    else:  # the decode instance samples the first token itself: only the blocks go
+        run = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, traffic_class=params.traffic_class)
+    request_id = "pd-" + uuid.uuid4().hex
+    last = None
+    async for output in state.engine.generate(prompt_ids, run, request_id):
+        last = output
+    tokens = last.outputs[0].token_ids if last is not None else []
+    first = tokens[0] if tokens and run.kv_transfer_params else None
+    return await state.engine.call(lambda engine: export_prompt(engine, prompt_ids, request_id, first))
 
 
 __all__ = ["KV_TRANSFER_HEADER", "PD_APIS", "add_prefill_routes", "kv_transfer_of"]

@@ -356,3 +356,41 @@ def test_the_cache_fingerprint_roots_every_chain():
         manager.cache_full_blocks(seq)
     assert set(a._hash_to_block).isdisjoint(b._hash_to_block)  # same tokens, other model: other keys
     assert a.num_cached_blocks == b.num_cached_blocks == 2
+
+
+# -- saves to the tiers below the device ------------------------------------------------------
+
+
+class _SlowCopy:
+    """A device-to-host copy still running until `finish` (what a CUDA copy stream's event reports)."""
+
+    def __init__(self, rows: int) -> None:
+        import torch
+
+        self.tensor, self._done = torch.zeros(rows, 8, dtype=torch.uint8), False
+
+    def is_done(self) -> bool:
+        return self._done
+
+    def wait(self):
+        self._done = True
+        return self.tensor
+
+
+def test_a_block_is_evictable_only_once_its_save_finished():
+    from deepinfer_core.engine.host_cache import HostCache
+    from deepinfer_core.engine.prefix_tiers import PrefixTiers
+
+    tiers = PrefixTiers(HostCache(1 << 12, 8, pin=False), None)
+    manager = BlockManager(3, BS, enable_prefix_caching=True, tiers=tiers)
+    seq = make_seq(range(9))  # two full blocks, saved when registered
+    compute_all(manager, seq)
+    ops = manager.take_cache_ops()
+    copy = _SlowCopy(2)
+    tiers.accept_saved(ops, (copy,))
+    manager.free(seq)
+    assert manager.num_free_blocks == 1 and tiers.num_pending_saves == 1  # the saving blocks are held
+    other = make_seq(range(100, 112), "o")
+    assert manager.can_allocate(other, 12)  # short of blocks: it waits for the copy, then may evict them
+    assert tiers.num_pending_saves == 0 and len(tiers.host) == 2  # nothing lost: both blocks are in host memory
+    assert manager.num_free_blocks == 3

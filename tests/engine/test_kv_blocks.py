@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.engine.kv_blocks import LOAD, SAVE, BlockIO, block_layout, describe_layout, layout_bytes
+from deepinfer_core.engine.kv_blocks import (
+    LOAD,
+    LOAD_STATE,
+    SAVE,
+    SAVE_STATE,
+    BlockIO,
+    block_layout,
+    describe_layout,
+    layout_bytes,
+)
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block
 from deepinfer_core.engine.plan import CacheOp
 from deepinfer_core.models.layer_plan import build_layer_plan
@@ -33,7 +44,9 @@ def test_saved_blocks_load_into_other_blocks_unchanged():
             if pool is not None:
                 pool.copy_(torch.randn(pool.shape, generator=generator).to(pool.dtype))
     io = BlockIO(block_layout(plans, torch.bfloat16), cache.layers)
-    (saved,) = io.apply((CacheOp(SAVE, (1, 4), (b"a", b"b")),))
+    (pending,) = io.apply((CacheOp(SAVE, (1, 4), (b"a", b"b")),))
+    assert pending.is_done()  # on the CPU the copy is done at once (the same path as the device's)
+    saved = pending.wait()
     assert saved.shape == (2, io.block_bytes) and saved.dtype == torch.uint8
     io.apply((CacheOp(LOAD, (0, 5), (b"a", b"b"), saved),))
     for layer_plan, layer in zip(plans, cache.layers):
@@ -46,3 +59,25 @@ def test_saved_blocks_load_into_other_blocks_unchanged():
                 assert torch.equal(pool[5 * rows : 6 * rows], pool[4 * rows : 5 * rows])
     with pytest.raises(ValueError, match="uint8 data of shape"):
         io.scatter((0,), saved)
+
+
+def test_a_request_state_moves_into_another_slot_and_block_unchanged():
+    plans = build_layer_plan(CONFIG, torch.bfloat16)
+    cache = KVCache(plans, num_blocks=4, num_slots=2, dtype=torch.bfloat16, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    rings = [getattr(layer, name) for layer in cache.layers
+             for name in ("window", "kv_tail", "gate_tail", "index_kv_tail", "index_gate_tail")
+             if getattr(layer, name) is not None]
+    for tensor in rings + [p for layer in cache.layers for p in (layer.compressed, layer.index_keys) if p is not None]:
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+    io = BlockIO(block_layout(plans, torch.bfloat16), cache.layers)
+    (pending,) = io.apply((CacheOp(SAVE_STATE, (2,), (b"r",), slot=0),))
+    state = pickle.loads(pickle.dumps(pending)).tensor  # what a worker process sends
+    assert state.shape == (io.slot_bytes + io.block_bytes,)
+    saved_block = io.gather((2,)).wait()
+    io.apply((CacheOp(LOAD_STATE, (3,), (b"r",), state, slot=1),))
+    for ring in rings:
+        assert torch.equal(ring[1], ring[0])
+    assert torch.equal(io.gather((3,)).wait(), saved_block)
+    with pytest.raises(ValueError, match="request state"):
+        io.scatter_state(1, (), state)

@@ -94,12 +94,14 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 def test_the_router_answers_as_a_single_instance(cluster, single_answer):
+    before = metric_samples(cluster["decode"])
     oai = client(cluster["router"])
     answer = oai.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=8, temperature=0,
                                          extra_body=NO_THINKING)
     assert answer.choices[0].message.content == single_answer.choices[0].message.content
     assert answer.usage.prompt_tokens == single_answer.usage.prompt_tokens
-    assert answer.usage.prompt_tokens_details.cached_tokens >= 128  # the decode instance hit the moved blocks
+    # the decode instance took the whole prompt from the prefill instance: blocks, windows, tails, first token
+    assert answer.usage.prompt_tokens_details.cached_tokens == answer.usage.prompt_tokens
     stream = oai.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=8, temperature=0,
                                          extra_body=NO_THINKING, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer.choices[0].message.content
@@ -107,6 +109,10 @@ def test_the_router_answers_as_a_single_instance(cluster, single_answer):
     assert int(decode["deepinfer_kv_transfer_blocks_in_total"]) >= 1
     assert int(decode['deepinfer_prefix_cache_hit_tokens_total{tier="remote"}']) >= 128
     assert decode["deepinfer_kv_transfer_failures_total"] == "0"
+    states, computed = "deepinfer_kv_transfer_states_in_total", "deepinfer_prefill_computed_tokens_total"
+    assert int(decode[states]) - int(before.get(states, 0)) == 2  # (an engine that never stepped reports no tiers)
+    assert int(decode[computed]) == int(before.get(computed, 0))  # not one prompt token computed on decode
+    assert decode["deepinfer_prefix_cache_replay_tokens_total"] == "0"
     router = metric_samples(cluster["router"])
     assert router[f'deepinfer_router_requests_total{{role="prefill",instance="{cluster["prefill"]}"}}'] == "2"
 

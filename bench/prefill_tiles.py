@@ -6,9 +6,10 @@ Times, with `triton.testing.do_bench`, each candidate tiling of
 - the mHC block boundary `hc_post_pre` (hidden 4096, hc_mult 4): tokens a program beyond 1,024 tokens, one
   launch or two, the `fn` dot in fp32 or on tensor cores;
 - the routed experts' two grouped GEMMs (hidden 4096, intermediate 2048, 256 experts, top 6): `GemmConfig`;
-- the same GEMMs on FP4 experts (`fp4`), at decode and prefill token counts: `tl.dot_scaled` on the
-  packed tiles against the in-register decode, each with several tilings, beside the bf16 experts; each
-  row also gives the touched experts' bytes a second (bandwidth, the decode figure of merit);
+- the same GEMMs on FP4 experts (`fp4`), at decode and prefill token counts: the CUDA-core products
+  ("gemv"), the tensor-core tiles decoded in registers ("tile") and the experts dequantised to bf16 before
+  the dense tiles ("dequant"), with several tilings, beside the bf16 experts; each row gives the touched experts' FP4 bytes (their
+  bytes a second are the decode figure of merit);
 and prints one JSON line per candidate with its time and its largest difference from the first one.
 `bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
 
@@ -197,10 +198,16 @@ def sweep_moe(device: torch.device, sizes: Sizes) -> None:
         time_variants("moe_experts", MOE_TILES, run, sizes, tokens=num_tokens)
 
 
-FP4_TILES = [(16, 64, 128, 4, 3, False), (16, 64, 256, 4, 3, False), (16, 128, 128, 4, 3, False),
-             (16, 64, 128, 4, 4, False), (16, 32, 256, 4, 3, False), (64, 64, 64, 4, 4, True),
-             (64, 64, 128, 4, 3, True), (128, 128, 64, 8, 3, True), (128, 128, 128, 8, 3, True)]
-"""`GemmConfig` fields of the FP4 sweep (both GEMMs): decode tiles first, then prefill ones."""
+FP4_VARIANTS = {
+    "decode": [("gemv", (16, 32, 256, 4, 2)), ("gemv", (16, 64, 128, 4, 2)), ("gemv", (16, 32, 512, 4, 2)),
+               ("gemv-prescaled", (16, 32, 256, 4, 2)), ("gemv-prescaled", (16, 64, 128, 4, 2)),
+               ("gemv-prescaled", (16, 64, 256, 4, 2)), ("gemv-prescaled", (16, 32, 512, 4, 2)),
+               ("tile", (16, 64, 128, 4, 3))],
+    "prefill": [("tile", (64, 64, 64, 4, 4, True)), ("tile", (128, 128, 64, 8, 3, True)),
+                ("dequant", (64, 64, 64, 4, 4, True)), ("dequant", (128, 128, 64, 8, 3, True))],
+}
+"""FP4 `GemmConfig` kernels and tiles (block_m, block_n, block_k, num_warps, num_stages[, n_fastest]) at
+decode sizes (at most 16 rows an expert) and beyond."""
 
 
 def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
@@ -233,17 +240,14 @@ def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
         touched = ids.unique().numel()
 
         def run(variant, x=x, ids=ids, topk_weights=topk_weights):
-            path, tiles = variant
-            if path == "bf16":
-                return dense_moe.experts(x, ids, topk_weights, dense, tiles and GemmConfig(*tiles))
-            moe.scaled_dot = "bf16" if path == "scaled_dot" else ""
-            return moe.experts(x, ids, topk_weights, fp4, GemmConfig(*tiles))
+            kernel, tiles = variant
+            if kernel == "bf16":
+                return dense_moe.experts(x, ids, topk_weights, dense)
+            return moe.experts(x, ids, topk_weights, fp4, GemmConfig(*tiles, kernel=kernel))
 
-        variants = [("bf16", None)] + [(path, tiles) for path in ("scaled_dot", "decode") for tiles in FP4_TILES
-                                       if (tiles[0] == 16) == (num_tokens * top_k / experts <= 16)]
-        time_variants("fp4_experts", variants, run, sizes, tokens=num_tokens, touched_experts=touched,
-                      fp4_gb_touched=round(touched * fp4_bytes / 1e9, 4))
-    moe.scaled_dot = "bf16"
+        phase = "decode" if num_tokens * top_k / experts <= 16 else "prefill"
+        time_variants("fp4_experts", [("bf16", None), *FP4_VARIANTS[phase]], run, sizes, tokens=num_tokens,
+                      touched_experts=touched, fp4_gb_touched=round(touched * fp4_bytes / 1e9, 4))
 
 
 def main() -> None:

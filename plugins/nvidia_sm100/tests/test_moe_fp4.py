@@ -87,21 +87,62 @@ def test_fp4_needs_e8m0_scales(kernel_device: torch.device) -> None:
         TritonMoE(FP4_SPEC).forward(x.to(kernel_device), input_ids.to(kernel_device), packed)
 
 
+def _on(weights, device, router_dtype):
+    """`weights`' tensors on `device`, the router in `router_dtype` (the activations')."""
+    moved = {f.name: getattr(weights, f.name).to(device) for f in dataclasses.fields(weights)
+             if isinstance(getattr(weights, f.name), torch.Tensor)}
+    return dataclasses.replace(weights, **{**moved, "router": weights.router.to(device, router_dtype)})
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemv-prescaled"])
 @pytest.mark.parametrize("num_tokens", [3, 40])
-def test_fp4_scaled_dot_gives_the_fp32_kernel_result(kernel_device: torch.device, num_tokens: int) -> None:
-    """bf16 activations at decode sizes take `tl.dot_scaled` on the packed tiles; they give the fp32
-    in-register decode's result on the same weights and inputs within bf16's rounding."""
-    from deepinfer_nvidia_sm100.moe import FP4_DECODE, TritonMoE, pick_config
+def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_tokens: int, kernel: str) -> None:
+    """At decode sizes (at most 16 rows an expert) the CUDA-core products ("gemv") give the fp32
+    tensor-core tiles' result on the same weights and inputs: to fp32 rounding in fp32, within bf16's
+    rounding in bf16."""
+    from deepinfer_nvidia_sm100.moe import FP4_GEMV, GemmConfig, TritonMoE, pick_config
 
     spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=16, top_k=4)
     x, input_ids, weights = random_moe_case(spec, num_tokens, seed=5)
     packed = conformance.fp4_moe_weights(weights)
-    packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(kernel_device)
-                                            for f in dataclasses.fields(packed) if getattr(packed, f.name) is not None})
-    x, input_ids = x.to(kernel_device).bfloat16(), input_ids.to(kernel_device)
+    x, input_ids = x.to(kernel_device), input_ids.to(kernel_device)
+    fp32 = TritonMoE(spec)
+    ids, topk_weights = fp32.route(x, input_ids, _on(packed, kernel_device, torch.float32))
+    tile = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    want = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), tile)
+    assert pick_config(num_tokens * spec.top_k, spec.num_experts, 4, fp4=True) == FP4_GEMV
+    config = dataclasses.replace(FP4_GEMV, kernel=kernel)
+    got = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), config)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     bf16 = TritonMoE(dataclasses.replace(spec, dtype=torch.bfloat16))
-    assert bf16.scaled_dot == "bf16" and pick_config(num_tokens * spec.top_k, spec.num_experts, 2, True) == FP4_DECODE
-    fp32_packed = dataclasses.replace(packed, router=packed.router.float())
-    want = TritonMoE(spec).forward(x.float(), input_ids, fp32_packed)
-    got = bf16.forward(x, input_ids, dataclasses.replace(packed, router=packed.router.bfloat16()))
+    got = bf16.experts(x.bfloat16(), ids, topk_weights, _on(packed, kernel_device, torch.bfloat16), config)
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_fp4_dequantised_experts_equal_the_reference_dequantisation(kernel_device: torch.device) -> None:
+    from deepinfer_nvidia_sm100.fp4_gemv_kernels import dequantize_experts
+
+    spec = dataclasses.replace(FP4_SPEC, hidden_size=96, intermediate_size=160)  # partial tiles both ways
+    _, _, weights = random_moe_case(spec, 2, seed=7)
+    packed = conformance.fp4_moe_weights(weights)
+    for codes, scales in ((packed.gate_up, packed.gate_up_scale), (packed.down, packed.down_scale)):
+        got = dequantize_experts(codes.to(kernel_device), scales.view(torch.uint8).to(kernel_device), torch.float32)
+        assert torch.equal(got.cpu(), quant.dequantize_fp4(codes, scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_dequant_kernel_gives_the_tile_result(kernel_device: torch.device, dtype: torch.dtype) -> None:
+    """Prefill sizes: the experts dequantised, then the dense tiles, give the FP4 tiles' result."""
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+
+    spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=4, dtype=dtype)
+    x, input_ids, weights = random_moe_case(spec, 64, seed=9)
+    packed = _on(conformance.fp4_moe_weights(weights), kernel_device, dtype)
+    moe = TritonMoE(spec)
+    x = x.to(kernel_device, dtype)
+    ids, topk_weights = moe.route(x, input_ids.to(kernel_device), packed)
+    tiles = (64, 64, 64, 4, 4, True)
+    want = moe.experts(x, ids, topk_weights, packed, GemmConfig(*tiles)).float()
+    got = moe.experts(x, ids, topk_weights, packed, GemmConfig(*tiles, kernel="dequant")).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.backends import IndexScorer
 from deepinfer_core.models.v41_config import V41Config
 from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.models.v41_weights import load_v41_checkpoint
@@ -35,7 +36,8 @@ def step(runner, tokens: list[int], start: int) -> torch.Tensor:
 
 
 def test_the_v41_model_on_triton_attention_and_layer_ops_matches_the_reference(kernel_device, tmp_path):
-    """The Triton layer ops serve the norms, ropes, window writes and the single-pass mHC boundaries."""
+    """The Triton layer ops serve the norms, ropes, window writes and the single-pass mHC boundaries; the
+Triton indexer kernel scores the two-level indexer's layers (`IndexScorer`)."""
     from deepinfer_nvidia_sm100.attention import TritonAttention
     from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
@@ -45,7 +47,7 @@ def test_the_v41_model_on_triton_attention_and_layer_ops_matches_the_reference(k
     ops = TritonLayerOps(model.mix_spec, kernel_device)
     model.bind_backends([TritonAttention(plan.attention) for plan in model.plans], model.moe_backends, ops,
                         kernel_device)
-    assert model.mixing is ops
+    assert model.mixing is ops and all(isinstance(b, IndexScorer) for b in model.attention_backends)
     prompt = torch.randint(3, 129000, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     for tokens, start in ((prompt[:11], 0), (prompt[11:12], 11), (prompt[12:13], 12)):
         expected, got = step(reference, tokens, start), step(triton, tokens, start).cpu()

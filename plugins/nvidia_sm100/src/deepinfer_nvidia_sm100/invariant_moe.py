@@ -4,7 +4,7 @@ depends on the token count fixed.
 - Router logits: fixed `ROW_TILE`-row GEMM tiles (`deepinfer_core.reference.invariant.tile_rows`), so cuBLAS
   runs one shape whatever the batch; the routing kernel is one program a token already.
 - Experts: one tile configuration for every step (`invariant_config`: the default's decode tiles, FP4's
-  `tl.dot_scaled` ones included), no split-K: each program reduces its rows over the whole hidden (then intermediate) dim in `block_k` steps,
+  CUDA-core products included), no split-K: each program reduces its rows over the whole hidden (then intermediate) dim in `block_k` steps,
   so a row's products do not depend on how many rows its expert has, nor where in a block it lands.
 - Combine: a token's `top_k` weighted rows are added one after another in slot order (the router's pick
   order, a function of the token's own scores), fp32, no atomics.
@@ -22,10 +22,11 @@ from deepinfer_core.reference.invariant import tile_rows
 from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE, pick_config
 
 
-def invariant_config(spec: MoESpec, scaled_dot: bool) -> GemmConfig:
+def invariant_config(spec: MoESpec) -> GemmConfig:
     """The grouped GEMMs' tiles for every step of deterministic mode (gate_up and down alike): the ones
     default mode picks for decode (few rows an expert)."""
-    return pick_config(0, spec.num_experts, torch.empty(0, dtype=spec.dtype).element_size(), scaled_dot)
+    element_size = torch.empty(0, dtype=spec.dtype).element_size()
+    return pick_config(0, spec.num_experts, element_size, fp4=spec.expert_format == "fp4")
 
 
 class InvariantTritonMoE(TritonMoE):
@@ -36,7 +37,7 @@ class InvariantTritonMoE(TritonMoE):
 
     def __init__(self, spec: MoESpec) -> None:
         super().__init__(spec)
-        self.config = invariant_config(spec, bool(self.scaled_dot))
+        self.config = invariant_config(spec)
 
     def router_logits(self, x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         logits = super().router_logits

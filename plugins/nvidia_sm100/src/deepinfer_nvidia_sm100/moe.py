@@ -12,8 +12,9 @@ One step does, with no host synchronisation (so the whole forward can be capture
 4. `down_kernel`: the same for the down projection, multiplied by the routing weight, written back at
    each row's original place; the `top_k` rows of a token are then summed in fp32.
 
-FP4 experts (`MoESpec.expert_format == "fp4"`) run the same kernels with each weight tile decoded from
-its packed codes and e8m0 scales in registers (`moe_kernels._load_weights`): a quarter of bf16's bytes.
+FP4 experts (`MoESpec.expert_format == "fp4"`) read a quarter of bf16's bytes: beyond 16 rows an expert
+the same kernels decode each weight tile from its packed codes and e8m0 scales in registers; at decode
+sizes `fp4_gemv_kernels` multiply the decoded tiles with each real row on CUDA cores (`FP4_GEMV`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import torch
 import triton
 
 from deepinfer_core.backends.moe import MoESpec, MoEWeights
+from deepinfer_nvidia_sm100.fp4_gemv_kernels import (
+    dequantize_experts,
+    fp4_down_gemv_kernel,
+    fp4_gate_up_gemv_kernel,
+    gemv_grid,
+)
 from deepinfer_nvidia_sm100.moe_kernels import SCORING_CODES, down_kernel, gate_up_kernel, route_kernel
 
 MAX_GRID_Y = 65535
@@ -41,6 +48,11 @@ class GemmConfig:
     num_stages: int
     n_fastest: bool = False
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
+    kernel: str = "tile"
+    """FP4 experts: "tile" (tensor-core tiles decoded in registers), "gemv" (CUDA-core products with
+    each real row, `fp4_gemv_kernels`; "gemv-prescaled": the tile scaled once, not each row's sums), or
+    "dequant" (the experts dequantised to the activations' dtype,
+    then the dense tiles); dense experts always take "tile"."""
 
     def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
         """The launch grid over `num_blocks` row blocks and `num_cols` output columns, and whether it puts
@@ -52,26 +64,22 @@ class GemmConfig:
         return (num_blocks, n_tiles), False
 
 
-SCALED_DOT_BLOCK_N = 32
-"""The only tile width at which FP4 experts take `tl.dot_scaled`: with Triton 3.6 on the H200, 64- and
-128-column tiles gave wrong products (bench/RESULTS.md, `prefill_tiles.py --only fp4`), 32 gave the
-dense kernel's on the dequantised weights."""
-
-FP4_DECODE = GemmConfig(block_m=16, block_n=SCALED_DOT_BLOCK_N, block_k=256, num_warps=4, num_stages=3)
-"""FP4 decode tiles on `tl.dot_scaled` (H200, V4-Flash sizes, 16 tokens: 2.47 ms for both GEMMs against
-3.35 ms for the best in-register decode tiles)."""
+FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=2, kernel="gemv")
+"""FP4 experts at decode sizes (at most 16 rows an expert). H200, V4-Flash sizes, both GEMMs
+(`bench/prefill_tiles.py --only fp4`, bench/RESULTS.md): 16 tokens 2.08 ms, 64 tokens 5.69 ms, against
+3.33 / 7.92 ms for the register-decoded tensor-core tiles and 1.03 / 2.38 ms for bf16 experts."""
 
 
-def pick_config(num_rows: int, num_experts: int, element_size: int = 2, scaled_dot: bool = False) -> GemmConfig:
-    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill;
-    `scaled_dot`: FP4 experts whose decode tiles may take `tl.dot_scaled`.
+def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: bool = False) -> GemmConfig:
+    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill; FP4
+    experts at decode sizes take the CUDA-core products (`FP4_GEMV`).
 
     `element_size` is the activation/weight dtype's: fp32 tiles take twice the shared memory, so fp32
     keeps tiles whose pipelined stages fit a Hopper SM (227 KiB)."""
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:
-        if scaled_dot:
-            return FP4_DECODE
+        if fp4:
+            return FP4_GEMV
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     # H200, V4-Flash sizes, 256 experts, both GEMMs (bench/RESULTS.md): 2,048 tokens (48 rows an
     # expert) 3.44 ms with 64x64 tiles (64x256: 3.57); 8,192 tokens (192 rows) 7.23 ms with 128x128
@@ -141,11 +149,6 @@ class TritonMoE:
         self._scoring = SCORING_CODES[spec.scoring_func]
         self._ieee = spec.dtype == torch.float32
         self._fp4 = spec.expert_format == "fp4"
-        formats = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-        self.scaled_dot = formats.get(spec.dtype, "") if self._fp4 else ""
-        """The activations' `tl.dot_scaled` format when FP4 tiles go packed into it (bf16/fp16, tiles
-        `SCALED_DOT_BLOCK_N` wide: decode); "": FP4 tiles decoded in registers (fp32, and prefill tiles),
-        or dense experts."""
         if self._fp4 and (spec.hidden_size % 32 or spec.intermediate_size % 32):
             raise ValueError(f"FP4 experts need hidden and intermediate sizes divisible by 32, got {spec}")
 
@@ -225,12 +228,18 @@ class TritonMoE:
         if num_tokens == 0:
             return torch.zeros_like(x)
         if config is None:
-            config = pick_config(num_rows, spec.num_experts, x.element_size(), bool(self.scaled_dot))
+            config = pick_config(num_rows, spec.num_experts, x.element_size(), self._fp4)
             down_config = down_config or pick_down_config(config, x.element_size())
         down_config = down_config or config
         if down_config.block_m != config.block_m:
             raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
                              f"{down_config.block_m} differ")
+        if {config.kernel, down_config.kernel} - {"tile", "gemv", "gemv-prescaled", "dequant"}:
+            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv', "
+                             f"'gemv-prescaled' or 'dequant'")
+        if config.kernel != down_config.kernel or (config.kernel != "tile" and not self._fp4):
+            raise ValueError(f"both GEMMs take one kernel, and only FP4 experts another than 'tile': {config} / "
+                             f"{down_config}")
         x = x.contiguous()
         gate_up, down = weights.gate_up, weights.down
         gate_up_scale, down_scale = self._scales(weights)
@@ -240,6 +249,13 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+        if config.kernel.startswith("gemv"):
+            return self._gemv(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
+                              down_config)
+        fp4 = self._fp4
+        if config.kernel == "dequant":  # the scales stay as unread stand-ins
+            gate_up, down = dequantize_experts(gate_up, gate_up_scale, x.dtype), dequantize_experts(down, down_scale, x.dtype)
+            fp4 = False
         grid, n_fastest = config.grid(num_blocks, inter)
         gate_up_kernel[grid](
             x,
@@ -265,9 +281,7 @@ class TritonMoE:
             HAS_LIMIT=spec.swiglu_limit > 0,
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
-            FP4=self._fp4,
-            SCALED_DOT=bool(self.scaled_dot) and config.block_n == SCALED_DOT_BLOCK_N,
-            LHS_FORMAT=self.scaled_dot or "bf16",
+            FP4=fp4,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -295,10 +309,32 @@ class TritonMoE:
             BLOCK_K=down_config.block_k,
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
-            FP4=self._fp4,
-            SCALED_DOT=bool(self.scaled_dot) and down_config.block_n == SCALED_DOT_BLOCK_N,
-            LHS_FORMAT=self.scaled_dot or "bf16",
+            FP4=fp4,
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
+        )
+        return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)
+
+    def _gemv(self, x, gate_up, gate_up_scale, down, down_scale, act, rows: SortedRows, topk_weights,
+              config: GemmConfig, down_config: GemmConfig) -> torch.Tensor:
+        """The two FP4 GEMMs as CUDA-core products with each block's real rows (`fp4_gemv_kernels`)."""
+        spec = self.spec
+        num_tokens, hidden = x.shape
+        num_rows, inter = num_tokens * spec.top_k, spec.intermediate_size
+        num_blocks = rows.block_expert.numel()
+        fp4_gate_up_gemv_kernel[gemv_grid(num_blocks, inter, config.block_n)](
+            x, gate_up, gate_up_scale, act, rows.sorted_rows, rows.block_expert, num_rows, hidden, inter,
+            float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+            gate_up_scale.stride(1), act.stride(0), TOP_K=spec.top_k, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_LIMIT=spec.swiglu_limit > 0,
+            PRESCALE=config.kernel == "gemv-prescaled", num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
+        fp4_down_gemv_kernel[gemv_grid(num_blocks, hidden, down_config.block_n)](
+            act, down, down_scale, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1), num_rows,
+            hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
+            down_scale.stride(1), out.stride(0), BLOCK_M=down_config.block_m, BLOCK_N=down_config.block_n,
+            BLOCK_K=down_config.block_k, PRESCALE=down_config.kernel == "gemv-prescaled",
+            num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         )
         return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

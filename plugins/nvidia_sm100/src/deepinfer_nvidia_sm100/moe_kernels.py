@@ -119,16 +119,6 @@ def _fp4_halves(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def _scaled_dot(acc, x, w_ptrs, s_ptrs, w_mask, s_mask, LHS_FORMAT: tl.constexpr):
-    """`acc + x @ w.T` for `x[M, K]` (`LHS_FORMAT` "bf16" or "fp16") and the packed FP4 tile `w[N, K / 2]` (codes, low nibble
-    the even column) with its e8m0 exponents `[N, K / 32]` at `w_ptrs` and `s_ptrs`: the OCP MX layout
-    `tl.dot_scaled` takes, so the weights stay packed until the compiler's own decode before the MMA."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint8, bitcast=True)
-    scales = tl.load(s_ptrs, mask=s_mask, other=0)
-    return tl.dot_scaled(x, None, LHS_FORMAT, tl.trans(packed), scales, "e2m1", acc=acc)
-
-
-@triton.jit
 def _dot(acc, a, b, IEEE: tl.constexpr):
     """`acc + a @ b.T`."""
     if IEEE:
@@ -162,8 +152,6 @@ def gate_up_kernel(
     IEEE: tl.constexpr,
     N_FASTEST: tl.constexpr,
     FP4: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
-    LHS_FORMAT: tl.constexpr,
 ):
     """act[r, n] = silu(min(g, limit)) * clamp(u, -limit, limit), with g, u = gate_up[e] @ x[token(r)]."""
     pid_m, pid_n = _tile(N_FASTEST)
@@ -178,24 +166,7 @@ def gate_up_kernel(
     n_valid = offs_n < inter
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALED_DOT:  # packed FP4 tiles straight into `tl.dot_scaled` (activations in `LHS_FORMAT`)
-        offs_k, offs_h, offs_s = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-        x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
-        gs_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_s[None, :]
-        u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
-        for k0 in range(0, hidden, BLOCK_K):
-            x = tl.load(x_ptrs, mask=row_valid[:, None] & ((k0 + offs_k) < hidden)[None, :], other=0.0)
-            w_mask = n_valid[:, None] & ((k0 + 2 * offs_h) < hidden)[None, :]
-            s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < hidden)[None, :]
-            acc_g = _scaled_dot(acc_g, x, g_ptrs, gs_ptrs, w_mask, s_mask, LHS_FORMAT)
-            acc_u = _scaled_dot(acc_u, x, u_ptrs, us_ptrs, w_mask, s_mask, LHS_FORMAT)
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K // 2
-            u_ptrs += BLOCK_K // 2
-            gs_ptrs += BLOCK_K // 32
-            us_ptrs += BLOCK_K // 32
-    elif FP4:  # the even and odd input columns as two dots of half width: no interleave, each byte loaded once
+    if FP4:  # the even and odd input columns as two dots of half width: no interleave, each byte loaded once
         offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
         x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_x + 2 * offs_h[None, :]
         g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
@@ -265,8 +236,6 @@ def down_kernel(
     IEEE: tl.constexpr,
     N_FASTEST: tl.constexpr,
     FP4: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
-    LHS_FORMAT: tl.constexpr,
 ):
     """out[row, n] = weight[row] * (down[e] @ act[r])[n], written at the row's original place."""
     pid_m, pid_n = _tile(N_FASTEST)
@@ -279,20 +248,7 @@ def down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SCALED_DOT:  # as in gate_up_kernel
-        offs_k, offs_h, offs_s = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-        a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_k[None, :]
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
-        s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_s[None, :]
-        for k0 in range(0, inter, BLOCK_K):
-            a = tl.load(a_ptrs, mask=row_valid[:, None] & ((k0 + offs_k) < inter)[None, :], other=0.0)
-            w_mask = n_valid[:, None] & ((k0 + 2 * offs_h) < inter)[None, :]
-            s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < inter)[None, :]
-            acc = _scaled_dot(acc, a, w_ptrs, s_ptrs, w_mask, s_mask, LHS_FORMAT)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K // 2
-            s_ptrs += BLOCK_K // 32
-    elif FP4:  # as in gate_up_kernel: even and odd input columns, two dots of half width
+    if FP4:  # as in gate_up_kernel: even and odd input columns, two dots of half width
         offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
         a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + 2 * offs_h[None, :]
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]

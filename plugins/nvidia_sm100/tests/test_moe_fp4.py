@@ -94,8 +94,9 @@ def _on(weights, device, router_dtype):
     return dataclasses.replace(weights, **{**moved, "router": weights.router.to(device, router_dtype)})
 
 
+@pytest.mark.parametrize("kernel", ["gemv", "gemv-prescaled"])
 @pytest.mark.parametrize("num_tokens", [3, 40])
-def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_tokens: int) -> None:
+def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_tokens: int, kernel: str) -> None:
     """At decode sizes (at most 16 rows an expert) the CUDA-core products ("gemv") give the fp32
     tensor-core tiles' result on the same weights and inputs: to fp32 rounding in fp32, within bf16's
     rounding in bf16."""
@@ -110,10 +111,11 @@ def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_to
     tile = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     want = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), tile)
     assert pick_config(num_tokens * spec.top_k, spec.num_experts, 4, fp4=True) == FP4_GEMV
-    got = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), FP4_GEMV)
+    config = dataclasses.replace(FP4_GEMV, kernel=kernel)
+    got = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), config)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     bf16 = TritonMoE(dataclasses.replace(spec, dtype=torch.bfloat16))
-    got = bf16.experts(x.bfloat16(), ids, topk_weights, _on(packed, kernel_device, torch.bfloat16), FP4_GEMV)
+    got = bf16.experts(x.bfloat16(), ids, topk_weights, _on(packed, kernel_device, torch.bfloat16), config)
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 

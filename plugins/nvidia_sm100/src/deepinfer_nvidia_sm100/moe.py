@@ -50,7 +50,8 @@ class GemmConfig:
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
     kernel: str = "tile"
     """FP4 experts: "tile" (tensor-core tiles decoded in registers), "gemv" (CUDA-core products with
-    each real row, `fp4_gemv_kernels`) or "dequant" (the experts dequantised to the activations' dtype,
+    each real row, `fp4_gemv_kernels`; "gemv-prescaled": the tile scaled once, not each row's sums), or
+    "dequant" (the experts dequantised to the activations' dtype,
     then the dense tiles); dense experts always take "tile"."""
 
     def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
@@ -233,8 +234,9 @@ class TritonMoE:
         if down_config.block_m != config.block_m:
             raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
                              f"{down_config.block_m} differ")
-        if {config.kernel, down_config.kernel} - {"tile", "gemv", "dequant"}:
-            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv' or 'dequant'")
+        if {config.kernel, down_config.kernel} - {"tile", "gemv", "gemv-prescaled", "dequant"}:
+            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv', "
+                             f"'gemv-prescaled' or 'dequant'")
         if config.kernel != down_config.kernel or (config.kernel != "tile" and not self._fp4):
             raise ValueError(f"both GEMMs take one kernel, and only FP4 experts another than 'tile': {config} / "
                              f"{down_config}")
@@ -247,7 +249,7 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-        if config.kernel == "gemv":
+        if config.kernel.startswith("gemv"):
             return self._gemv(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
                               down_config)
         fp4 = self._fp4
@@ -325,13 +327,14 @@ class TritonMoE:
             float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
             gate_up_scale.stride(1), act.stride(0), TOP_K=spec.top_k, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_LIMIT=spec.swiglu_limit > 0,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PRESCALE=config.kernel == "gemv-prescaled", num_warps=config.num_warps, num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
         fp4_down_gemv_kernel[gemv_grid(num_blocks, hidden, down_config.block_n)](
             act, down, down_scale, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1), num_rows,
             hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
             down_scale.stride(1), out.stride(0), BLOCK_M=down_config.block_m, BLOCK_N=down_config.block_n,
-            BLOCK_K=down_config.block_k, num_warps=down_config.num_warps, num_stages=down_config.num_stages,
+            BLOCK_K=down_config.block_k, PRESCALE=down_config.kernel == "gemv-prescaled",
+            num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         )
         return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

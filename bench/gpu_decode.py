@@ -527,14 +527,14 @@ def deterministic_summary(rows: list[dict], engine, prompts: list[list[int]], ne
     print(json.dumps({"deterministic_alone_equals_batched": alone == batched, "batch": len(prompts)}), flush=True)
 
 
-def profile_decode(engine, prompts: list[list[int]], label: str, steps: int = 4) -> None:
+def profile_decode(engine, prompts: list[list[int]], label: str, steps: int = 4, tokens_per_step: int = 1) -> None:
     """Device time of `steps` decode steps by kernel (after the prefill and one decode step), and the
-    wall time a step takes."""
+    wall time a step takes; `tokens_per_step`: tokens a step emits per request (speculative decoding)."""
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer_core.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=(steps + 2) * tokens_per_step + 2, temperature=0, ignore_eos=True)
     ids = [f"profile-{label}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)

@@ -1,14 +1,19 @@
 """Prefill/decode disaggregation against one co-located instance: TTFT and decode tokens/s under a mixed load.
 
-    python bench/pd.py [--model CKPT] [--requests 32] [--concurrency 8] [--quick]
+    python bench/pd.py [--model CKPT] [--device cuda] [--requests 32] [--concurrency 8] [--quick]
 
 Starts `deepinfer serve` (co-located), then `serve --role prefill`, `serve --role decode` and
 `deepinfer router` on 127.0.0.1 (UCX over loopback: set UCX_NET_DEVICES for real NICs), and sends the
 same mixed load to each setup through the openai SDK, streaming: `--requests` chat requests, half with
 long prompts (agent-like: ~`--long-words` words) and half short, `--max-tokens` answer tokens each,
 `--concurrency` at a time. Per setup one JSON line: mean and p90 time to first token, mean decode
-tokens/s per request (answer tokens after the first / time after the first), requests/s, and whether
-every answer equals the co-located one. Without `--model` the embedded tiny model is served (CPU).
+tokens/s per request (answer tokens after the first / time after the first), requests/s, whether
+every answer equals the co-located one, and (disaggregated) the decode instance's counters: prompt
+tokens it computed (0: every prompt came with its state from the prefill instance), states and blocks
+it read. A last line compares the two. Without `--model` the embedded tiny model is served.
+
+`--device cuda`: with two or more GPUs visible the prefill instance gets GPU 0 and the decode instance
+GPU 1; on one GPU they share it (each `--gpu-memory-utilization` 0.4, the co-located one 0.8).
 """
 
 from __future__ import annotations
@@ -38,26 +43,48 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen, str]:
+def launch(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", *args, "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str) -> None:
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"{url} did not start")
+    raise RuntimeError(f"{what} at {url} did not start")
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+
+
+def placement(device: str) -> dict[str, tuple[list[str], dict]]:
+    """Per role, extra serve options and environment for `device` (see the module docstring)."""
+    if device == "cpu":
+        return {role: ([], {"CUDA_VISIBLE_DEVICES": ""}) for role in ("co-located", "prefill", "decode")}
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        return {"co-located": ([], {"CUDA_VISIBLE_DEVICES": "0"}), "prefill": ([], {"CUDA_VISIBLE_DEVICES": "0"}),
+                "decode": ([], {"CUDA_VISIBLE_DEVICES": "1"})}
+    share = ["--gpu-memory-utilization", "0.4"]
+    return {"co-located": (["--gpu-memory-utilization", "0.8"], {}), "prefill": (share, {}), "decode": (share, {})}
 
 
 def one_request(base_url: str, content: str, max_tokens: int) -> tuple[float, float, int, str]:
+    """(time to the first streamed token, decode tokens/s after it, streamed chunks, the text)."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
     start = time.perf_counter()
     first, text, tokens = None, [], 0
@@ -65,10 +92,13 @@ def one_request(base_url: str, content: str, max_tokens: int) -> tuple[float, fl
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             extra_body={"chat_template_kwargs": {"thinking": False}})
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        # a random model's answer may stream as reasoning text: every token counts
+        piece = (delta.content or getattr(delta, "reasoning_content", None) or "") if delta is not None else ""
+        if piece:
             first = first or time.perf_counter()
             tokens += 1
-            text.append(chunk.choices[0].delta.content)
+            text.append(piece)
     end = time.perf_counter()
     first = first or end
     return first - start, (tokens - 1) / (end - first) if tokens > 1 and end > first else 0.0, tokens, "".join(text)
@@ -88,6 +118,7 @@ def run_load(base_url: str, prompts: list[str], args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--long-words", type=int, default=1500)
@@ -97,25 +128,42 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.concurrency, args.long_words, args.max_tokens = 4, 2, 200, 8
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = [" ".join(f"step {j} of task {i} returned {j * i}." for j in range(args.long_words // 6))
                if i % 2 == 0 else f"Say hello to user {i}." for i in range(args.requests)]
     serve = ["serve", *([args.model] if args.model else []), "--served-model-name", NAME, *args.serve_args.split()]
+    where = placement(args.device)
     rows, procs, reference = [], [], None
     try:
         for setup in ("co-located", "disaggregated"):
+            extra = {}
             if setup == "co-located":
-                proc, url = start([*serve, "--enable-prefix-caching"])
+                options, env = where["co-located"]
+                proc, url = launch([*serve, "--enable-prefix-caching", *options], env)
                 procs.append(proc)
-            else:
-                prefill, prefill_url = start([*serve, "--role", "prefill"])
-                decode, decode_url = start([*serve, "--role", "decode"])
-                router, url = start(["router", "--prefill", prefill_url, "--decode", decode_url])
+                wait_healthy(proc, url, "the co-located instance")
+            else:  # the three start at once
+                (p_options, p_env), (d_options, d_env) = where["prefill"], where["decode"]
+                prefill, prefill_url = launch([*serve, "--role", "prefill", *p_options], p_env)
+                decode, decode_url = launch([*serve, "--role", "decode", *d_options], d_env)
+                router, url = launch(["router", "--prefill", prefill_url, "--decode", decode_url])
                 procs += [prefill, decode, router]
+                for proc, at, what in ((prefill, prefill_url, "prefill"), (decode, decode_url, "decode"),
+                                       (router, url, "router")):
+                    wait_healthy(proc, at, f"the {what} instance")
             result = run_load(url, prompts, args)
+            if setup == "disaggregated":
+                extra = {"decode_prompt_tokens_computed": metric(decode_url, "deepinfer_prefill_computed_tokens_total"),
+                         "decode_states_read": metric(decode_url, "deepinfer_kv_transfer_states_in_total"),
+                         "decode_blocks_read": metric(decode_url, "deepinfer_kv_transfer_blocks_in_total"),
+                         "transfer_failures": metric(decode_url, "deepinfer_kv_transfer_failures_total")}
             answers = result.pop("answers")
             reference = reference or answers
-            row = {"bench": "pd", "setup": setup, "requests": args.requests, "concurrency": args.concurrency,
-                   **result, "answers_equal_co_located": answers == reference}
+            row = {"bench": "pd", "setup": setup, "device": args.device, "requests": args.requests,
+                   "concurrency": args.concurrency, **result, **extra, "answers_equal_co_located": answers == reference}
             print(json.dumps(row), flush=True)
             rows.append(row)
             for proc in procs:
@@ -125,6 +173,11 @@ def main(argv=None) -> None:
     finally:
         for proc in procs:
             proc.kill()
+    co, pd = rows
+    print(json.dumps({"bench": "pd_vs_co_located", "ttft_mean_ratio": round(pd["ttft_mean_s"] / co["ttft_mean_s"], 3),
+                      "ttft_p90_ratio": round(pd["ttft_p90_s"] / co["ttft_p90_s"], 3),
+                      "decode_tok_s_ratio": round(pd["decode_tok_s"] / co["decode_tok_s"], 3) if co["decode_tok_s"] else None,
+                      "answers_equal": pd["answers_equal_co_located"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Times, with `triton.testing.do_bench`, each candidate tiling of
   launch or two, the `fn` dot in fp32 or on tensor cores;
 - the routed experts' two grouped GEMMs (hidden 4096, intermediate 2048, 256 experts, top 6): `GemmConfig`;
 - the same GEMMs on FP4 experts (`fp4`), at decode and prefill token counts: the CUDA-core products
-  ("gemv") and the tensor-core tiles decoded in registers ("tile"), with several tilings, beside the bf16 experts; each row gives the touched experts' FP4 bytes (their
+  ("gemv"), the tensor-core tiles decoded in registers ("tile") and the experts dequantised to bf16 before
+  the dense tiles ("dequant"), with several tilings, beside the bf16 experts; each row gives the touched experts' FP4 bytes (their
   bytes a second are the decode figure of merit);
 and prints one JSON line per candidate with its time and its largest difference from the first one.
 `bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
@@ -198,10 +199,12 @@ def sweep_moe(device: torch.device, sizes: Sizes) -> None:
 
 
 FP4_VARIANTS = {
-    "decode": [("gemv", (16, 32, 256, 4, 2)), ("gemv", (16, 64, 128, 4, 2)), ("gemv", (16, 32, 128, 4, 2)),
-               ("gemv", (16, 32, 512, 4, 2)), ("gemv", (16, 32, 256, 2, 2)), ("tile", (16, 64, 128, 4, 3))],
+    "decode": [("gemv", (16, 32, 256, 4, 2)), ("gemv", (16, 64, 128, 4, 2)), ("gemv", (16, 32, 512, 4, 2)),
+               ("gemv-prescaled", (16, 32, 256, 4, 2)), ("gemv-prescaled", (16, 64, 128, 4, 2)),
+               ("gemv-prescaled", (16, 64, 256, 4, 2)), ("gemv-prescaled", (16, 32, 512, 4, 2)),
+               ("tile", (16, 64, 128, 4, 3))],
     "prefill": [("tile", (64, 64, 64, 4, 4, True)), ("tile", (128, 128, 64, 8, 3, True)),
-                ("gemv", (16, 64, 128, 4, 2))],
+                ("dequant", (64, 64, 64, 4, 4, True)), ("dequant", (128, 128, 64, 8, 3, True))],
 }
 """FP4 `GemmConfig` kernels and tiles (block_m, block_n, block_k, num_warps, num_stages[, n_fastest]) at
 decode sizes (at most 16 rows an expert) and beyond."""

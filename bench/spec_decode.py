@@ -1,7 +1,7 @@
 """Speculative decoding's machinery on the "v4flash-LxE" workload (bench/gpu_decode.py builds it).
 
     python bench/spec_decode.py [--layers 2] [--experts 256] [--batches 1,16,64] [--ks 1,2,3,4,5]
-        [--new-tokens 33] [--eager] [--tiny]
+        [--new-tokens 33] [--eager] [--tiny] [--profile 1,16] [--verify-cost 0.02] [--sync-cost 0.25]
 
 Random weights make real acceptance meaningless, so three drafters measure the machinery honestly:
 (a) an oracle that replays the target's own greedy continuation (every draft accepted): decode tokens/s
@@ -145,6 +145,10 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
                 "allowed_speedup": round(allowed_speedup(counts, batch, k, context), 3),
                 "of_allowed": round(speed / base / allowed_speedup(counts, batch, k, context), 3),
                 **compare(plain, prompts, reference, out)})
+    if batch in args.profile:  # where a step's time goes: device time by kernel, and the step's wall time
+        workload.profile_decode(plain, prompts, "none")
+        set_spec(spec, 3, "fixed", ReplayDrafter(continuations, 0, vocab))
+        workload.profile_decode(spec, prompts, "oracle_k3", tokens_per_step=4)
     for policy in ("fixed", "confidence"):
         set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost, args.sync_cost)
         if args.warmup:
@@ -200,6 +204,9 @@ def main() -> None:
     parser.add_argument("--verify-cost", type=float, default=0.02,
                         help="the confidence policy's verify_cost_per_token (a verified token's cost relative "
                         "to a step's fixed cost)")
+    parser.add_argument("--profile", default="", metavar="BATCHES",
+                        help="profile a plain decode step and an oracle k = 3 verify step at these batch sizes "
+                        "(device time by kernel against the step's wall time)")
     parser.add_argument("--sync-cost", type=float, default=0.25,
                         help="the confidence policy's sync_cost (a verify step's host round trip, which a plain "
                         "decode step overlaps, relative to a step's fixed cost)")
@@ -210,6 +217,7 @@ def main() -> None:
     args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.profile = [int(b) for b in args.profile.split(",") if b]
     if args.tiny:
         args.experts = min(args.experts, 8)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

@@ -299,7 +299,7 @@ class Engine:
         result = self.executor.execute(plan)
         if plan.cache_ops:
             self.prefix_tiers.accept_saved(plan.cache_ops, result.saved)
-        launched = launch_copy(seqs, result.output) if self._overlap and can_leave_in_flight(plan, result) else None
+        launched = launch_copy(seqs, result.output) if self._can_leave_in_flight(plan, result) else None
         if in_flight is not None:  # read only now: the device already runs this step
             self._settle(in_flight, touched)
         if launched is not None:
@@ -327,6 +327,14 @@ class Engine:
                 self.scheduler.accept_drafts(plan, result.num_accepted)
             self.speculator.record(plan, result.num_accepted)
         return [self._finish_output(request) for request in touched.values()]
+
+    def _can_leave_in_flight(self, plan: StepPlan, result) -> bool:
+        """Whether the executed step may stay unread while the next launches (`overlap.can_leave_in_flight`);
+        under speculation only a step whose successor would verify no draft, and never one that brought
+        the MTP drafter's next drafts (they are read with the step)."""
+        if not self._overlap or not can_leave_in_flight(plan, result):
+            return False
+        return self.speculator is None or (result.drafts is None and self.speculator.allows_overlap(self.scheduler.running))
 
     def _can_overlap(self) -> bool:
         """Whether the next step may launch while the one in flight is unread (`overlap.can_overlap`);

@@ -1,10 +1,17 @@
 """The prefix cache below the device: pinned host memory, then the store, and the moves between them.
 
 Blocks move by content key. A block is saved as soon as it is computed and registered on the device
-(a "save" `CacheOp` in the next plan copies it out before anything can overwrite it); the step result
-brings its bytes back, the host tier keeps a copy (LRU) and a writer thread writes it to the store, so
-another process, or this one after a restart, finds it there. A device eviction then loses nothing:
-the block lives on in host memory and in the store.
+(a "save" `CacheOp` in the next plan copies it out, in stream order before anything can overwrite it,
+to pinned host memory on a copy stream); the step result brings the pending copy back, and once it
+finished (`poll_saves`, every plan) the host tier keeps a copy (LRU) and a writer thread writes it to
+the store, so another process, or this one after a restart, finds it there. Until then the block
+manager keeps the block from eviction (`on_saved`), so a device eviction loses nothing: the block lives
+on in host memory and in the store.
+
+Prefill/decode disaggregation (`kv_transfer`): a prefill request's state (slot rings, partial last
+block) is copied out the same way when it finishes ("save_state", `pop_state`); on a decode instance
+the state read with the blocks is staged (`take_staged_state`) and written into the request's slot at
+admission ("load_state").
 
 A request's prefix is looked up device -> host -> store. Before admission (`is_ready`), the blocks
 past what the device and the host hold are read from the store by a loader thread while the request
@@ -38,6 +45,8 @@ GC_INTERVAL_S = 300.0
 TOUCH_INTERVAL_S = 600.0
 """A block hit again within this long is not touched in the store again."""
 _MAX_TOUCHED = 1 << 16
+MAX_UNCLAIMED_STATES = 32
+"""Exported request states kept for `pop_state` (a prefill route that never asked for its own: the oldest go)."""
 _READY = "ready"
 
 
@@ -71,7 +80,7 @@ class PrefixTiers:
         self._pending_saves: deque[tuple[CacheOp, PendingCopy]] = deque()
         self.on_saved: Callable[[tuple[int, ...]], None] | None = None
         """Called with the block ids of each finished save (the block manager then lets them be evicted)."""
-        self._exported_states: dict[str, torch.Tensor] = {}
+        self._exported_states: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._staged_states: dict[str, tuple[int, torch.Tensor]] = {}
         self.num_loaded_states = 0
         self._save_meta: dict[bytes, tuple[BlockRef, str]] = {}
@@ -163,6 +172,8 @@ class PrefixTiers:
             data = copy.wait()
             if op.kind == SAVE_STATE:
                 self._exported_states[op.keys[0].decode()] = data
+                while len(self._exported_states) > MAX_UNCLAIMED_STATES:
+                    self._exported_states.popitem(last=False)
                 continue
             for key, row in zip(op.keys, data):
                 meta = self._save_meta.pop(key, None)

@@ -105,7 +105,8 @@ async def _prefill(state: ServerState, prompt_ids: list[int], params: SamplingPa
     from deepinfer_core.engine.kv_transfer import continues_from_first_token, export_prompt
 
     if continues_from_first_token(params):
-        run = replace(params, max_tokens=1, min_tokens=0, first_n_token_no_eos=0, kv_transfer_params={"export": True})
+        run = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),  # EOS banned as it would be
+                      first_n_token_no_eos=min(params.first_n_token_no_eos, 1), kv_transfer_params={"export": True})
     else:  # the decode instance samples the first token itself: only the blocks go
         run = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, traffic_class=params.traffic_class)
     request_id = "pd-" + uuid.uuid4().hex

@@ -5,19 +5,26 @@
     deepinfer router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 
 For each request to `/v1/chat/completions`, `/v1/responses`, `/v1/messages` or `/v1/completions`, the
-router picks the prefill instance with the fewest requests in flight and sends it the body
-(`/v1/pd/prefill/{api}`); the prefill instance computes the prompt's blocks and answers with their
-handle. The router then picks the least loaded decode instance and forwards the original request with
-the handle (`pd.KV_TRANSFER_HEADER`); the decode instance reads the blocks by NIXL and answers, and
-the router relays that answer (streamed or not) as it comes. A prefill instance that fails or dies
-during the request ends it with a 503 in the API's error shape naming the instance; the decode
-instances never see such a request. A client that leaves closes the decode stream, which aborts the
-request there.
+router picks the healthy prefill instance with the fewest requests in flight and sends it the body
+(`/v1/pd/prefill/{api}`); the prefill instance computes the prompt's blocks, state and first token and
+answers with their handle. The router then picks the least loaded healthy decode instance and forwards
+the original request with the handle (`pd.KV_TRANSFER_HEADER`); the decode instance reads them by NIXL
+and answers, and the router relays that answer (streamed or not) as it comes.
+
+Health: every `--health-interval` seconds the router asks each instance's `/health`; one that does not
+answer (or that refused a connection) is out of rotation until it answers again. A request is never
+sent twice once an instance may have started it: an instance that refuses the connection is skipped
+for the next one, but a prefill instance that fails or dies during the request ends it with a 503 in
+the API's error shape naming the instance (the decode instances never see such a request), and with no
+healthy instance of a role left the client gets a 503 saying so. A client that leaves closes the
+decode stream, which aborts the request there. `/health` of the router lists each instance's state and
+answers 503 while a role has no healthy instance.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator
@@ -40,100 +47,192 @@ ROUTED: dict[str, tuple[str, str]] = {
 """Path -> (prefill route's api, error shape)."""
 FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "content-type", "x-deepinfer-traffic-class")
 PREFILL_TIMEOUT_S = 600.0
+HEALTH_INTERVAL_S = 2.0
+HEALTH_TIMEOUT_S = 2.0
+
+
+class NoHealthyInstanceError(RuntimeError):
+    """Every instance of a role is out of rotation (down, or refusing connections)."""
 
 
 @dataclass
 class Instance:
-    """One prefill or decode instance and the router's view of its load."""
+    """One prefill or decode instance and the router's view of its load and health."""
 
     url: str
     num_in_flight: int = 0
     num_requests: int = 0
     num_failures: int = 0
+    is_healthy: bool = True
+    """In rotation: its last health check (or connection) succeeded."""
+    last_error: str = ""
+
+    def mark_down(self, why: str) -> None:
+        self.is_healthy, self.last_error = False, why
 
 
 @dataclass
 class Pool:
-    """Instances of one role; `pick` takes the one with the fewest requests in flight (round robin on ties)."""
+    """Instances of one role; `pick` takes the healthy one with the fewest requests in flight (round robin
+    on ties), skipping `exclude`."""
 
+    role: str
     instances: list[Instance]
     _turn: itertools.count = field(default_factory=itertools.count)
 
-    def pick(self) -> Instance:
-        turn = next(self._turn)
-        order = self.instances[turn % len(self.instances):] + self.instances[: turn % len(self.instances)]
+    def pick(self, exclude: tuple[Instance, ...] = ()) -> Instance:
+        """:raises NoHealthyInstanceError: when no instance is left."""
+        turn = next(self._turn) % len(self.instances)
+        order = [i for i in self.instances[turn:] + self.instances[:turn] if i.is_healthy and i not in exclude]
+        if not order:
+            down = "; ".join(f"{i.url}: {i.last_error or 'skipped'}" for i in self.instances)
+            raise NoHealthyInstanceError(f"no healthy {self.role} instance is left ({down}); retry later")
         return min(order, key=lambda i: i.num_in_flight)
 
+    @property
+    def has_healthy(self) -> bool:
+        return any(i.is_healthy for i in self.instances)
 
-def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
-    """The router's app (see the module docstring)."""
+
+async def check_health(client: httpx.AsyncClient, pools: dict[str, Pool]) -> None:
+    """One round of health checks: each instance's `/health` sets whether it is in rotation."""
+    async def check(instance: Instance) -> None:
+        try:
+            answer = await client.get(f"{instance.url}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as err:
+            instance.mark_down(f"health check failed ({type(err).__name__})")
+            return
+        if answer.status_code == 200:
+            instance.is_healthy, instance.last_error = True, ""
+        else:
+            instance.mark_down(f"health check answered {answer.status_code}")
+
+    await asyncio.gather(*(check(i) for pool in pools.values() for i in pool.instances))
+
+
+def build_router_app(prefill_urls: list[str], decode_urls: list[str],
+                     health_interval_s: float = HEALTH_INTERVAL_S) -> FastAPI:
+    """The router's app (see the module docstring); `health_interval_s` <= 0: no periodic checks."""
     if not prefill_urls or not decode_urls:
         raise ValueError("a router needs at least one --prefill and one --decode instance")
-    prefill = Pool([Instance(u.rstrip("/")) for u in prefill_urls])
-    decode = Pool([Instance(u.rstrip("/")) for u in decode_urls])
+    pools = {"prefill": Pool("prefill", [Instance(u.rstrip("/")) for u in prefill_urls]),
+             "decode": Pool("decode", [Instance(u.rstrip("/")) for u in decode_urls])}
     client = httpx.AsyncClient(timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=10.0))
+
+    async def watch() -> None:
+        while True:
+            await check_health(client, pools)
+            await asyncio.sleep(health_interval_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(watch()) if health_interval_s > 0 else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         await client.aclose()
 
     app = FastAPI(title="DeepInfer router", lifespan=lifespan)
-    app.state.pools = {"prefill": prefill, "decode": decode}
+    app.state.pools = pools
     for path, (api, shape) in ROUTED.items():
-        app.add_api_route(path, _endpoint(client, prefill, decode, path, api, shape), methods=["POST"], name=api)
+        app.add_api_route(path, _endpoint(client, pools, path, api, shape), methods=["POST"], name=api)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        upstream = await client.get(f"{decode.pick().url}/v1/models")
+        try:
+            upstream = await client.get(f"{pools['decode'].pick().url}/v1/models")
+        except (NoHealthyInstanceError, httpx.HTTPError) as err:
+            return error_response(503, str(err) or type(err).__name__, "chat")
         return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", **{role: [i.url for i in pool.instances] for role, pool in
-                                                 app.state.pools.items()}})
+        is_ok = all(pool.has_healthy for pool in pools.values())
+        return JSONResponse({"status": "ok" if is_ok else "no healthy instance of some role",
+                             **{role: [{"url": i.url, "healthy": i.is_healthy, "in_flight": i.num_in_flight,
+                                        "error": i.last_error} for i in pool.instances]
+                                for role, pool in pools.items()}}, status_code=200 if is_ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_render(app.state.pools), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(_render(pools), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
 
-def _endpoint(client: httpx.AsyncClient, prefill: Pool, decode: Pool, path: str, api: str, shape: str):
-    async def endpoint(request: Request) -> Response:
-        body = await request.body()
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-        instance = prefill.pick()
+async def _send(client: httpx.AsyncClient, pool: Pool, request_of) -> tuple[Instance, httpx.Response]:
+    """Send to the least loaded healthy instance, skipping (and taking out of rotation) those that refuse
+    the connection: the request never reached them. Other failures propagate (it may have started).
+    The chosen instance's `num_in_flight` is raised; the caller lowers it.
+    :raises NoHealthyInstanceError: when every instance refused or is down."""
+    tried: tuple[Instance, ...] = ()
+    while True:
+        instance = pool.pick(exclude=tried)
         instance.num_in_flight += 1
         instance.num_requests += 1
         try:
-            answer = await client.post(f"{instance.url}/v1/pd/prefill/{api}", content=body, headers=headers)
+            return instance, await client.send(request_of(instance), stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+            instance.num_in_flight -= 1
+            instance.num_failures += 1
+            instance.mark_down(f"refused a connection ({type(err).__name__})")
+            tried += (instance,)
+        except httpx.HTTPError as err:
+            instance.num_in_flight -= 1
+            instance.num_failures += 1
+            instance.mark_down(f"failed during a request ({type(err).__name__})")  # back once /health answers
+            raise _Failed(instance) from None
+
+
+class _Failed(Exception):
+    """An instance failed after the request may have reached it (not retried elsewhere)."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+
+def _endpoint(client: httpx.AsyncClient, pools: dict[str, Pool], path: str, api: str, shape: str):
+    async def endpoint(request: Request) -> Response:
+        body = await request.body()
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        try:
+            instance, upstream = await _send(client, pools["prefill"], lambda i: client.build_request(
+                "POST", f"{i.url}/v1/pd/prefill/{api}", content=body, headers=headers))
+        except NoHealthyInstanceError as err:
+            return error_response(503, str(err), shape)
+        except _Failed as failed:
+            return _prefill_failed(failed.instance, "connection lost", shape)
+        try:
+            answer = await upstream.aread()
         except httpx.HTTPError as err:
             instance.num_failures += 1
-            return error_response(503, f"the prefill instance {instance.url} failed during this request "
-                                       f"({type(err).__name__}: {err or 'connection lost'}); retry the request", shape)
+            instance.mark_down(f"failed during a request ({type(err).__name__})")
+            return _prefill_failed(instance, f"{type(err).__name__}: {err or 'connection lost'}", shape)
         finally:
+            await upstream.aclose()
             instance.num_in_flight -= 1
-        if answer.status_code != 200:  # the API's own answer (a 400 for a bad body, a 401, ...)
-            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-        kv = answer.json()["kv_transfer_params"]
-        return await _relay(client, decode.pick(), path, body, {**headers, KV_TRANSFER_HEADER: json.dumps(kv)}, shape)
+        if upstream.status_code != 200:  # the API's own answer (a 400 for a bad body, a 401, ...)
+            return Response(answer, status_code=upstream.status_code, media_type="application/json")
+        kv = json.loads(answer)["kv_transfer_params"]
+        return await _relay(client, pools["decode"], path, body, {**headers, KV_TRANSFER_HEADER: json.dumps(kv)},
+                            shape)
 
     return endpoint
 
 
-async def _relay(client: httpx.AsyncClient, instance: Instance, path: str, body: bytes, headers: dict, shape: str):
-    instance.num_in_flight += 1
-    instance.num_requests += 1
+def _prefill_failed(instance: Instance, why: str, shape: str) -> Response:
+    return error_response(503, f"the prefill instance {instance.url} failed during this request ({why}); "
+                               "retry the request", shape)
+
+
+async def _relay(client: httpx.AsyncClient, pool: Pool, path: str, body: bytes, headers: dict, shape: str):
     try:
-        upstream = await client.send(client.build_request("POST", f"{instance.url}{path}", content=body,
-                                                          headers=headers), stream=True)
-    except httpx.HTTPError as err:
-        instance.num_in_flight -= 1
-        instance.num_failures += 1
-        return error_response(503, f"the decode instance {instance.url} failed ({type(err).__name__}: {err}); "
-                                   "retry the request", shape)
+        instance, upstream = await _send(client, pool, lambda i: client.build_request(
+            "POST", f"{i.url}{path}", content=body, headers=headers))
+    except NoHealthyInstanceError as err:
+        return error_response(503, str(err), shape)
+    except _Failed as failed:
+        return error_response(503, f"the decode instance {failed.instance.url} failed; retry the request", shape)
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
@@ -155,6 +254,9 @@ def _render(pools: dict[str, Pool]) -> str:
         lines += [f"# TYPE deepinfer_{name} {kind}"]
         lines += [f'deepinfer_{name}{{role="{role}",instance="{i.url}"}} {getattr(i, attr)}'
                   for role, pool in pools.items() for i in pool.instances]
+    lines += ["# TYPE deepinfer_router_instance_healthy gauge"]
+    lines += [f'deepinfer_router_instance_healthy{{role="{role}",instance="{i.url}"}} {int(i.is_healthy)}'
+              for role, pool in pools.items() for i in pool.instances]
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +268,8 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--decode", action="append", required=True, help="a decode instance's base URL (repeatable)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S,
+                        help="seconds between health checks of the instances (0: none)")
     parser.set_defaults(handler=run_router)
     return parser
 
@@ -173,8 +277,8 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(build_router_app(args.prefill, args.decode), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(build_router_app(args.prefill, args.decode, args.health_interval), host=args.host, port=args.port, log_level="info")
     return 0
 
 
-__all__ = ["Instance", "Pool", "add_router_parser", "build_router_app", "run_router"]
+__all__ = ["Instance", "NoHealthyInstanceError", "Pool", "add_router_parser", "build_router_app", "check_health", "run_router"]

@@ -51,3 +51,14 @@ def test_prefill_tiles_tiny_runs_every_sweep():
     assert counts == {("attention", "hca"): 2, ("attention", "csa"): 2, ("hc_post_pre", None): 2,
                       ("moe_experts", None): 2, ("fp4_experts", None): 2}
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_prefix_cache_store_runs_the_agent_trace_across_a_restart(tmp_path):
+    rows = {r["mode"]: r for r in run_script("bench/prefix_cache.py", "--store", str(tmp_path / "kv"), "--threads", "1",
+                                             "--agent-sessions", "3", "--agent-turns", "2", "--scale", "0.05",
+                                             "--concurrency", "1") if "mode" in r}
+    assert list(rows) == ["off", "device", "tiers", "restart"]
+    assert all(r["answers_equal_off"] for r in rows.values())  # exact replay: every tier answers as a cold run
+    assert rows["restart"]["hit_rate_store"] > 0 and rows["restart"]["second_half_store_hit_rate"] > 0
+    for row in rows.values():
+        assert {"hit_rate_device", "hit_rate_host", "prefill_vs_off", "effective_prefill_vs_off"} <= set(row)

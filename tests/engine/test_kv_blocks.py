@@ -81,3 +81,21 @@ def test_a_request_state_moves_into_another_slot_and_block_unchanged():
     assert torch.equal(io.gather((3,)).wait(), saved_block)
     with pytest.raises(ValueError, match="request state"):
         io.scatter_state(1, (), state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream exists on CUDA only (the H200 runs it)")
+def test_on_cuda_a_save_copies_asynchronously_and_keeps_the_bytes_of_its_step():
+    plans = build_layer_plan(CONFIG, torch.bfloat16)
+    cache = KVCache(plans, num_blocks=8, num_slots=2, dtype=torch.bfloat16, device=torch.device("cuda"))
+    pools = [p for layer in cache.layers for p in (layer.compressed, layer.index_keys) if p is not None]
+    for pool in pools:
+        pool.normal_()
+    io = BlockIO(block_layout(plans, torch.bfloat16), cache.layers)
+    want = io.gather((1, 4)).wait().clone()
+    (pending,) = io.apply((CacheOp(SAVE, (1, 4), (b"a", b"b")),))
+    for pool in pools:  # the next step's forward overwrites the blocks: after the gather in stream order
+        pool.fill_(7)
+    saved = pending.wait()
+    assert saved.is_pinned() and torch.equal(saved, want)
+    (state,) = io.apply((CacheOp(SAVE_STATE, (2,), (b"r",), slot=0),))
+    assert state.wait().shape == (io.slot_bytes + io.block_bytes,) and state.is_done()

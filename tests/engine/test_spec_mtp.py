@@ -118,3 +118,14 @@ def test_rejection_sampling_uses_the_mtp_layers_draft_distributions(tmp_path):
         assert probs.shape == (*drafts.shape, CONFIG["vocab_size"])
         torch.testing.assert_close(probs.sum(-1), torch.ones(drafts.shape))
         assert (probs.gather(-1, drafts[..., None]) > 0).all()  # each draft was drawn from its q
+
+
+def test_mtp_steps_are_never_left_in_flight(tmp_path, reference):
+    """Overlapped decode on: a step that brought the MTP layer's next drafts is read at once (its drafts
+    would otherwise be lost), so the output is unchanged and no step was left in flight."""
+    engine = make_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": 2}, async_scheduling=True)
+    settled = []
+    settle = engine._settle
+    engine._settle = lambda in_flight, touched: settled.append(in_flight) or settle(in_flight, touched)
+    assert tokens(generate(engine, MIXED, temperature=0)) == reference
+    assert settled == [] and engine.stats()["spec_verify_steps"] > 0

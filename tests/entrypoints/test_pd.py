@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer_core.entrypoints.router import Instance, Pool
+from deepinfer_core.entrypoints.router import Instance, NoHealthyInstanceError, Pool
 from deepinfer_core.entrypoints.serve import build_app
 from deepinfer_core.entrypoints.serve_cli import running_server
 from tests.entrypoints.live import SERVED_NAME, tiny_engine
@@ -65,12 +65,16 @@ def cluster():
     serve = ["serve", "--max-model-len", "2048", "--max-num-seqs", "4", "--served-model-name", SERVED_NAME]
     prefill, prefill_url = start(*serve, "--role", "prefill", "--max-num-batched-tokens", "32")
     decode, decode_url = start(*serve, "--role", "decode")
-    router, router_url = start("router", "--prefill", prefill_url, "--decode", decode_url)
+    # one more prefill and decode instance each that never started: the router takes them out of rotation
+    dead_prefill, dead_decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    router, router_url = start("router", "--prefill", dead_prefill, "--prefill", prefill_url, "--decode", dead_decode,
+                               "--decode", decode_url, "--health-interval", "0.5")
     procs = {"prefill": prefill, "decode": decode, "router": router}
     try:
         for proc, url in ((prefill, prefill_url), (decode, decode_url), (router, router_url)):
             wait_healthy(proc, url)
-        yield {"prefill": prefill_url, "decode": decode_url, "router": router_url, "procs": procs}
+        yield {"prefill": prefill_url, "decode": decode_url, "router": router_url, "procs": procs,
+               "dead": (dead_prefill, dead_decode)}
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -115,6 +119,9 @@ def test_the_router_answers_as_a_single_instance(cluster, single_answer):
     assert decode["deepinfer_prefix_cache_replay_tokens_total"] == "0"
     router = metric_samples(cluster["router"])
     assert router[f'deepinfer_router_requests_total{{role="prefill",instance="{cluster["prefill"]}"}}'] == "2"
+    health = httpx.get(f"{cluster['router']}/health", timeout=10).json()
+    assert {i["url"]: i["healthy"] for i in health["prefill"] + health["decode"]} == {
+        cluster["prefill"]: True, cluster["decode"]: True, cluster["dead"][0]: False, cluster["dead"][1]: False}
 
 
 def test_a_prefill_instance_killed_mid_request_is_a_clear_error_and_leaks_nothing(cluster):
@@ -147,10 +154,29 @@ def test_a_prefill_instance_killed_mid_request_is_a_clear_error_and_leaks_nothin
     assert {k: after[k] for k in requests} == {k: before.get(k) for k in requests}  # it never reached decode
 
 
-def test_the_router_balances_by_requests_in_flight():
-    pool = Pool([Instance("a"), Instance("b"), Instance("c")])
+def test_with_no_healthy_prefill_instance_left_the_client_gets_a_clear_error(cluster):
+    # runs after the prefill instance was killed: the health checks take it out of rotation
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{cluster['router']}/health", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "the router never noticed the dead prefill instance"
+        time.sleep(0.1)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client(cluster["router"]).chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=4,
+                                                          extra_body=NO_THINKING)
+    assert raised.value.status_code == 503 and "no healthy prefill instance is left" in str(raised.value)
+    assert cluster["prefill"] in str(raised.value)
+
+
+def test_the_router_balances_by_requests_in_flight_over_healthy_instances():
+    pool = Pool("decode", [Instance("a"), Instance("b"), Instance("c")])
     pool.instances[0].num_in_flight, pool.instances[1].num_in_flight = 2, 1
     assert pool.pick().url == "c"
     pool.instances[2].num_in_flight = 1
     picks = {pool.pick().url for _ in range(4)}
     assert picks == {"b", "c"}  # ties take turns; the busiest is never picked
+    pool.instances[2].mark_down("refused a connection")
+    assert {pool.pick().url for _ in range(4)} == {"b"}  # out of rotation
+    assert pool.pick(exclude=(pool.instances[1],)).url == "a"
+    pool.instances[0].mark_down("health check failed")
+    with pytest.raises(NoHealthyInstanceError, match="no healthy decode instance is left"):
+        pool.pick(exclude=(pool.instances[1],))

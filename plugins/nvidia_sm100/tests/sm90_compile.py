@@ -1,6 +1,7 @@
-"""Compile every kernel a tiny model's forward launches for an H100/H200 (sm_90), on a machine without one.
+"""Compile every kernel a tiny model's forward launches for an H100/H200 (sm_90), on a machine without one
+(and the FP4 experts' prefill kernels, which tiny forwards do not reach).
 
-    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det ...]
+    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det|fp4-prefill ...]
 
 Triton's interpreter (how the kernel tests run off the GPU) executes a kernel's Python, not its
 compilation: code the compiler rejects (a `str` constexpr in an `if`, an unsupported dtype in a dot, a
@@ -113,15 +114,43 @@ def forward(family: str, directory: str) -> dict:
     return {"model": family, "backends": backends}
 
 
+def fp4_prefill() -> dict:
+    """The FP4 experts at prefill sizes (64 rows an expert) through each kernel that serves them, and the
+    pre-scaled decode variant."""
+    import dataclasses
+
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+
+    from deepinfer_core.backends import MoESpec
+    from deepinfer_core.testing import conformance
+    from deepinfer_core.testing.cases import random_moe_case
+
+    spec = MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, scoring_func="sqrtsoftplus",
+                   routed_scaling_factor=1.5, swiglu_limit=7.0, expert_format="fp4", dtype=torch.bfloat16)
+    x, input_ids, weights = random_moe_case(spec, 128, seed=1)
+    packed = conformance.fp4_moe_weights(weights)
+    packed = dataclasses.replace(packed, router=packed.router.bfloat16())
+    moe = TritonMoE(spec)
+    ids, topk_weights = moe.route(x.bfloat16(), input_ids, packed)
+    for kernel in ("tile", "dequant"):
+        moe.experts(x.bfloat16(), ids, topk_weights, packed, GemmConfig(64, 64, 64, 4, 4, True, kernel=kernel))
+    moe.experts(x[:4].bfloat16(), ids[:4], topk_weights[:4], packed,
+                GemmConfig(16, 32, 256, 4, 2, kernel="gemv-prescaled"))
+    return {"model": "fp4-prefill", "backends": ["TritonMoE"]}
+
+
 def main(families: list[str]) -> None:
     install()
     for family in families:
         COMPILED.clear()
-        with tempfile.TemporaryDirectory() as directory:
-            row = forward(family, directory)
+        if family == "fp4-prefill":
+            row = fp4_prefill()
+        else:
+            with tempfile.TemporaryDirectory() as directory:
+                row = forward(family, directory)
         print(json.dumps({**row, "kernels": sorted(COMPILED), "target": f"sm_{TARGET.arch}",
                           "triton": triton.__version__}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["v4", "v4-quant", "v41"])
+    main(sys.argv[1:] or ["v4", "v4-quant", "v41", "v4-det", "fp4-prefill"])

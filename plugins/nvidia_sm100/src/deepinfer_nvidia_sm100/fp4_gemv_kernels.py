@@ -12,10 +12,14 @@ one conversion: `((c & 7) << 9) | ((c & 8) << 12)` are the bits of a float16 equ
 times 2^-14 (exponent field 0 is the subnormal `m / 2`, as in e2m1), so the e8m0 scale `s` becomes the
 factor 2^(s - 127 + 14), applied once per 32 inputs to the partial sums rather than to each weight.
 Rows' partial sums are kept in fp32; the result matches the tiled kernels up to the order of additions.
+
+`fp4_dequant_kernel` writes whole experts' weights in the activations' dtype with the same decode, for
+steps with many rows an expert (prefill), which then run the dense tiled kernels on them.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -38,9 +42,23 @@ def _tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _row_dot(even, odd, factors, x_even, x_odd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`[BLOCK_N]` sums over the tile of weights times one row's inputs, each 32-input group's sum scaled."""
+def _prescale(even, odd, factors, PRESCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """With `PRESCALE`, the tile's values times their scale factors (once a K step, for all rows)."""
+    if PRESCALE:
+        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
+                             (BLOCK_N, BLOCK_K // 2))
+        return even * factors, odd * factors
+    return even, odd
+
+
+@triton.jit
+def _row_dot(even, odd, factors, x_even, x_odd, PRESCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """`[BLOCK_N]` sums over the tile of weights times one row's inputs: each 32-input group's sum scaled,
+    or (`PRESCALE`) the weights already scaled."""
     products = even * x_even[None, :] + odd * x_odd[None, :]
+    if PRESCALE:
+        return tl.sum(products, axis=1)
     groups = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)
     return tl.sum(groups * factors, axis=1)
 
@@ -68,6 +86,7 @@ def fp4_gate_up_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
+    PRESCALE: tl.constexpr,
 ):
     """`moe_kernels.gate_up_kernel` for FP4 experts, one program per (row block, output tile)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -91,14 +110,16 @@ def fp4_gate_up_gemv_kernel(
         s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < hidden)[None, :]
         g_even, g_odd, g_factors = _tile(g_ptrs, gs_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K)
         u_even, u_odd, u_factors = _tile(u_ptrs, us_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K)
+        g_even, g_odd = _prescale(g_even, g_odd, g_factors, PRESCALE, BLOCK_N, BLOCK_K)
+        u_even, u_odd = _prescale(u_even, u_odd, u_factors, PRESCALE, BLOCK_N, BLOCK_K)
         for r in range(count):
             token = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + r) // TOP_K
             x_row = x_ptr + token.to(tl.int64) * stride_x + k0 + 2 * offs_h
             x_even = tl.load(x_row, mask=h_valid, other=0.0).to(tl.float32)
             x_odd = tl.load(x_row + 1, mask=h_valid, other=0.0).to(tl.float32)
             here = (tl.arange(0, BLOCK_M) == r)[:, None]
-            acc_g += tl.where(here, _row_dot(g_even, g_odd, g_factors, x_even, x_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
-            acc_u += tl.where(here, _row_dot(u_even, u_odd, u_factors, x_even, x_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
+            acc_g += tl.where(here, _row_dot(g_even, g_odd, g_factors, x_even, x_odd, PRESCALE, BLOCK_N, BLOCK_K)[None, :], 0.0)
+            acc_u += tl.where(here, _row_dot(u_even, u_odd, u_factors, x_even, x_odd, PRESCALE, BLOCK_N, BLOCK_K)[None, :], 0.0)
         g_ptrs += BLOCK_K // 2
         u_ptrs += BLOCK_K // 2
         gs_ptrs += BLOCK_K // 32
@@ -132,6 +153,7 @@ def fp4_down_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRESCALE: tl.constexpr,
 ):
     """`moe_kernels.down_kernel` for FP4 experts, one program per (row block, output tile)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -152,12 +174,13 @@ def fp4_down_gemv_kernel(
         h_valid = (k0 + 2 * offs_h) < inter
         s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < inter)[None, :]
         even, odd, factors = _tile(w_ptrs, s_ptrs, n_valid[:, None] & h_valid[None, :], s_mask, BLOCK_N, BLOCK_K)
+        even, odd = _prescale(even, odd, factors, PRESCALE, BLOCK_N, BLOCK_K)
         for r in range(count):
             a_row = act_ptr + (pid_m * BLOCK_M + r).to(tl.int64) * stride_act + k0 + 2 * offs_h
             a_even = tl.load(a_row, mask=h_valid, other=0.0).to(tl.float32)
             a_odd = tl.load(a_row + 1, mask=h_valid, other=0.0).to(tl.float32)
             here = (tl.arange(0, BLOCK_M) == r)[:, None]
-            acc += tl.where(here, _row_dot(even, odd, factors, a_even, a_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
+            acc += tl.where(here, _row_dot(even, odd, factors, a_even, a_odd, PRESCALE, BLOCK_N, BLOCK_K)[None, :], 0.0)
         w_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 32
     weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
@@ -165,6 +188,52 @@ def fp4_down_gemv_kernel(
     safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)
     out_ptrs = out_ptr + safe_rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=row_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def fp4_dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    rows,
+    cols,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_oe,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`out[e, n, k]` = the FP4 weight's value, one program per (expert, row tile, column tile)."""
+    expert, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    offs_s = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    n_valid = (offs_n < rows)[:, None]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
+    s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+    even, odd, factors = _tile(w_ptrs, s_ptrs, n_valid & (2 * offs_h < cols)[None, :],
+                               n_valid & (32 * offs_s < cols)[None, :], BLOCK_N, BLOCK_K)
+    factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    values = tl.reshape(tl.join(even * factors, odd * factors), (BLOCK_N, BLOCK_K))
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
+    tl.store(out_ptrs, values.to(out_ptr.dtype.element_ty), mask=n_valid & (offs_k < cols)[None, :])
+
+
+def dequantize_experts(packed, scales, dtype):
+    """`[E, N, K]` values in `dtype` of packed FP4 experts `[E, N, K / 2]` with e8m0 exponents
+    `[E, N, K / 32]` (uint8)."""
+    num_experts, rows, half = packed.shape
+    out = torch.empty(num_experts, rows, 2 * half, dtype=dtype, device=packed.device)
+    block_n, block_k = 32, 256
+    grid = (num_experts, triton.cdiv(rows, block_n), triton.cdiv(2 * half, block_k))
+    fp4_dequant_kernel[grid](packed, scales, out, rows, 2 * half, packed.stride(0), packed.stride(1),
+                             scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
+                             BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
 
 
 def gemv_grid(num_blocks: int, num_cols: int, block_n: int) -> tuple[int, int]:

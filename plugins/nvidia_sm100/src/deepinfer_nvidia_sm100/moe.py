@@ -25,7 +25,12 @@ import torch
 import triton
 
 from deepinfer_core.backends.moe import MoESpec, MoEWeights
-from deepinfer_nvidia_sm100.fp4_gemv_kernels import fp4_down_gemv_kernel, fp4_gate_up_gemv_kernel, gemv_grid
+from deepinfer_nvidia_sm100.fp4_gemv_kernels import (
+    dequantize_experts,
+    fp4_down_gemv_kernel,
+    fp4_gate_up_gemv_kernel,
+    gemv_grid,
+)
 from deepinfer_nvidia_sm100.moe_kernels import SCORING_CODES, down_kernel, gate_up_kernel, route_kernel
 
 MAX_GRID_Y = 65535
@@ -44,8 +49,10 @@ class GemmConfig:
     n_fastest: bool = False
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
     kernel: str = "tile"
-    """FP4 experts: "tile" (tensor-core tiles decoded in registers) or "gemv" (CUDA-core products with
-    each real row, `fp4_gemv_kernels`); dense experts always take "tile"."""
+    """FP4 experts: "tile" (tensor-core tiles decoded in registers), "gemv" (CUDA-core products with
+    each real row, `fp4_gemv_kernels`; "gemv-prescaled": the tile scaled once, not each row's sums), or
+    "dequant" (the experts dequantised to the activations' dtype,
+    then the dense tiles); dense experts always take "tile"."""
 
     def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
         """The launch grid over `num_blocks` row blocks and `num_cols` output columns, and whether it puts
@@ -227,10 +234,12 @@ class TritonMoE:
         if down_config.block_m != config.block_m:
             raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
                              f"{down_config.block_m} differ")
-        if {config.kernel, down_config.kernel} - {"tile", "gemv"}:
-            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile' or 'gemv'")
-        if config.kernel != down_config.kernel or (config.kernel == "gemv" and not self._fp4):
-            raise ValueError(f"both GEMMs take one kernel, and 'gemv' only for FP4 experts: {config} / {down_config}")
+        if {config.kernel, down_config.kernel} - {"tile", "gemv", "gemv-prescaled", "dequant"}:
+            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv', "
+                             f"'gemv-prescaled' or 'dequant'")
+        if config.kernel != down_config.kernel or (config.kernel != "tile" and not self._fp4):
+            raise ValueError(f"both GEMMs take one kernel, and only FP4 experts another than 'tile': {config} / "
+                             f"{down_config}")
         x = x.contiguous()
         gate_up, down = weights.gate_up, weights.down
         gate_up_scale, down_scale = self._scales(weights)
@@ -240,9 +249,13 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-        if config.kernel == "gemv":
+        if config.kernel.startswith("gemv"):
             return self._gemv(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
                               down_config)
+        fp4 = self._fp4
+        if config.kernel == "dequant":  # the scales stay as unread stand-ins
+            gate_up, down = dequantize_experts(gate_up, gate_up_scale, x.dtype), dequantize_experts(down, down_scale, x.dtype)
+            fp4 = False
         grid, n_fastest = config.grid(num_blocks, inter)
         gate_up_kernel[grid](
             x,
@@ -268,7 +281,7 @@ class TritonMoE:
             HAS_LIMIT=spec.swiglu_limit > 0,
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
-            FP4=self._fp4,
+            FP4=fp4,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -296,7 +309,7 @@ class TritonMoE:
             BLOCK_K=down_config.block_k,
             IEEE=self._ieee,
             N_FASTEST=n_fastest,
-            FP4=self._fp4,
+            FP4=fp4,
             num_warps=down_config.num_warps,
             num_stages=down_config.num_stages,
         )
@@ -314,13 +327,14 @@ class TritonMoE:
             float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
             gate_up_scale.stride(1), act.stride(0), TOP_K=spec.top_k, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_LIMIT=spec.swiglu_limit > 0,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PRESCALE=config.kernel == "gemv-prescaled", num_warps=config.num_warps, num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
         fp4_down_gemv_kernel[gemv_grid(num_blocks, hidden, down_config.block_n)](
             act, down, down_scale, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1), num_rows,
             hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
             down_scale.stride(1), out.stride(0), BLOCK_M=down_config.block_m, BLOCK_N=down_config.block_n,
-            BLOCK_K=down_config.block_k, num_warps=down_config.num_warps, num_stages=down_config.num_stages,
+            BLOCK_K=down_config.block_k, PRESCALE=down_config.kernel == "gemv-prescaled",
+            num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         )
         return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

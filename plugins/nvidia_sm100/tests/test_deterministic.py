@@ -92,8 +92,10 @@ def test_same_logprobs_for_every_chunk_size(cuda_device, tmp_path, alone, chunk)
 def test_same_logprobs_after_preemption_and_prefix_hit(cuda_device, tmp_path, alone) -> None:
     (tmp_path / "p").mkdir()
     (tmp_path / "c").mkdir()
-    small = make_engine(tmp_path / "p", max_num_seqs=2, max_num_batched_tokens=512, num_kv_blocks=4)
-    results = generate(small, [prompts([254], seed=7)[0], TARGET])
+    # a 3-block pool: when the first request decodes into its second block, the newer one is preempted
+    # (the host's scheduling, as in tests/engine/test_deterministic.py; 254 tokens and 4 blocks never did)
+    small = make_engine(tmp_path / "p", max_num_seqs=2, max_num_batched_tokens=256, num_kv_blocks=3)
+    results = generate(small, [prompts([126], seed=7)[0], TARGET])
     assert small.stats()["num_preemptions"] > 0, "the pool was meant to force a preemption"
     assert results[1] == alone
     cached = make_engine(tmp_path / "c", enable_prefix_caching=True, max_num_seqs=1)

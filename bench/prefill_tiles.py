@@ -200,8 +200,6 @@ def sweep_moe(device: torch.device, sizes: Sizes) -> None:
 
 FP4_VARIANTS = {
     "decode": [("gemv", (16, 32, 256, 4, 2)), ("gemv", (16, 64, 128, 4, 2)), ("gemv", (16, 32, 512, 4, 2)),
-               ("gemv-prescaled", (16, 32, 256, 4, 2)), ("gemv-prescaled", (16, 64, 128, 4, 2)),
-               ("gemv-prescaled", (16, 64, 256, 4, 2)), ("gemv-prescaled", (16, 32, 512, 4, 2)),
                ("tile", (16, 64, 128, 4, 3))],
     "prefill": [("tile", (64, 64, 64, 4, 4, True)), ("tile", (128, 128, 64, 8, 3, True)),
                 ("dequant", (64, 64, 64, 4, 4, True)), ("dequant", (128, 128, 64, 8, 3, True))],

@@ -115,8 +115,7 @@ def forward(family: str, directory: str) -> dict:
 
 
 def fp4_prefill() -> dict:
-    """The FP4 experts at prefill sizes (64 rows an expert) through each kernel that serves them, and the
-    pre-scaled decode variant."""
+    """The FP4 experts at prefill sizes (64 rows an expert) through each kernel that serves them."""
     import dataclasses
 
     from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
@@ -134,8 +133,6 @@ def fp4_prefill() -> dict:
     ids, topk_weights = moe.route(x.bfloat16(), input_ids, packed)
     for kernel in ("tile", "dequant"):
         moe.experts(x.bfloat16(), ids, topk_weights, packed, GemmConfig(64, 64, 64, 4, 4, True, kernel=kernel))
-    moe.experts(x[:4].bfloat16(), ids[:4], topk_weights[:4], packed,
-                GemmConfig(16, 32, 256, 4, 2, kernel="gemv-prescaled"))
     return {"model": "fp4-prefill", "backends": ["TritonMoE"]}
 
 

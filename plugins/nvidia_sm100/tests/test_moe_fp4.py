@@ -94,9 +94,8 @@ def _on(weights, device, router_dtype):
     return dataclasses.replace(weights, **{**moved, "router": weights.router.to(device, router_dtype)})
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv-prescaled"])
 @pytest.mark.parametrize("num_tokens", [3, 40])
-def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_tokens: int, kernel: str) -> None:
+def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_tokens: int) -> None:
     """At decode sizes (at most 16 rows an expert) the CUDA-core products ("gemv") give the fp32
     tensor-core tiles' result on the same weights and inputs: to fp32 rounding in fp32, within bf16's
     rounding in bf16."""
@@ -111,7 +110,7 @@ def test_fp4_gemv_gives_the_fp32_tile_result(kernel_device: torch.device, num_to
     tile = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     want = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), tile)
     assert pick_config(num_tokens * spec.top_k, spec.num_experts, 4, fp4=True) == FP4_GEMV
-    config = dataclasses.replace(FP4_GEMV, kernel=kernel)
+    config = FP4_GEMV
     got = fp32.experts(x, ids, topk_weights, _on(packed, kernel_device, torch.float32), config)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     bf16 = TritonMoE(dataclasses.replace(spec, dtype=torch.bfloat16))
@@ -132,8 +131,9 @@ def test_fp4_dequantised_experts_equal_the_reference_dequantisation(kernel_devic
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_dequant_kernel_gives_the_tile_result(kernel_device: torch.device, dtype: torch.dtype) -> None:
-    """Prefill sizes: the experts dequantised, then the dense tiles, give the FP4 tiles' result."""
-    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
+    """Prefill sizes: the experts dequantised, then the dense tiles (the default there), give the FP4
+    tiles' result."""
+    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE, pick_config
 
     spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=4, dtype=dtype)
     x, input_ids, weights = random_moe_case(spec, 64, seed=9)
@@ -142,6 +142,7 @@ def test_fp4_dequant_kernel_gives_the_tile_result(kernel_device: torch.device, d
     x = x.to(kernel_device, dtype)
     ids, topk_weights = moe.route(x, input_ids.to(kernel_device), packed)
     tiles = (64, 64, 64, 4, 4, True)
+    assert pick_config(64 * spec.top_k, spec.num_experts, x.element_size(), fp4=True) == GemmConfig(*tiles, kernel="dequant")
     want = moe.experts(x, ids, topk_weights, packed, GemmConfig(*tiles)).float()
     got = moe.experts(x, ids, topk_weights, packed, GemmConfig(*tiles, kernel="dequant")).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()

@@ -12,13 +12,16 @@ One step does, with no host synchronisation (so the whole forward can be capture
 4. `down_kernel`: the same for the down projection, multiplied by the routing weight, written back at
    each row's original place; the `top_k` rows of a token are then summed in fp32.
 
-FP4 experts (`MoESpec.expert_format == "fp4"`) read a quarter of bf16's bytes: beyond 16 rows an expert
-the same kernels decode each weight tile from its packed codes and e8m0 scales in registers; at decode
-sizes `fp4_gemv_kernels` multiply the decoded tiles with each real row on CUDA cores (`FP4_GEMV`).
+FP4 experts (`MoESpec.expert_format == "fp4"`) read a quarter of bf16's bytes: at decode sizes
+`fp4_gemv_kernels` multiply the decoded tiles with each real row on CUDA cores (`FP4_GEMV`); beyond 16
+rows an expert the experts are dequantised for the call and the dense tiles run (`kernel="dequant"`).
+The same kernels can also decode each weight tile in registers (`kernel="tile"`, the fp32 oracle of the
+other two in the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +53,7 @@ class GemmConfig:
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
     kernel: str = "tile"
     """FP4 experts: "tile" (tensor-core tiles decoded in registers), "gemv" (CUDA-core products with
-    each real row, `fp4_gemv_kernels`; "gemv-prescaled": the tile scaled once, not each row's sums), or
-    "dequant" (the experts dequantised to the activations' dtype,
+    each real row, `fp4_gemv_kernels`) or "dequant" (the experts dequantised to the activations' dtype,
     then the dense tiles); dense experts always take "tile"."""
 
     def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
@@ -66,13 +68,15 @@ class GemmConfig:
 
 FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=2, kernel="gemv")
 """FP4 experts at decode sizes (at most 16 rows an expert). H200, V4-Flash sizes, both GEMMs
-(`bench/prefill_tiles.py --only fp4`, bench/RESULTS.md): 16 tokens 2.08 ms, 64 tokens 5.69 ms, against
-3.33 / 7.92 ms for the register-decoded tensor-core tiles and 1.03 / 2.38 ms for bf16 experts."""
+(`bench/prefill_tiles.py --only fp4`, bench/RESULTS.md): 16 tokens 1.99 ms, 64 tokens 5.55 ms, against
+3.30 / 7.87 ms for the register-decoded tensor-core tiles and 0.98 / 2.30 ms for bf16 experts."""
 
 
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: bool = False) -> GemmConfig:
-    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill; FP4
-    experts at decode sizes take the CUDA-core products (`FP4_GEMV`).
+    """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill. FP4
+    experts take the CUDA-core products at decode sizes (`FP4_GEMV`) and, beyond, the dense tiles on the
+    experts dequantised for the call (`kernel="dequant"`: 2,048 tokens 8.6 ms against 22.6 ms decoding
+    tiles in registers, H200; it holds the layer's experts in the activations' dtype while it runs).
 
     `element_size` is the activation/weight dtype's: fp32 tiles take twice the shared memory, so fp32
     keeps tiles whose pipelined stages fit a Hopper SM (227 KiB)."""
@@ -81,12 +85,15 @@ def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: boo
         if fp4:
             return FP4_GEMV
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    kernel = "dequant" if fp4 else "tile"
     # H200, V4-Flash sizes, 256 experts, both GEMMs (bench/RESULTS.md): 2,048 tokens (48 rows an
     # expert) 3.44 ms with 64x64 tiles (64x256: 3.57); 8,192 tokens (192 rows) 7.23 ms with 128x128
     # (64x256: 7.68), the larger tiles paying for padding each expert's rows to 128
     if element_size > 2 or rows_per_expert <= 96:
-        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True)
-    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, n_fastest=True)
+        return GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, n_fastest=True,
+                          kernel=kernel)
+    return GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, n_fastest=True,
+                      kernel=kernel)
 
 
 DOWN_WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, n_fastest=True)
@@ -97,7 +104,9 @@ with 128x128 down tiles)."""
 def pick_down_config(gate_up: GemmConfig, element_size: int = 2) -> GemmConfig:
     """The down projection's tiles: the same rows a block as `gate_up` (they share the sorted rows); the
     down kernel holds one accumulator where gate_up holds two, so it can afford wider tiles."""
-    return DOWN_WIDE if gate_up.block_m == DOWN_WIDE.block_m and element_size == 2 else gate_up
+    if gate_up.block_m == DOWN_WIDE.block_m and element_size == 2:
+        return dataclasses.replace(DOWN_WIDE, kernel=gate_up.kernel)
+    return gate_up
 
 
 @dataclass
@@ -234,9 +243,8 @@ class TritonMoE:
         if down_config.block_m != config.block_m:
             raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
                              f"{down_config.block_m} differ")
-        if {config.kernel, down_config.kernel} - {"tile", "gemv", "gemv-prescaled", "dequant"}:
-            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv', "
-                             f"'gemv-prescaled' or 'dequant'")
+        if {config.kernel, down_config.kernel} - {"tile", "gemv", "dequant"}:
+            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv' or 'dequant'")
         if config.kernel != down_config.kernel or (config.kernel != "tile" and not self._fp4):
             raise ValueError(f"both GEMMs take one kernel, and only FP4 experts another than 'tile': {config} / "
                              f"{down_config}")
@@ -249,7 +257,7 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-        if config.kernel.startswith("gemv"):
+        if config.kernel == "gemv":
             return self._gemv(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
                               down_config)
         fp4 = self._fp4
@@ -327,14 +335,13 @@ class TritonMoE:
             float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
             gate_up_scale.stride(1), act.stride(0), TOP_K=spec.top_k, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_LIMIT=spec.swiglu_limit > 0,
-            PRESCALE=config.kernel == "gemv-prescaled", num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
         fp4_down_gemv_kernel[gemv_grid(num_blocks, hidden, down_config.block_n)](
             act, down, down_scale, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1), num_rows,
             hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
             down_scale.stride(1), out.stride(0), BLOCK_M=down_config.block_m, BLOCK_N=down_config.block_n,
-            BLOCK_K=down_config.block_k, PRESCALE=down_config.kernel == "gemv-prescaled",
-            num_warps=down_config.num_warps, num_stages=down_config.num_stages,
+            BLOCK_K=down_config.block_k, num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         )
         return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

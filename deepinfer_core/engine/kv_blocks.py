@@ -2,7 +2,8 @@
 
 A block's bytes are, for every layer that owns a compressed pool (in layer order), its
 `entries_per_block` compressed entries and then (CSA layers) its indexer keys, each row-major in the
-cache dtype. Sliding windows and compressor tails are per-request state and are never part of a block:
+cache dtype; and, for a model that keeps each position's token id in the paged cache (V4.1's Engram
+look-back, `LayerPlan.owns_token_ids`), the block's 128 ids (int64). Sliding windows and compressor tails are per-request state and are never part of a block:
 a hit rebuilds them by replay. `block_layout` names the segments (it is also written into every store
 file's header), `BlockIO` copies blocks between the device cache and host tensors `[n, block_bytes]`
 uint8 for the plan's `CacheOp`s.
@@ -24,7 +25,7 @@ import torch
 
 from deepinfer_core.engine.plan import CacheOp
 from deepinfer_core.models.interface import LayerCache
-from deepinfer_core.models.layer_plan import LayerPlan
+from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
 LOAD, SAVE = "load", "save"
 SAVE_STATE, LOAD_STATE = "save_state", "load_state"
@@ -63,10 +64,12 @@ class BlockSegment:
 
     layer: int
     name: str
-    """The `LayerCache` field: "compressed" or "index_keys"."""
+    """The `LayerCache` field: "compressed", "index_keys" or "token_ids"."""
     rows: int
     width: int
     dtype: str
+    scratch_rows: int = 1
+    """Rows the pool holds after its last block (the compressed pools' scratch row; none for token ids)."""
 
     @property
     def num_bytes(self) -> int:
@@ -87,6 +90,8 @@ def block_layout(plans: list[LayerPlan], dtype: torch.dtype) -> tuple[BlockSegme
         segments.append(BlockSegment(plan.index, "compressed", spec.entries_per_block, spec.head_dim, name))
         if plan.has_indexer:
             segments.append(BlockSegment(plan.index, "index_keys", spec.entries_per_block, spec.index_head_dim, name))
+    segments += [BlockSegment(plan.index, "token_ids", BLOCK_SIZE, 1, "int64", scratch_rows=0)
+                 for plan in plans if plan.owns_token_ids]
     return tuple(segments)
 
 
@@ -117,8 +122,8 @@ class BlockIO:
         self._copy_stream = None
 
     def _views(self) -> list[torch.Tensor]:
-        # [blocks, rows, width] views of each pool (the trailing scratch row is left out)
-        return [pool[: (pool.shape[0] - 1) // s.rows * s.rows].view(-1, s.rows, s.width)
+        # [blocks, rows, width] views of each pool (trailing scratch rows left out)
+        return [pool[: (pool.shape[0] - s.scratch_rows) // s.rows * s.rows].view(-1, s.rows, s.width)
                 for pool, s in zip(self._pools, self.layout)]
 
     def _gather_device(self, block_ids: tuple[int, ...]) -> torch.Tensor:

@@ -79,6 +79,37 @@ def test_a_prefix_hit_with_exact_replay_equals_a_cold_run_bit_for_bit(checkpoint
     assert chosen_logprobs(warm) == chosen_logprobs(cold)
 
 
+def test_a_prefix_block_back_from_host_memory_carries_its_token_ids(checkpoint):
+    """V4.1 keeps each position's token id in the paged cache (Engram reads them); a block evicted to the
+    host tier and loaded back brings them along: the hit equals a cold run bit for bit (exact replay)."""
+    options = {"max_num_seqs": 1, "max_num_batched_tokens": 8, "num_kv_blocks": 3}
+    cold = run(make_engine(*checkpoint, **options), [SHARED + SUFFIX], [4])[0]
+    engine = make_engine(*checkpoint, enable_prefix_caching=True, swa_replay="exact", host_cache_gib=0.01, **options)
+    run(engine, [SHARED + [9, 9]], [1])
+    run(engine, [random_prompt(300, seed=7)], [1])  # three blocks through a three-block pool: SHARED's leaves
+    warm = run(engine, [SHARED + SUFFIX], [4])[0]
+    assert engine.stats()["prefix_cache_hit_tokens_host"] == 128 and warm.num_cached_tokens == 128
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert chosen_logprobs(warm) == chosen_logprobs(cold)
+
+
+def test_a_blocks_bytes_carry_its_token_ids(checkpoint):
+    """What the host tier, the store and prefill/decode transfers move of a block includes V4.1's token
+    ids (a decode instance that loads a prompt's blocks with no replay looks back into them)."""
+    from deepinfer_core.engine.kv_blocks import BlockIO
+
+    engine = make_engine(*checkpoint, enable_prefix_caching=True, max_num_seqs=1)
+    run(engine, [SHARED + [9, 9]], [1])
+    runner = engine.executor.runner
+    assert [s.name for s in runner.block_layout].count("token_ids") == 1
+    pool = next(c.token_ids for c in runner.kv_cache.layers if c.token_ids is not None).view(-1, 128)
+    used, free = (pool != 0).any(dim=1).nonzero().flatten(), (pool == 0).all(dim=1).nonzero().flatten()
+    source, target = int(used[0]), int(free[-1])
+    io = BlockIO(runner.block_layout, runner.kv_cache.layers)
+    io.scatter((target,), io.gather((source,)).wait())
+    assert torch.equal(pool[target], pool[source])
+
+
 def test_bounded_replay_is_the_default_and_never_rewrites_cached_entries(checkpoint):
     engine = make_engine(*checkpoint, max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=4,
                          enable_prefix_caching=True)

@@ -14,8 +14,8 @@ from deepinfer_core.models.checkpoint_layout import meta_model
 from deepinfer_core.models.layers import FP8Linear
 from deepinfer_core.models.tiny import tiny_config, write_checkpoint
 from deepinfer_core.models.weights import load_weights
+from tests.models.test_weight_formats import _generate, _runner
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 OPTIONS = {"max_model_len": 256, "num_kv_blocks": 8, "max_num_seqs": 4}
 FP8_PROJECTIONS = {  # what DeepSeek ships in FP8 (the tiny writer quantises the same ones)
     "q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj",
@@ -31,20 +31,6 @@ def fp8_dirs(tmp_path_factory):
         "v41": write_checkpoint(tmp_path_factory.mktemp("v41"), tiny_config(), seed=1, layout="official",
                                 quant="fp8+fp4", fp8_block=(32, 32)),
     }
-
-
-def _runner(llm: LLM):
-    return llm.engine.executor.runner
-
-
-def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(50, 60))}]
-    results = []
-    for output in llm.generate(prompts, GREEDY, use_tqdm=False):
-        completion = output.outputs[0]
-        chosen = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-        results.append((list(completion.token_ids), chosen))
-    return results
 
 
 @pytest.mark.parametrize("kind", ["v4", "v41"])

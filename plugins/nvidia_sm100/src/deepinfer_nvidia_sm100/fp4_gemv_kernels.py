@@ -13,8 +13,9 @@ times 2^-14 (exponent field 0 is the subnormal `m / 2`, as in e2m1), so the e8m0
 factor 2^(s - 127 + 14), applied once per 32 inputs to the partial sums rather than to each weight.
 Rows' partial sums are kept in fp32; the result matches the tiled kernels up to the order of additions.
 
-`fp4_dequant_kernel` writes whole experts' weights in the activations' dtype with the same decode, for
-steps with many rows an expert (prefill), which then run the dense tiled kernels on them.
+`fp4_dequant_kernel` writes whole experts' weights in the activations' dtype (the tiled kernels' decode,
+`moe_kernels._fp4_halves`), for steps with many rows an expert (prefill), which then run the dense
+tiled kernels on them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, store_swiglu, store_weighted
 
 
 @triton.jit
@@ -108,12 +111,7 @@ def fp4_gate_up_gemv_kernel(
         u_ptrs += BLOCK_K // 2
         gs_ptrs += BLOCK_K // 32
         us_ptrs += BLOCK_K // 32
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, swiglu_limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[None, :])
+    store_swiglu(acc_g, acc_u, act_ptr, offs_m, offs_n, n_valid, stride_act, swiglu_limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -165,11 +163,7 @@ def fp4_down_gemv_kernel(
             acc += tl.where(here, _row_dot(even, odd, factors, a_even, a_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
         w_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 32
-    weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
-    acc = acc * weights[:, None]
-    safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)
-    out_ptrs = out_ptr + safe_rows[:, None] * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=row_valid[:, None] & n_valid[None, :])
+    store_weighted(acc, out_ptr, rows, row_valid, row_weights_ptr, offs_n, n_valid, stride_out)
 
 
 @triton.jit
@@ -196,10 +190,9 @@ def fp4_dequant_kernel(
     n_valid = (offs_n < rows)[:, None]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
     s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
-    even, odd, factors = _tile(w_ptrs, s_ptrs, n_valid & (2 * offs_h < cols)[None, :],
-                               n_valid & (32 * offs_s < cols)[None, :], BLOCK_N, BLOCK_K)
-    factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-    values = tl.reshape(tl.join(even * factors, odd * factors), (BLOCK_N, BLOCK_K))
+    even, odd = _fp4_halves(w_ptrs, s_ptrs, n_valid & (2 * offs_h < cols)[None, :],
+                            n_valid & (32 * offs_s < cols)[None, :], BLOCK_N, BLOCK_K, out_ptr.dtype.element_ty)
+    values = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
     tl.store(out_ptrs, values.to(out_ptr.dtype.element_ty), mask=n_valid & (offs_k < cols)[None, :])

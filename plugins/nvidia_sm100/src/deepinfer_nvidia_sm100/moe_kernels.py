@@ -127,6 +127,27 @@ def _dot(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def store_swiglu(acc_g, acc_u, act_ptr, offs_m, offs_n, n_valid, stride_act, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """The gate_up GEMMs' epilogue: `act[slot, n] = silu(min(g, limit)) * clamp(u, -limit, limit)`."""
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, swiglu_limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[None, :])
+
+
+@triton.jit
+def store_weighted(acc, out_ptr, rows, row_valid, row_weights_ptr, offs_n, n_valid, stride_out):
+    """The down GEMMs' epilogue: each row times its routing weight, written at the row's original place."""
+    weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
+    acc = acc * weights[:, None]
+    safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)
+    out_ptrs = out_ptr + safe_rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=row_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -204,12 +225,7 @@ def gate_up_kernel(
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, swiglu_limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[None, :])
+    store_swiglu(acc_g, acc_u, act_ptr, offs_m, offs_n, n_valid, stride_act, swiglu_limit, HAS_LIMIT)
 
 
 @triton.jit
@@ -276,8 +292,4 @@ def down_kernel(
             acc = _dot(acc, a, w, IEEE)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
-    acc = acc * weights[:, None]
-    safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)
-    out_ptrs = out_ptr + safe_rows[:, None] * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=row_valid[:, None] & n_valid[None, :])
+    store_weighted(acc, out_ptr, rows, row_valid, row_weights_ptr, offs_n, n_valid, stride_out)

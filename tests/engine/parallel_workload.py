@@ -36,7 +36,9 @@ def prompts(lengths=LENGTHS, seed=0) -> list[list[int]]:
     return [torch.randint(2, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
 
 
-def _run(engine: Engine, batch: list[list[int]], max_tokens: list[int], tag: str) -> Outputs:
+def run_batch(engine: Engine, batch: list[list[int]], max_tokens: list[int], tag: str) -> Outputs:
+    """Every prompt with its own `max_tokens` (odd ones greedy, even ones seeded at temperature 0.8); the
+    tokens and chosen logprobs by request id (`tag` + index)."""
     for i, (prompt, n) in enumerate(zip(batch, max_tokens)):
         params = SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=n, ignore_eos=True, logprobs=0)
         engine.add_request(f"{tag}{i}", prompt, params)
@@ -53,9 +55,9 @@ def _run(engine: Engine, batch: list[list[int]], max_tokens: list[int], tag: str
 def generate(engine: Engine) -> tuple[Outputs, dict]:
     """Both rounds' outputs (request id -> tokens, their logprobs) and the engine's counters."""
     first = prompts()
-    done = _run(engine, first, MAX_TOKENS, "a")
+    done = run_batch(engine, first, MAX_TOKENS, "a")
     shared = [first[3][:256] + tail for tail in prompts([40, 7], seed=1)]  # two cached blocks, then new tokens
-    done |= _run(engine, shared, [5, 5], "b")
+    done |= run_batch(engine, shared, [5, 5], "b")
     return done, engine.stats()
 
 

@@ -18,6 +18,7 @@ from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.executor import MultiprocExecutor, WorkerError
 from deepinfer_core.engine.plan import ScheduledRequest, StepPlan
 from deepinfer_core.testing.checkpoints import write_checkpoint
+from tests.engine.parallel_workload import run_batch
 from tests.oracle import parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")
@@ -37,17 +38,7 @@ def prompts(lengths=LENGTHS, seed=0):
 
 
 def generate(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
-    for i, (prompt, n) in enumerate(zip(prompts(), MAX_TOKENS)):
-        params = SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=n, ignore_eos=True, logprobs=0)
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                completion = out.outputs[0]
-                done[out.request_id] = (completion.token_ids,
-                                        [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)])
-    return done
+    return run_batch(engine, prompts(), MAX_TOKENS, "")
 
 
 @pytest.fixture(scope="module")

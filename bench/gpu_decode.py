@@ -227,7 +227,8 @@ def hf_generate(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
         )[:, prompts.shape[1] :]
 
 
-def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def engine_outputs(engine, prompts: list[list[int]], new_tokens: int) -> list:
+    """Each prompt's finished `RequestOutput` (greedy, `new_tokens` tokens), in order."""
     from deepinfer_core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -238,10 +239,12 @@ def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[l
         engine.add_request(ids[-1], prompt, params)
     done = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+        done.update({out.request_id: out for out in engine.step() if out.finished})
     return [done[i] for i in ids]
+
+
+def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for out in engine_outputs(engine, prompts, new_tokens)]
 
 
 engine_generate.counter = 0

@@ -66,25 +66,11 @@ def allowed_speedup(counts: workload.Counts, batch: int, k: int, context: int) -
 def generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
     """Greedy tokens of every prompt, and the decode time: from the moment every request has its first
     token to the last token (`RequestMetrics` timestamps), so prefill does not count."""
-    from deepinfer_core.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    ids = []
-    for prompt in prompts:
-        ids.append(f"s{generate.counter}")
-        generate.counter += 1
-        engine.add_request(ids[-1], prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({out.request_id: out for out in engine.step() if out.finished})
+    outs = workload.engine_outputs(engine, prompts, new_tokens)
     workload.sync()
-    outs = [done[i] for i in ids]
     start = max(o.metrics.first_token_time for o in outs)
     end = max(o.metrics.last_token_time for o in outs)
     return [list(o.outputs[0].token_ids) for o in outs], max(end - start, 1e-9)
-
-
-generate.counter = 0
 
 
 def compare(plain, prompts: list[list[int]], reference: list[list[int]], out: list[list[int]]) -> dict:

@@ -18,6 +18,26 @@ import triton.language as tl
 
 
 @triton.jit
+def attend_block(q, k, visible, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One block of keys `k` into the online softmax (`m_i`, `l_i`, `acc`): the scores of `q` against
+    `k` (times `scale`) where `visible`, none elsewhere."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _key_rows(
     j,
     pos,
@@ -184,20 +204,7 @@ def attention_kernel(
             k = tl.load(
                 row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0
             )
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, valid[None, :], scale, m_i, l_i, acc, IEEE)
 
     if not IS_SPLIT:
         sinks = tl.load(sinks_ptr + offs_h, mask=h_valid, other=0.0)

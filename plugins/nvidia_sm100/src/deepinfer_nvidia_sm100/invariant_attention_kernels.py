@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia_sm100.attention_kernels import _key_rows
+from deepinfer_nvidia_sm100.attention_kernels import _key_rows, attend_block
 
 
 @triton.jit
@@ -64,20 +64,7 @@ def _split_state(q, lo, hi, pos, req, start_pos, q_start, slot, win_lo, kv_ptr, 
                                     IS_SPARSE, HAS_COMP)
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             k = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, valid[None, :], scale, m_i, l_i, acc, IEEE)
     return m_i, l_i, acc
 
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.attention_kernels import attend_block
+
 MAX_WIDTH = 8
 """Most query tokens a request may bring to this path (k + 1 for k <= 7)."""
 ROWS = 64
@@ -87,20 +89,7 @@ def multi_query_kernel(
             sees = sees | (comp_valid[None, :] & (entry[None, :] < (pos[:, None] + 1) // RATE))
         if tl.max(valid.to(tl.int32), axis=0) > 0:
             k = tl.load(ptrs[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(sees, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            prob = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(prob, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(prob.to(k.dtype), k, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(prob.to(k.dtype), k)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, sees, scale, m_i, l_i, acc, IEEE)
 
     if not IS_SPLIT:
         sinks = tl.load(sinks_ptr + offs_h, mask=row_valid, other=0.0)

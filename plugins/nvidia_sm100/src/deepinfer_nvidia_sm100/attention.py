@@ -104,6 +104,21 @@ class TritonAttention:
         key_blocks = triton.cdiv(num_keys, block_n)
         return max(1, min(MAX_SPLITS, key_blocks, target // max(programs, 1)))
 
+    def _inputs(self, q, kv, window, compressed, metadata: AttentionMetadata, topk_indices):
+        """A launch's inputs, contiguous in their last dim: `(q, kv, window, compressed, num_comp, index)`,
+        `compressed` None when the layer attends its window only, `num_comp` the most compressed entries a
+        token visits (its picks with CSA), `index` the step's `prepare_token_index`."""
+        spec = self.spec
+        has_comp = spec.compress_rate > 0 and compressed is not None
+        if has_comp and spec.is_sparse and topk_indices is None:
+            raise ValueError("CSA attention needs topk_indices from indexer_topk")
+        num_comp = 0
+        if has_comp:
+            num_comp = topk_indices.shape[1] if spec.is_sparse else max_visible_entries(metadata, spec.compress_rate)
+        q, kv, window = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(window)
+        compressed = _last_dim_contiguous(compressed) if has_comp else None
+        return q, kv, window, compressed, num_comp, prepare_token_index(metadata, q.shape[0])
+
     def forward(
         self,
         q: torch.Tensor,
@@ -121,23 +136,12 @@ class TritonAttention:
         out = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
         if num_tokens == 0:
             return out
-        has_comp = spec.compress_rate > 0 and compressed is not None
-        if has_comp and spec.is_sparse and topk_indices is None:
-            raise ValueError("CSA attention needs topk_indices from indexer_topk")
-        if has_comp:
-            num_comp = (
-                topk_indices.shape[1] if spec.is_sparse else max_visible_entries(metadata, spec.compress_rate)
-            )
-        else:
-            num_comp = 0
-        q, kv, window = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(window)
-        if has_comp:
-            compressed = _last_dim_contiguous(compressed)
-        index = prepare_token_index(metadata, num_tokens)
+        q, kv, window, compressed, num_comp, index = self._inputs(q, kv, window, compressed, metadata, topk_indices)
+        has_comp = compressed is not None
         width = multi_query_kernels.uniform_width(metadata, num_tokens)
         if width and not (has_comp and spec.is_sparse):  # k + 1 queries a request sharing their keys
-            return multi_query_kernels.launch(self, q, kv, window, compressed if has_comp else None, sinks,
-                                              metadata, num_comp, width, index.win_start)
+            return multi_query_kernels.launch(self, q, kv, window, compressed, sinks, metadata, num_comp, width,
+                                              index.win_start)
         block_h, block_n, num_warps, num_stages = self.tiles["decode" if index.is_decode else "prefill"]
         num_splits = self._num_splits(num_tokens, spec.sliding_window + num_comp, block_h, block_n)
         is_split = num_splits > 1

@@ -19,9 +19,7 @@ import triton
 from deepinfer_core.backends.attention import AttentionMetadata, AttentionSpec
 from deepinfer_nvidia_sm100.attention import (
     TritonAttention,
-    _last_dim_contiguous,
     max_visible_entries,
-    prepare_token_index,
 )
 from deepinfer_nvidia_sm100.invariant_attention_kernels import (
     invariant_attention_kernel,
@@ -87,15 +85,8 @@ class InvariantTritonAttention(TritonAttention):
         out = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=q.dtype, device=q.device)
         if num_tokens == 0:
             return out
-        has_comp = spec.compress_rate > 0 and compressed is not None
-        if has_comp and spec.is_sparse and topk_indices is None:
-            raise ValueError("CSA attention needs topk_indices from indexer_topk")
-        num_comp = 0
-        if has_comp:
-            num_comp = topk_indices.shape[1] if spec.is_sparse else max_visible_entries(metadata, spec.compress_rate)
-            compressed = _last_dim_contiguous(compressed)
-        q, kv, window = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(window)
-        index = prepare_token_index(metadata, num_tokens)
+        q, kv, window, compressed, num_comp, index = self._inputs(q, kv, window, compressed, metadata, topk_indices)
+        has_comp = compressed is not None
         num_splits = triton.cdiv(spec.sliding_window + num_comp, self.split_keys)
         if split_programs is None:
             split_programs = self.uses_split_programs(num_tokens, num_splits)

@@ -5,14 +5,17 @@ against the same batch unconstrained.
 
 GPU: the "v4flash-LxE" workload of bench/gpu_decode.py (random weights, bf16, 512-token prompts; the
 DeepSeek tokenizer from the recipe plugin indexes the 129,280-id vocabulary for xgrammar). `--tiny`: the
-embedded tiny model (real tokenizer, random weights) on the CPU, to check the script.
+embedded tiny model (real tokenizer, random weights) on the CPU, decode overlapped as on CUDA, to check
+the script.
 
 Both runs decode greedily; the schema (an object holding an array of at least 100 integers) keeps the
 constrained rows going through the timed steps. Reported: the steady step time of each run (steps in
 which every request decodes), the overhead `(constrained - plain) / plain`, the host time a step spends
-filling bitmasks and advancing matchers (`StructuredOutputManager.fill_bitmask` and `accept`), and the
-tokens a step yields for constrained and unconstrained rows (with overlapped decode a constrained row
-needs its last token on the host, so it decodes every other step). Target: overhead < 5% of step time.
+filling bitmasks and advancing matchers (`StructuredOutputManager.next_token_bitmask` and `accept`; with
+overlapped decode in one process that work runs while the step's forward is on the device), and the
+tokens a step yields for constrained and unconstrained rows (1.0 for both: a constrained row's mask is
+filled once its step is launched; with worker processes it would need its last token on the host first,
+and decode every other step). Target: overhead < 5% of step time.
 """
 
 from __future__ import annotations
@@ -45,14 +48,14 @@ def build_engine(args):
     from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
     config = EngineConfig(model=str(embedded_tiny_model_dir()), device="cpu", max_num_seqs=args.batch,
-                          max_model_len=512, num_kv_blocks=4 * args.batch + 8)
+                          max_model_len=512, num_kv_blocks=4 * args.batch + 8, async_scheduling=True)  # as on CUDA
     return Engine(config), 32
 
 
 @contextmanager
 def grammar_timers(engine):
     """Host seconds spent in the structured-output manager's per-step calls, accumulated in a dict."""
-    manager, spent = engine.structured_output, {"fill_bitmask": 0.0, "accept": 0.0}
+    manager, spent = engine.structured_output, {"next_token_bitmask": 0.0, "accept": 0.0}
     originals = {name: getattr(manager, name) for name in spent}
 
     def timed(name):

@@ -214,8 +214,9 @@ def main() -> None:
     max_batch = max(args.batches)
     # the extra new tokens leave room for k drafts past the last one
     new = args.new_tokens + max(args.ks)
-    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager)
-    spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager)
+    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
+                                  graph_sizes=args.batches)
+    spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager, args.batches)
     vocab = config.vocab_size
     generator = torch.Generator().manual_seed(0)
     for batch in args.batches:
@@ -224,11 +225,12 @@ def main() -> None:
     run_ngram(args, plain, spec, vocab)
 
 
-def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager):
-    """`gpu_decode.build_engine`'s engine with speculation on (n-gram, k drafts at most)."""
+def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager, graph_sizes=None):
+    """`gpu_decode.build_engine`'s engine with speculation on (n-gram, k drafts at most), its decode
+    graphs captured for `graph_sizes` (None: the engine's ladder)."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
     return workload.build_engine(config, model, device, dtype, max_batch, new_tokens, enforce_eager=eager,
-                                 speculative_config=spec)
+                                 speculative_config=spec, graph_sizes=graph_sizes)
 
 
 if __name__ == "__main__":

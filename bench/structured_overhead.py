@@ -42,7 +42,9 @@ def build_engine(args):
         config = base.build_config(args)
         model = base.build_model(config, "cuda", torch.bfloat16)
         new_tokens = 2 * args.steps + 16
-        return base.build_engine(config, model, "cuda", torch.bfloat16, args.batch, new_tokens), base.PROMPT_LEN
+        sizes = [max(1, args.batch // 2), args.batch]  # constrained rows may sit a step out
+        return (base.build_engine(config, model, "cuda", torch.bfloat16, args.batch, new_tokens, graph_sizes=sizes),
+                base.PROMPT_LEN)
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.models.tiny import embedded_tiny_model_dir

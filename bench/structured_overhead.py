@@ -42,7 +42,7 @@ def build_engine(args):
         config = base.build_config(args)
         model = base.build_model(config, "cuda", torch.bfloat16)
         new_tokens = 2 * args.steps + 16
-        sizes = [max(1, args.batch // 2), args.batch]  # constrained rows may sit a step out
+        sizes = [max(1, args.batch // 2), args.batch]  # the half batch: constrained rows sitting a step out (workers)
         return (base.build_engine(config, model, "cuda", torch.bfloat16, args.batch, new_tokens, graph_sizes=sizes),
                 base.PROMPT_LEN)
     from deepinfer_core.config import EngineConfig

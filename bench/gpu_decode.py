@@ -281,12 +281,13 @@ def steady_decode(
 
 
 def measure(name: str, run, batch: int, new_tokens: int, counts: Counts, steady=None) -> dict:
-    """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add (and, given
-    `steady`, decode over steps where the whole batch decodes)."""
+    """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add (each run the best
+    of three; and, given `steady`, decode over steps where the whole batch decodes)."""
     run(new_tokens)  # warm-up at this batch size: prefill and decode kernels compile, allocator grows
     peak_reset()
-    ttft = timed(lambda: run(1))
-    full = timed(lambda: run(new_tokens))
+    # the best of three of each: decode time is a difference of two runs, so one slow run skews it
+    ttft = min(timed(lambda: run(1)) for _ in range(3))
+    full = min(timed(lambda: run(new_tokens)) for _ in range(3))
     decode_s = max(full - ttft, 1e-9)
     prefill = batch * PROMPT_LEN / ttft
     decode = batch * (new_tokens - 1) / decode_s

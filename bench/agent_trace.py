@@ -193,7 +193,9 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     device_blocks = args.device_blocks or (args.concurrency + 1) * blocks_per_history
     host_gib = args.host_gib if args.host_gib is not None else trace_blocks // 2 * block_bytes / 2**30
     options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
-               "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks}
+               "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks,
+               # decode batches never exceed the concurrency: capture only those (each mode builds an engine)
+               "cuda_graph_sizes": tuple(range(1, args.concurrency + 1))}
     print(json.dumps({"bench": "prefix_cache_agent", "commit": git_commit(), "sessions": args.agent_sessions,
                       "turns": args.agent_turns, "scale": args.scale, "system_tokens": len(trace.system),
                       "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,

@@ -111,6 +111,10 @@ def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> N
         full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
         full[rows] = bitmask[source]
         bitmask = full
+    if logits.is_cuda and not bitmask.is_pinned():
+        # a pageable source makes the copy wait for the stream, i.e. for this step's forward: the host
+        # would stall here instead of preparing the next step (H200, bs 64: 13.1 ms steps against 6.2)
+        bitmask = bitmask.pin_memory()
     _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 

@@ -21,6 +21,9 @@ and decode every other step). Target: overhead < 5% of step time.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import datetime
 import json
 import time
@@ -78,8 +81,9 @@ def grammar_timers(engine):
             delattr(manager, name)
 
 
-def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int) -> dict:
-    """Time `steps` decode steps in which every request decodes; the first `constrained` rows follow SCHEMA."""
+def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int, profile_host: bool = False) -> dict:
+    """Time `steps` decode steps in which every request decodes; the first `constrained` rows follow SCHEMA
+    (`profile_host`: print a cProfile top 15 of the timed steps' host time)."""
     from deepinfer_core.sampling_params import SamplingParams, StructuredOutputsParams
 
     plain = SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True)
@@ -95,15 +99,23 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int)
         engine.step()
     engine.step()
     before = {s.request_id: s.num_tokens for s in scheduler.running}
+    profiler = cProfile.Profile() if profile_host else None
     with grammar_timers(engine) as spent:
         base.sync()
         start = time.perf_counter()
         done = 0
+        if profiler is not None:
+            profiler.enable()
         while len(scheduler.running) == len(prompts) and done < steps:
             engine.step()
             done += 1
         base.sync()
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+            print(text.getvalue(), flush=True)
     gained = {s.request_id: s.num_tokens - before[s.request_id] for s in scheduler.running}
     for request_id in ids:
         engine.abort(request_id)
@@ -115,6 +127,7 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int)
         "steps": done,
         "step_ms": round(1e3 * elapsed / max(done, 1), 3),
         "grammar_host_ms_per_step": round(1e3 * sum(spent.values()) / max(done, 1), 3),
+        **{f"{name}_ms_per_step": round(1e3 * value / max(done, 1), 3) for name, value in spent.items()},
         "tokens_per_step_constrained_row": round(per_step(shaped_ids), 3) if shaped_ids else None,
         "tokens_per_step_plain_row": round(per_step(plain_ids), 3) if plain_ids else None,
     }
@@ -128,6 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--tiny", action="store_true", help="the embedded tiny model on the CPU (checks the script)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile the constrained run's timed steps")
     args = parser.parse_args()
     engine, prompt_len = build_engine(args)
     print(json.dumps({"bench": "structured_overhead", "date": datetime.date.today().isoformat(),
@@ -141,7 +155,7 @@ def main() -> None:
     steady_steps(engine, prompts, args.batch // 2, 2)  # warm-up: compiles the grammar, grows the allocator
     rows = {}
     for name, constrained in (("plain", 0), ("half_constrained", args.batch // 2)):
-        rows[name] = steady_steps(engine, prompts, constrained, args.steps)
+        rows[name] = steady_steps(engine, prompts, constrained, args.steps, args.profile_host and constrained > 0)
         print(json.dumps({"run": name, **rows[name]}), flush=True)
     overhead = rows["half_constrained"]["step_ms"] / rows["plain"]["step_ms"] - 1
     print(json.dumps({"step_overhead": round(overhead, 4), "target": "< 0.05",

@@ -87,9 +87,11 @@ class Sequence:
         """Its sampling reads its own ids (penalties): the runner is sent them."""
         kv_transfer = getattr(sampling_params, "kv_transfer_params", None)
         has_grammar = getattr(sampling_params, "structured_outputs", None) is not None
-        self.needs_host_token = (self.needs_token_history
-                                 or (has_grammar and not defers_grammar_mask)
-                                 or bool(kv_transfer and kv_transfer.get("export")))
+        exports = bool(kv_transfer and kv_transfer.get("export"))
+        self.takes_drafts = not (self.needs_token_history or exports)
+        """Speculative drafts may be verified for it: its sampling does not read its own ids and its
+        state is not exported (a grammar does not stop them: each draft's row gets its own mask)."""
+        self.needs_host_token = self.needs_token_history or (has_grammar and not defers_grammar_mask) or exports
         """Its next step needs its last token on the host (penalties, a grammar's mask filled before
         launch; a prefill instance's request, whose state is exported as its first token was sampled):
         with overlapped decode it sits out the step launched while that token is still on the device."""

@@ -10,7 +10,11 @@ engine then drives it each step:
   keeps a sequence waiting until then;
 - `fill_bitmask` after scheduling: one packed row (`[rows, ceil(vocab / 32)]` int32) per sampled
   constrained request, named by its `ScheduledRequest.grammar_row`; the runner applies it to the
-  logits on the device (`apply_bitmask`) before sampling. Under overlapped decode with the in-process
+  logits on the device (`apply_bitmask`) before sampling. Under speculative decoding a request with d
+  drafts has d + 1 rows from its `grammar_row` on, one per logits row it verifies: row j is its mask
+  after the drafts before it, filled by advancing the matcher through the drafts and rolling it back
+  afterwards (xgrammar's matchers roll back without limit). A draft the grammar rejects cannot be
+  accepted (the masked draw of its row is another token), so the rows after it are left free. Under overlapped decode with the in-process
   executor a request's input may still be on the device (`PENDING_TOKEN`): the bitmask is then
   deferred, a function the runner calls once the step's forward is launched, which first has the
   engine accept the tokens of the step in flight (vLLM's async scheduling does the same);
@@ -18,7 +22,8 @@ engine then drives it each step:
   idempotent by position, so the engine's settling of a step skips tokens a deferred mask accepted.
 
 In thinking mode (the prompt's last `<think>` comes after its last `</think>`) the reasoning is free:
-the matcher starts with the first token after the model's `</think>`.
+the matcher starts with the first token after the model's `</think>` (a `</think>` draft included: the
+rows after it are masked from the grammar's start).
 """
 
 from __future__ import annotations
@@ -95,13 +100,16 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
 
 def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> None:
     """Mask, in place, the disallowed tokens of the constrained rows of `logits` (row k samples
-    `plan.requests[sampled[k]]`); the other rows are not touched."""
-    rows, source = [], []
+    `plan.requests[sampled[k]]`, repeated for a request's drafts: its j-th row takes bitmask row
+    `grammar_row + j`); the other rows are not touched."""
+    rows, source, previous, j = [], [], None, 0
     for row, index in enumerate(sampled):
+        j = j + 1 if index == previous else 0
+        previous = index
         grammar_row = plan.requests[index].grammar_row
         if grammar_row is not None:
             rows.append(row)
-            source.append(grammar_row)
+            source.append(grammar_row + j)
     if not rows:
         return
     bitmask = plan.grammar_bitmask
@@ -131,6 +139,34 @@ class _SeqGrammar:
     """The matcher has terminated (accepted an end-of-sequence token)."""
     error: str | None = None
     """Why the matcher rejected a token (the sequence ends with it)."""
+
+
+@dataclass
+class _DraftWalk:
+    """One sequence's way through its drafts while its rows are filled (`next_token_bitmask`)."""
+
+    row: int
+    """Its first bitmask row."""
+    state: _SeqGrammar
+    drafts: tuple[int, ...]
+    is_reasoning: bool
+    is_stopped: bool = False
+    """The matcher rejected a draft or terminated: the later rows stay free."""
+    num_consumed: int = 0
+    """Drafts the matcher accepted (rolled back once every row is filled)."""
+
+    def advance(self, token: int, think_end: int | None) -> None:
+        if self.is_stopped:
+            return
+        if self.is_reasoning:
+            self.is_reasoning = token != think_end
+            return
+        matcher = self.state.matcher
+        if not matcher.accept_token(token):
+            self.is_stopped = True
+            return
+        self.num_consumed += 1
+        self.is_stopped = matcher.is_terminated()
 
 
 class StructuredOutputManager:
@@ -284,7 +320,8 @@ class StructuredOutputManager:
     def fill_bitmask(self, plan: StepPlan, accept_pending: Callable[[], None] | None = None) -> StepPlan:
         """`plan` with a bitmask row for each sampled constrained request (itself if there are none).
 
-        A request whose input is `PENDING_TOKEN` cannot have its row filled before the step launches:
+        A request with d drafts gets d + 1 rows (`apply_bitmask`), one per draft position. A request
+        whose input is `PENDING_TOKEN` (it has no drafts) cannot have its row filled before the step launches:
         the plan's bitmask is then a function, which the runner calls once the forward is launched
         (before sampling). It calls `accept_pending`, which waits for the step in flight and `accept`s
         its tokens, then fills every row, so the matchers' host work overlaps the forward. Such a plan
@@ -292,26 +329,31 @@ class StructuredOutputManager:
         """
         if not self._seqs:
             return plan
-        rows, seq_ids, is_deferred = [], [], False
+        indices, seq_ids, drafts, is_deferred = [], [], [], False
         for index, request in enumerate(plan.requests):
             state = self._seqs.get(request.request_id)
             if state is None or state.matcher is None or not request.is_sampled:
                 continue
             is_pending = request.token_ids[-1] == PENDING_TOKEN
-            if state.is_reasoning and not is_pending:  # a pending token may be the `</think>`
+            d = request.num_draft_tokens
+            request_drafts = tuple(request.token_ids[len(request.token_ids) - d :])
+            # a pending token may be the `</think>`, and so may a draft
+            if state.is_reasoning and not is_pending and self._think_ids()[1] not in request_drafts:
                 continue
-            if request.num_draft_tokens:
-                raise NotImplementedError("structured outputs with speculative decoding (a mask per draft)")
-            rows.append(index)
+            if is_pending and d:
+                raise RuntimeError("a request with drafts has a pending input (drafts follow known tokens)")
+            indices.append(index)
             seq_ids.append(request.request_id)
+            drafts.append(request_drafts)
             is_deferred |= is_pending
-        if not rows:
+        if not indices:
             return plan
-        requests = list(plan.requests)
-        for row, index in enumerate(rows):
+        requests, row = list(plan.requests), 0
+        for index, request_drafts in zip(indices, drafts):
             requests[index] = replace(requests[index], grammar_row=row)
+            row += len(request_drafts) + 1
         if not is_deferred:
-            bitmask = self.next_token_bitmask(seq_ids)
+            bitmask = self.next_token_bitmask(seq_ids, drafts)
         elif accept_pending is None:
             raise RuntimeError("a constrained request's input is pending and nothing accepts the step in flight")
         else:
@@ -320,26 +362,42 @@ class StructuredOutputManager:
                 return self.next_token_bitmask(seq_ids)
         return replace(plan, requests=tuple(requests), grammar_bitmask=bitmask)
 
-    def next_token_bitmask(self, seq_ids: list[str]) -> torch.Tensor:
-        """Packed masks `[len(seq_ids), ceil(vocab / 32)]` int32 of each sequence's next token. Every
-        token is allowed for one still thinking, or whose grammar is over (complete, or its last token
-        rejected): such a sequence ends, and what its step samples is dropped."""
-        xgr = _xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(seq_ids), self.vocab_size)  # all allowed
-        rows, matchers = [], []
-        for row, seq_id in enumerate(seq_ids):
+    def next_token_bitmask(self, seq_ids: list[str], drafts: list[tuple[int, ...]] | None = None) -> torch.Tensor:
+        """Packed masks `[rows, ceil(vocab / 32)]` int32 of each sequence's next token: one row per
+        sequence, or with `drafts` (per sequence, the drafts its step verifies) d + 1 consecutive rows
+        for d drafts, row j the mask after drafts 0 .. j - 1. Every token is allowed for one still
+        thinking, or whose grammar is over (complete, or its last token rejected): such a sequence ends,
+        and what its step samples is dropped; and on the rows after a draft the grammar rejects or that
+        ends it (the draft cannot be accepted, or the sequence stops at it)."""
+        drafts = drafts if drafts is not None else [()] * len(seq_ids)
+        bitmask = _xgrammar().allocate_token_bitmask(len(seq_ids) + sum(map(len, drafts)), self.vocab_size)
+        walks, row = [], 0  # all allowed
+        for seq_id, seq_drafts in zip(seq_ids, drafts, strict=True):
             state = self._seqs.get(seq_id)
-            if state is not None and not (state.is_reasoning or state.is_complete or state.error):
-                rows.append(row)
-                matchers.append(state.matcher)
+            if state is not None and not (state.is_complete or state.error):
+                walks.append(_DraftWalk(row, state, seq_drafts, state.is_reasoning))
+            row += len(seq_drafts) + 1
+        think_end = self._think_ids()[1] if any(drafts) else None
+        for j in range(max(map(len, drafts), default=0) + 1):
+            live = [w for w in walks if j <= len(w.drafts) and not (w.is_stopped or w.is_reasoning)]
+            self._fill(bitmask, [w.row + j for w in live], [w.state.matcher for w in live])
+            for walk in walks:
+                if j < len(walk.drafts):
+                    walk.advance(walk.drafts[j], think_end)
+        for walk in walks:
+            if walk.num_consumed:
+                walk.state.matcher.rollback(walk.num_consumed)
+        return bitmask
+
+    def _fill(self, bitmask: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """Fill bitmask row `rows[i]` from `matchers[i]`, in parallel for many rows."""
         if len(rows) >= BATCH_FILL_ROWS:
             if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
+                self._batch_matcher = _xgrammar().BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         else:
             for row, matcher in zip(rows, matchers):
                 matcher.fill_next_token_bitmask(bitmask, row)
-        return bitmask
 
     def accept(self, seq_id: str, token_id: int, position: int) -> bool:
         """Advance `seq_id`'s matcher by its output token number `position` (0 for the first); True

@@ -92,9 +92,10 @@ class Speculator:
             table.pop(seq_id, None)
 
     def max_drafts(self, seq: Sequence) -> int:
-        """Drafts worth verifying for `seq`: none while its sampling reads its history or a grammar
-        (penalties, structured output), else at most k and one fewer than the tokens it may still emit."""
-        if seq.needs_host_token or seq.token_ids[-1] == PENDING_TOKEN:  # drafts follow known tokens only
+        """Drafts worth verifying for `seq`: none while its sampling reads its history (penalties) or
+        its state is exported (`Sequence.takes_drafts`), else at most k and one fewer than the tokens it
+        may still emit. A grammar's request takes drafts: each draft's row gets its own mask."""
+        if not seq.takes_drafts or seq.token_ids[-1] == PENDING_TOKEN:  # drafts follow known tokens only
             return 0
         return self._draft_limit(seq)
 

@@ -64,6 +64,12 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled (invalid, or too slow), or a token its matcher rejects."""
 
 
+def _fill_threads() -> int:
+    """Threads for xgrammar's parallel work: the CPUs this process may run on, at most 8."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, usable))
+
+
 def _xgrammar() -> Any:
     import xgrammar  # imported on first use: it pulls in transformers
 
@@ -226,7 +232,7 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.hf), vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_fill_threads(),
                                                      cache_enabled=False)
             return self._compiler
 
@@ -334,7 +340,9 @@ class StructuredOutputManager:
                 matchers.append(state.matcher)
         if len(rows) >= BATCH_FILL_ROWS:
             if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
+                # xgrammar's "auto" is half of std::thread::hardware_concurrency, the host's CPUs even
+                # in a container given a few of them: name the threads this process may use
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_fill_threads())
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         else:
             for row, matcher in zip(rows, matchers):

@@ -22,6 +22,7 @@ half's hit rate alone: what a restarted engine serves from the store.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import shutil
@@ -201,6 +202,11 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
                       "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,
                       "trace_blocks": trace_blocks, "host_gib": round(host_gib, 6), "device": args.device,
                       "workload": args.model or args.workload}), flush=True)
+    if args.device != "cpu":  # a short trace first: the kernels of every path compile outside the timings
+        short = argparse.Namespace(**{**vars(args), "agent_turns": min(4, args.agent_turns)})
+        short_trace = make_agent_trace(short, args.vocab)
+        for mode in ("off", "device", "tiers"):
+            run_mode(mode, short_trace, short, {**options, "host_cache_gib": host_gib})
     rows, cold_answers, cold_wall, cold_prefill_s = [], None, None, None
     for mode in ("off", "device", "tiers", "restart"):
         row, answers = run_mode(mode, trace, args, {**options, "host_cache_gib": host_gib})

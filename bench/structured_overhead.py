@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import datetime
 import json
@@ -117,6 +118,9 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int,
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
             print(text.getvalue(), flush=True)
     gained = {s.request_id: s.num_tokens - before[s.request_id] for s in scheduler.running}
+    # what a constrained row wrote (the matcher states its masks were filled in)
+    sample = next((engine.tokenizer.decode([t for t in s.output_token_ids if t >= 0])[-160:]
+                   for s in scheduler.running if s.request_id == ids[0]), None) if constrained else None
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
@@ -130,6 +134,7 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int,
         **{f"{name}_ms_per_step": round(1e3 * value / max(done, 1), 3) for name, value in spent.items()},
         "tokens_per_step_constrained_row": round(per_step(shaped_ids), 3) if shaped_ids else None,
         "tokens_per_step_plain_row": round(per_step(plain_ids), 3) if plain_ids else None,
+        "constrained_output_tail": sample,
     }
 
 
@@ -146,6 +151,7 @@ def main() -> None:
     engine, prompt_len = build_engine(args)
     print(json.dumps({"bench": "structured_overhead", "date": datetime.date.today().isoformat(),
                       "device": torch.cuda.get_device_name() if not args.tiny else "cpu", "commit": args.commit,
+                      "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
                       "batch": args.batch, "constrained_rows": args.batch // 2,
                       "workload": "embedded-tiny" if args.tiny else f"v4flash-{args.layers}x{args.experts}"}),
           flush=True)

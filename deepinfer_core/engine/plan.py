@@ -8,7 +8,7 @@ tuples, strings, `SamplingParams`), so they pickle to another process as they ar
 Where later features plug in: draft tokens are extra `token_ids` of a `ScheduledRequest` with
 `num_draft_tokens` set (every one of them gets a logits row, and the verifier's accepted counts come
 back in `StepResult.num_accepted`); a grammar's next-token mask is `StepPlan.grammar_bitmask`, one row
-per request whose `grammar_row` is set; prefix-store transfers are `StepPlan.cache_ops`.
+per logits row of a request whose `grammar_row` is set; prefix-store transfers are `StepPlan.cache_ops`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     """Trailing `token_ids` that are speculative drafts to verify (0 without speculation)."""
     grammar_row: int | None = None
-    """Row of `StepPlan.grammar_bitmask` that constrains this request's next token (None: free)."""
+    """Row of `StepPlan.grammar_bitmask` that constrains this request's next token (None: free); with
+    drafts, its d + 1 logits rows take rows `grammar_row .. grammar_row + num_draft_tokens`."""
 
     @property
     def num_tokens(self) -> int:

@@ -69,6 +69,12 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled (invalid, or too slow), or a token its matcher rejects."""
 
 
+def _fill_threads() -> int:
+    """Threads for xgrammar's parallel work: the CPUs this process may run on, at most 8."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, usable))
+
+
 def _xgrammar() -> Any:
     import xgrammar  # imported on first use: it pulls in transformers
 
@@ -262,7 +268,7 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.hf), vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_fill_threads(),
                                                      cache_enabled=False)
             return self._compiler
 
@@ -370,8 +376,9 @@ class StructuredOutputManager:
         and what its step samples is dropped; and on the rows after a draft the grammar rejects or that
         ends it (the draft cannot be accepted, or the sequence stops at it)."""
         drafts = drafts if drafts is not None else [()] * len(seq_ids)
-        bitmask = _xgrammar().allocate_token_bitmask(len(seq_ids) + sum(map(len, drafts)), self.vocab_size)
-        walks, row = [], 0  # all allowed
+        num_rows = len(seq_ids) + sum(map(len, drafts))
+        bitmask = _xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)  # all allowed
+        walks, row = [], 0
         for seq_id, seq_drafts in zip(seq_ids, drafts, strict=True):
             state = self._seqs.get(seq_id)
             if state is not None and not (state.is_complete or state.error):
@@ -393,7 +400,9 @@ class StructuredOutputManager:
         """Fill bitmask row `rows[i]` from `matchers[i]`, in parallel for many rows."""
         if len(rows) >= BATCH_FILL_ROWS:
             if self._batch_matcher is None:
-                self._batch_matcher = _xgrammar().BatchGrammarMatcher()
+                # xgrammar's "auto" is half of std::thread::hardware_concurrency, the host's CPUs even
+                # in a container given a few of them: name the threads this process may use
+                self._batch_matcher = _xgrammar().BatchGrammarMatcher(max_threads=_fill_threads())
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         else:
             for row, matcher in zip(rows, matchers):

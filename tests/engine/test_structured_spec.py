@@ -136,8 +136,16 @@ def test_draft_rows_are_the_masks_after_each_draft(plain: Engine) -> None:
     assert torch.equal(masks, expected)
     assert torch.equal(masks[len(good) :], masks.new_full(masks[len(good) :].shape, -1))
     assert torch.equal(manager.next_token_bitmask(["d"]), before)  # rolled back
+    batch = [f"b{i}" for i in range(8)]  # enough rows for xgrammar's batch fill
+    for seq_id in batch:
+        manager.track(seq_id, manager.submit(CONSTRAINTS["regex"]), [0, 5])
+    manager.pop_failed()
+    for seq_id in batch:
+        manager.accept(seq_id, good[0], 0)
+    assert torch.equal(manager.next_token_bitmask(batch, [drafts] * 8), masks.repeat(8, 1))
     assert manager.accept("d", good[1], 1) is False  # and it continues from there
-    manager.remove("d")
+    for seq_id in ["d", *batch]:
+        manager.remove(seq_id)
 
 
 def test_a_think_end_draft_starts_the_grammar_on_the_rows_after_it(plain: Engine) -> None:

@@ -14,10 +14,11 @@ engine then drives it each step:
   drafts has d + 1 rows from its `grammar_row` on, one per logits row it verifies: row j is its mask
   after the drafts before it, filled by advancing the matcher through the drafts and rolling it back
   afterwards (xgrammar's matchers roll back without limit). A draft the grammar rejects cannot be
-  accepted (the masked draw of its row is another token), so the rows after it are left free. Under overlapped decode with the in-process
-  executor a request's input may still be on the device (`PENDING_TOKEN`): the bitmask is then
-  deferred, a function the runner calls once the step's forward is launched, which first has the
-  engine accept the tokens of the step in flight (vLLM's async scheduling does the same);
+  accepted (the masked draw of its row is another token), so the rows after it are left free.
+  Under overlapped decode with the in-process executor a request's input may still be on the device
+  (`PENDING_TOKEN`): the bitmask is then deferred, a function the runner calls once the step's
+  forward is launched, which first has the engine accept the tokens of the step in flight (vLLM's
+  async scheduling does the same; such a request has no drafts: verify steps are never overlapped);
 - `accept` with each appended token: the matcher advances; True once the grammar is complete. It is
   idempotent by position, so the engine's settling of a step skips tokens a deferred mask accepted.
 
@@ -327,8 +328,8 @@ class StructuredOutputManager:
         """`plan` with a bitmask row for each sampled constrained request (itself if there are none).
 
         A request with d drafts gets d + 1 rows (`apply_bitmask`), one per draft position. A request
-        whose input is `PENDING_TOKEN` (it has no drafts) cannot have its row filled before the step launches:
-        the plan's bitmask is then a function, which the runner calls once the forward is launched
+        whose input is `PENDING_TOKEN` (it has no drafts) cannot have its row filled before the step
+        launches: the plan's bitmask is then a function, which the runner calls once the forward is launched
         (before sampling). It calls `accept_pending`, which waits for the step in flight and `accept`s
         its tokens, then fills every row, so the matchers' host work overlaps the forward. Such a plan
         does not pickle: only the in-process executor is given one (`executor.can_defer_bitmask`).

@@ -86,6 +86,15 @@ class InvariantLayerOps(ReferenceLayerOps):
             return super(InvariantLayerOps, self).hc_post_head(s, out, p, c, every, head, norm_weight)
         return tile_rows(block, streams[rows], block_out[rows], post[rows], comb[rows])
 
+    def hc_mix(self, streams, hc: HyperWeights, norm_weight, collapse_pre):
+        return tile_rows(lambda s, c: super(InvariantLayerOps, self).hc_mix(s, hc, norm_weight, c),
+                         streams, collapse_pre)
+
+    def hc_post_mix(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight, collapse_pre):
+        def block(s, out, p, c, pre):
+            return super(InvariantLayerOps, self).hc_post_mix(s, out, p, c, hc, norm_weight, pre)
+        return tile_rows(block, streams, block_out, post, comb, collapse_pre)
+
     def rms_norm(self, x, weight, cos=None, sin=None):
         base = super()
         if cos is None:

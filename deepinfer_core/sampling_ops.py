@@ -8,6 +8,8 @@ on the other rows of its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deepinfer_core.backends.sampling import (
@@ -114,13 +116,16 @@ def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
-def sampler_output(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+def sampler_output(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors,
+                   log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
     """The chosen `token_ids` with their logprobs and ranks under the raw log-softmax of `logits`, and the
-    top `num_logprobs`; NaN logprobs and zero ranks when no row asked for logprobs."""
+    top `num_logprobs`; NaN logprobs and zero ranks when no row asked for logprobs. `log_softmax` replaces
+    torch's (`[B, V]` -> `[B, V]` fp32; a sampler's own kernel, e.g. a batch-invariant one for
+    `SamplingSpec.deterministic`)."""
     if not params.needs_logprobs and params.num_logprobs == 0:
         nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
         return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    raw_logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     chosen = raw_logprobs.gather(1, token_ids[:, None])
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)

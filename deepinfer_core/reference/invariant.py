@@ -63,6 +63,12 @@ def tile_rows(fn: Callable[..., Any], *rows: torch.Tensor, tile: int = ROW_TILE)
     return tuple(torch.cat(parts)[:num_rows] for parts in zip(*outs))
 
 
+def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax on fixed row tiles: the reference sampler's logprobs for a deterministic
+    `SamplingSpec` (on any device whose kernel is a function of the call's shape)."""
+    return tile_rows(lambda rows: torch.log_softmax(rows, dim=-1), logits)
+
+
 class InvariantLayerOps(ReferenceLayerOps):
     """`LayerOps` whose every per-token op (and `map_rows`) runs on fixed `ROW_TILE`-row tiles, and whose
     compressor pools the windows it closes in fixed tiles too. Window and tail writes are copies."""

@@ -85,6 +85,22 @@ def test_same_logprobs_after_prefix_hit_which_replays_exactly(checkpoint, alone)
     assert results[1] == alone
 
 
+def test_same_prompt_logprobs_alone_chunked_and_in_a_batch(checkpoint):
+    def prompt_logprobs(batch, **options):
+        engine = make_engine(*checkpoint, deterministic=True, max_num_seqs=len(batch), **options)
+        for i, prompt in enumerate(batch):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {out.request_id: out for out in engine.step() if out.finished}
+        return [entry and [(t, p.logprob) for t, p in entry.items()] for entry in done["0"].prompt_logprobs]
+
+    alone = prompt_logprobs([TARGET])
+    assert alone[0] is None and len(alone) == len(TARGET)
+    assert prompt_logprobs([TARGET], max_num_batched_tokens=7) == alone
+    assert prompt_logprobs([TARGET, random_prompt(60, seed=3), random_prompt(9, seed=4)]) == alone
+
+
 def test_default_mode_is_not_always_batch_invariant(checkpoint, alone):
     """Guard: the tests above can fail. On this CPU the default backends change a request's logprobs
     with its batch or its chunking, so passing them says deterministic mode removed that."""

@@ -126,7 +126,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         tables = {}
         for name, rotary in self.rotary.items():
-            cos, sin = self.ops.map_rows(rotary.cos_sin, positions)
+            cos, sin = self.ops.map_rows(rotary.cos_sin, positions)  # row tiles in deterministic mode
             tables[name] = (cos, sin, -sin)
         return tables
 

@@ -32,7 +32,7 @@ def build(directory, device):
     runner = ModelRunner(config, engine_config.resolve(config), device, weights=weights)
     model = runner.model
     ops = InvariantTritonLayerOps(runner.model.ops.spec, device)
-    model.bind_backends([InvariantTritonAttention(plan.attention, split_keys=64) for plan in model.plans],
+    model.bind_backends([InvariantTritonAttention(plan.attention) for plan in model.plans],
                         model.moe_backends, ops, device)
     assert model.mixing is ops and all(isinstance(b, IndexScorer) for b in model.attention_backends)
     return runner

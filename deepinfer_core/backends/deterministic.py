@@ -3,8 +3,8 @@
 `EngineConfig.deterministic` sets `deterministic=True` on every `AttentionSpec`, `MoESpec`,
 `LayerOpsSpec` and `SamplingSpec` the engine builds. A backend built for such a spec must give each token
 (each query, each row) bit-identical results whatever else shares its call and however its request is
-split into steps; the reference's variants are in `deepinfer_core.reference.invariant`. A plugin whose kernels do not
-guarantee that declines those specs (`deterministic_problem`), and the reference serves them.
+split into steps; the reference's variants are in `deepinfer_core.reference.invariant`. A plugin whose
+kernels do not guarantee that declines those specs (`deterministic_problem`), and the reference serves them.
 """
 
 from __future__ import annotations

@@ -12,9 +12,12 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
 The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
 bound backends, and so does the single-pass mixing when the layer ops serve it (`SinglePassMixing`; else
 the reference's), and so does the two-level indexer's scoring when the backend hands out scores
-(`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Decode steps read no device value on the host (the
-compressor and the two-level indexer size their work from `max_seq_len`), so the runner captures them
-in CUDA graphs when the backends allow it.
+(`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Every
+per-token computation the model runs itself (projections, compressor, Engram, shared experts, rope
+tables, head) goes through `LayerOps.map_rows`, so deterministic mode runs it on fixed row tiles
+(docs/deepseek-v41.md). Decode steps read no device value on the host (the compressor and the two-level
+indexer size their work from `max_seq_len`), so the runner captures them in CUDA graphs when the backends
+allow it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ splits of `KEY_SPLIT`: window keys by absolute position (split `s` holds positio
 likewise. A split is two fixed-shape batched GEMMs (one matrix per row) and an online-softmax merge
 (flash attention's), started from the sink, in ascending split order. A split a row cannot see is an
 exact no-op for it (probabilities 0, rescale exp(0) = 1), so how many splits its tile happens to visit,
-and which rows share the tile, change nothing: a query's output depends on its own keys only.
+and which rows share the tile, change nothing: a query's output depends on its own keys only. The
+indexer scores its entries in the same splits; its raw scores also serve V4.1's two-level indexer
+(`index_scores`, the `IndexScorer` protocol).
 """
 
 from __future__ import annotations

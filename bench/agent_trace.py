@@ -22,6 +22,7 @@ half's hit rate alone: what a restarted engine serves from the store.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import shutil
@@ -193,12 +194,19 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     device_blocks = args.device_blocks or (args.concurrency + 1) * blocks_per_history
     host_gib = args.host_gib if args.host_gib is not None else trace_blocks // 2 * block_bytes / 2**30
     options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
-               "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks}
+               "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks,
+               # decode batches never exceed the concurrency: capture only those (each mode builds an engine)
+               "cuda_graph_sizes": tuple(range(1, args.concurrency + 1))}
     print(json.dumps({"bench": "prefix_cache_agent", "commit": git_commit(), "sessions": args.agent_sessions,
                       "turns": args.agent_turns, "scale": args.scale, "system_tokens": len(trace.system),
                       "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,
                       "trace_blocks": trace_blocks, "host_gib": round(host_gib, 6), "device": args.device,
                       "workload": args.model or args.workload}), flush=True)
+    if args.device != "cpu":  # a short trace first: the kernels of every path compile outside the timings
+        short = argparse.Namespace(**{**vars(args), "agent_turns": min(4, args.agent_turns)})
+        short_trace = make_agent_trace(short, args.vocab)
+        for mode in ("off", "device", "tiers"):
+            run_mode(mode, short_trace, short, {**options, "host_cache_gib": host_gib})
     rows, cold_answers, cold_wall, cold_prefill_s = [], None, None, None
     for mode in ("off", "device", "tiers", "restart"):
         row, answers = run_mode(mode, trace, args, {**options, "host_cache_gib": host_gib})

@@ -178,7 +178,7 @@ def main() -> None:
     engines = {}
     for kind, kind_weights in weights.items():
         engines[kind] = base.build_engine(config, model, device, dtype, max(batches), args.new_tokens,
-                                          weights=kind_weights)
+                                          weights=kind_weights, graph_sizes=batches)
         runner = engines[kind].runner
         print(json.dumps({"engine": kind, "expert_format": sorted({p.moe.expert_format for p in runner.plans}),
                           "fp8_projections": sum(isinstance(m, FP8Linear) for m in runner.model.modules()),

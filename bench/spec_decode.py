@@ -14,7 +14,9 @@ Every run also checks that its tokens equal those of no speculation; where they 
 first divergence (request, step) and the reference's logprob gap there between its token and the
 speculative run's (bf16: a (k + 1)-token verify step is not bitwise the 1-token decode computation, so
 near-ties may flip; a large gap is a bug). Decode steps and verify steps whose requests all carry the
-same number of drafts replay CUDA graphs unless `--eager`. `--tiny` runs a small config on the CPU
+same number of drafts replay CUDA graphs unless `--eager`. `--deterministic` runs both engines in
+deterministic mode, where a verify step computes bitwise what decode steps would, so the oracle's
+acceptance stays 1. `--tiny` runs a small config on the CPU
 (checks the script). One JSON line per measurement.
 """
 
@@ -199,6 +201,10 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs on either side (verify steps always run eagerly; this compares like "
                         "with like)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="both engines in deterministic mode: a verify step's logits are then bitwise the "
+                        "decode step's, so the oracle's drafts stay the target's own tokens (bf16 near ties "
+                        "cannot flip)")
     args = parser.parse_args()
     args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -214,8 +220,10 @@ def main() -> None:
     max_batch = max(args.batches)
     # the extra new tokens leave room for k drafts past the last one
     new = args.new_tokens + max(args.ks)
-    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager)
-    spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager)
+    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
+                                  graph_sizes=args.batches, deterministic=args.deterministic)
+    spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager, args.batches,
+                             args.deterministic)
     vocab = config.vocab_size
     generator = torch.Generator().manual_seed(0)
     for batch in args.batches:
@@ -224,11 +232,13 @@ def main() -> None:
     run_ngram(args, plain, spec, vocab)
 
 
-def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager):
-    """`gpu_decode.build_engine`'s engine with speculation on (n-gram, k drafts at most)."""
+def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager, graph_sizes=None,
+                      deterministic=False):
+    """`gpu_decode.build_engine`'s engine with speculation on (n-gram, k drafts at most), its decode
+    graphs captured for `graph_sizes` (None: the engine's ladder)."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
     return workload.build_engine(config, model, device, dtype, max_batch, new_tokens, enforce_eager=eager,
-                                 speculative_config=spec)
+                                 speculative_config=spec, graph_sizes=graph_sizes, deterministic=deterministic)
 
 
 if __name__ == "__main__":

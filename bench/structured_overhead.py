@@ -5,19 +5,26 @@ against the same batch unconstrained.
 
 GPU: the "v4flash-LxE" workload of bench/gpu_decode.py (random weights, bf16, 512-token prompts; the
 DeepSeek tokenizer from the recipe plugin indexes the 129,280-id vocabulary for xgrammar). `--tiny`: the
-embedded tiny model (real tokenizer, random weights) on the CPU, to check the script.
+embedded tiny model (real tokenizer, random weights) on the CPU, decode overlapped as on CUDA, to check
+the script.
 
 Both runs decode greedily; the schema (an object holding an array of at least 100 integers) keeps the
 constrained rows going through the timed steps. Reported: the steady step time of each run (steps in
 which every request decodes), the overhead `(constrained - plain) / plain`, the host time a step spends
-filling bitmasks and advancing matchers (`StructuredOutputManager.fill_bitmask` and `accept`), and the
-tokens a step yields for constrained and unconstrained rows (with overlapped decode a constrained row
-needs its last token on the host, so it decodes every other step). Target: overhead < 5% of step time.
+filling bitmasks and advancing matchers (`StructuredOutputManager.next_token_bitmask` and `accept`; with
+overlapped decode in one process that work runs while the step's forward is on the device), and the
+tokens a step yields for constrained and unconstrained rows (1.0 for both: a constrained row's mask is
+filled once its step is launched; with worker processes it would need its last token on the host first,
+and decode every other step). Target: overhead < 5% of step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import os
+import pstats
 import datetime
 import json
 import time
@@ -39,20 +46,22 @@ def build_engine(args):
         config = base.build_config(args)
         model = base.build_model(config, "cuda", torch.bfloat16)
         new_tokens = 2 * args.steps + 16
-        return base.build_engine(config, model, "cuda", torch.bfloat16, args.batch, new_tokens), base.PROMPT_LEN
+        sizes = [max(1, args.batch // 2), args.batch]  # the half batch: constrained rows sitting a step out (workers)
+        return (base.build_engine(config, model, "cuda", torch.bfloat16, args.batch, new_tokens, graph_sizes=sizes),
+                base.PROMPT_LEN)
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
     config = EngineConfig(model=str(embedded_tiny_model_dir()), device="cpu", max_num_seqs=args.batch,
-                          max_model_len=512, num_kv_blocks=4 * args.batch + 8)
+                          max_model_len=512, num_kv_blocks=4 * args.batch + 8, async_scheduling=True)  # as on CUDA
     return Engine(config), 32
 
 
 @contextmanager
 def grammar_timers(engine):
     """Host seconds spent in the structured-output manager's per-step calls, accumulated in a dict."""
-    manager, spent = engine.structured_output, {"fill_bitmask": 0.0, "accept": 0.0}
+    manager, spent = engine.structured_output, {"next_token_bitmask": 0.0, "accept": 0.0}
     originals = {name: getattr(manager, name) for name in spent}
 
     def timed(name):
@@ -73,8 +82,9 @@ def grammar_timers(engine):
             delattr(manager, name)
 
 
-def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int) -> dict:
-    """Time `steps` decode steps in which every request decodes; the first `constrained` rows follow SCHEMA."""
+def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int, profile_host: bool = False) -> dict:
+    """Time `steps` decode steps in which every request decodes; the first `constrained` rows follow SCHEMA
+    (`profile_host`: print a cProfile top 15 of the timed steps' host time)."""
     from deepinfer_core.sampling_params import SamplingParams, StructuredOutputsParams
 
     plain = SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True)
@@ -90,16 +100,27 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int)
         engine.step()
     engine.step()
     before = {s.request_id: s.num_tokens for s in scheduler.running}
+    profiler = cProfile.Profile() if profile_host else None
     with grammar_timers(engine) as spent:
         base.sync()
         start = time.perf_counter()
         done = 0
+        if profiler is not None:
+            profiler.enable()
         while len(scheduler.running) == len(prompts) and done < steps:
             engine.step()
             done += 1
         base.sync()
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+            print(text.getvalue(), flush=True)
     gained = {s.request_id: s.num_tokens - before[s.request_id] for s in scheduler.running}
+    # what a constrained row wrote (the matcher states its masks were filled in)
+    sample = next((engine.tokenizer.decode([t for t in s.output_token_ids if t >= 0])[-160:]
+                   for s in scheduler.running if s.request_id == ids[0]), None) if constrained else None
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
@@ -110,8 +131,10 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int)
         "steps": done,
         "step_ms": round(1e3 * elapsed / max(done, 1), 3),
         "grammar_host_ms_per_step": round(1e3 * sum(spent.values()) / max(done, 1), 3),
+        **{f"{name}_ms_per_step": round(1e3 * value / max(done, 1), 3) for name, value in spent.items()},
         "tokens_per_step_constrained_row": round(per_step(shaped_ids), 3) if shaped_ids else None,
         "tokens_per_step_plain_row": round(per_step(plain_ids), 3) if plain_ids else None,
+        "constrained_output_tail": sample,
     }
 
 
@@ -123,10 +146,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--tiny", action="store_true", help="the embedded tiny model on the CPU (checks the script)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile the constrained run's timed steps")
     args = parser.parse_args()
     engine, prompt_len = build_engine(args)
     print(json.dumps({"bench": "structured_overhead", "date": datetime.date.today().isoformat(),
                       "device": torch.cuda.get_device_name() if not args.tiny else "cpu", "commit": args.commit,
+                      "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
                       "batch": args.batch, "constrained_rows": args.batch // 2,
                       "workload": "embedded-tiny" if args.tiny else f"v4flash-{args.layers}x{args.experts}"}),
           flush=True)
@@ -136,7 +161,7 @@ def main() -> None:
     steady_steps(engine, prompts, args.batch // 2, 2)  # warm-up: compiles the grammar, grows the allocator
     rows = {}
     for name, constrained in (("plain", 0), ("half_constrained", args.batch // 2)):
-        rows[name] = steady_steps(engine, prompts, constrained, args.steps)
+        rows[name] = steady_steps(engine, prompts, constrained, args.steps, args.profile_host and constrained > 0)
         print(json.dumps({"run": name, **rows[name]}), flush=True)
     overhead = rows["half_constrained"]["step_ms"] / rows["plain"]["step_ms"] - 1
     print(json.dumps({"step_overhead": round(overhead, 4), "target": "< 0.05",

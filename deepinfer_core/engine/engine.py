@@ -13,10 +13,16 @@ Any step that is not all decodes (a prefill, an admission, a sequence waiting) f
 in flight, so prefill and preemption see only real tokens. Under speculative decoding a verify step is
 never left in flight (the next plan's positions and drafts follow from its accepted counts), and a step
 in flight is overlapped only while the next would verify no draft (`Speculator.allows_overlap`).
+
+A structured-output request decodes every step too when the model runs in this process: its row of the
+next plan's grammar bitmask is filled by the runner once that step's forward is launched, through
+`_accept_grammar_tokens` (`StructuredOutputManager.fill_bitmask`). With worker ranks (plans that must
+pickle) or speculative decoding it sits out the step launched while its last token is on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -29,7 +35,7 @@ from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
-from deepinfer_core.engine.executor import make_executor, parallel_stats
+from deepinfer_core.engine.executor import can_defer_bitmask, make_executor, parallel_stats
 from deepinfer_core.engine.kv_blocks import layout_bytes
 from deepinfer_core.engine.kv_transfer import first_token_of, first_token_output
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
@@ -141,6 +147,8 @@ class Engine:
         self._seq_owner: dict[str, _Completion] = {}
         overlap = self.config.async_scheduling
         self._overlap = info.device.type == "cuda" if overlap is None else overlap
+        self._defers_grammar_masks = self._overlap and self.speculator is None and can_defer_bitmask(self.executor)
+        """Constrained requests' masks may be filled after their step launches (see the module docstring)."""
         self._in_flight: InFlightStep | None = None
         self._touched: dict[str, _Request] = {}
         self._seed_source = random.Random(self.config.seed)
@@ -197,7 +205,8 @@ class Engine:
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = (base_seed + index) % 2**64
-            seq = Sequence(seq_id, prompt_token_ids, params, prompt=prompt, seed=seed)
+            seq = Sequence(seq_id, prompt_token_ids, params, prompt=prompt, seed=seed,
+                           defers_grammar_mask=self._defers_grammar_masks)
             request.completions.append(_Completion(seq, request, [] if params.logprobs is not None else None))
             request.seq_ids.append(seq_id)
         for completion in request.completions:  # all or nothing
@@ -293,7 +302,8 @@ class Engine:
             elif not touched and self.prefix_tiers is not None:
                 self.prefix_tiers.wait_loading(0.05)  # only prefixes loading from the store: no busy loop
             return [self._finish_output(request) for request in touched.values()]
-        plan = self.structured_output.fill_bitmask(plan)
+        plan = self.structured_output.fill_bitmask(
+            plan, functools.partial(self._accept_grammar_tokens, in_flight) if in_flight is not None else None)
         seqs = [owner[r.request_id].seq for r in plan.requests]
         self._note_scheduled(seqs)
         result = self.executor.execute(plan)
@@ -366,6 +376,20 @@ class Engine:
             in_flight.ready.synchronize()
         self._append_tokens(in_flight.seqs, in_flight.output, touched, pending=True)
 
+    def _accept_grammar_tokens(self, in_flight: InFlightStep) -> None:
+        """Wait for the step in flight's tokens and advance its constrained sequences' matchers by them:
+        the runner calls this through the next plan's deferred bitmask, once that step's forward is
+        launched. `_settle` appends the tokens later, and finds them accepted (`accept` by position)."""
+        if in_flight.ready is not None:
+            in_flight.ready.synchronize()
+        for seq, token in zip(in_flight.seqs, in_flight.output.token_ids.tolist()):
+            if seq.is_finished or token == NONFINITE_TOKEN or seq.request_id not in self.structured_output:
+                continue
+            try:
+                self.structured_output.accept(seq.request_id, token, seq.num_output_tokens - 1)
+            except GrammarError:
+                pass  # its row is left free; `_settle` meets the error again and ends the request
+
     def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request], pending: bool = False) -> None:
         """Add each row's token to its sequence and apply the stop rules; `pending`: the tokens replace
         the sequences' `PENDING_TOKEN`s, and sequences that finished meanwhile are skipped."""
@@ -384,7 +408,8 @@ class Engine:
             is_grammar_complete = False
             if seq.sampling_params.structured_outputs is not None:
                 try:  # before the token is added: a rejected one is never shown
-                    is_grammar_complete = self.structured_output.accept(seq.request_id, token)
+                    position = seq.num_output_tokens - 1 if pending else seq.num_output_tokens
+                    is_grammar_complete = self.structured_output.accept(seq.request_id, token, position)
                 except GrammarError as err:
                     logger.error("request %s: %s; it ends with finish_reason 'error'", seq.request_id, err)
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)

@@ -89,7 +89,8 @@ def runner_info(runner, rank: int = 0) -> ModelSideInfo:
 
 
 class UniExecutor:
-    """The model runner in this process."""
+    """The model runner in this process. Its plans are handed over as they are, so a plan's grammar
+    bitmask may be a function filled once the step's forward is launched (`can_defer_bitmask`)."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -234,6 +235,15 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     if engine_config.num_ranks != 1:
         raise ValueError(f"world_size={engine_config.num_ranks} needs distributed_executor_backend='mp'")
     return UniExecutor(model_config, engine_config, device, weights)
+
+
+def can_defer_bitmask(executor: Executor) -> bool:
+    """Whether `executor` takes plans whose grammar bitmask is filled late, by a function of the engine's
+    (`StructuredOutputManager.fill_bitmask`): only the in-process runner does. Plans sent to worker
+    ranks (multi-process and torchrun executors: tensor, data, expert and context parallelism) must
+    pickle, so there a constrained request keeps sitting out the step launched while its last token is
+    still on the device (`Sequence.waits_for_host`), and decodes every other step."""
+    return isinstance(executor, UniExecutor)
 
 
 def parallel_stats(executor) -> dict:

@@ -54,9 +54,10 @@ def can_leave_in_flight(plan: StepPlan, result: StepResult) -> bool:
 def can_overlap(scheduler: Scheduler, max_model_len: int) -> bool:
     """Whether the next plan will be all decodes (nothing waiting, every running sequence decoding), so it
     may launch before the step in flight is settled. Sequences whose next step needs their last token on
-    the host (`Sequence.needs_host_token`: penalties, a grammar) sit that step out (`waits_for_host`), so
-    it launches only if some other sequence would decode in it, not by length alone (a step whose every
-    token ends its sequence by length would compute nothing anybody reads)."""
+    the host (`Sequence.needs_host_token`: penalties, a grammar whose mask is filled before launch) sit
+    that step out (`waits_for_host`), so it launches only if some other sequence would decode in it, not
+    by length alone (a step whose every token ends its sequence by length would compute nothing anybody
+    reads)."""
     if scheduler.waiting or any(seq.is_prefill for seq in scheduler.running):
         return False
     return any(

@@ -107,7 +107,9 @@ class StepPlan:
     freed_request_ids: tuple[str, ...] = ()
     """Requests finished, aborted or preempted since the last plan: the runner drops their state."""
     grammar_bitmask: Any = None
-    """Packed allowed-token bits `[rows, ceil(vocab / 32)]` int32, or None."""
+    """Packed allowed-token bits `[rows, ceil(vocab / 32)]` int32, or None; or a function returning them,
+    which the runner calls once the step's forward is launched (overlapped decode in-process: a row's
+    input is `PENDING_TOKEN`; see `StructuredOutputManager.fill_bitmask`). Such a plan does not pickle."""
     cache_ops: tuple[CacheOp, ...] = ()
     """Prefix-tier transfers, run in order before the step's tokens (a block saved here may be
     rewritten by this step). A plan may hold only cache ops (no requests)."""

@@ -60,6 +60,9 @@ class Sequence:
     :param prompt: the prompt text, when there is one, for outputs.
     :param seed: per-request seed; defaults to `sampling_params.seed`, else a random 64-bit seed.
     :param arrival_time: `time.time()` at arrival; defaults to now.
+    :param defers_grammar_mask: its grammar's mask may be filled after its step is launched (overlapped
+        decode with the in-process executor: `StructuredOutputManager.fill_bitmask`), so a grammar alone
+        does not make it wait for its last token on the host.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Sequence:
         prompt: str | None = None,
         seed: int | None = None,
         arrival_time: float | None = None,
+        defers_grammar_mask: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -82,12 +86,13 @@ class Sequence:
         self.needs_token_history = needs_token_history(sampling_params)
         """Its sampling reads its own ids (penalties): the runner is sent them."""
         kv_transfer = getattr(sampling_params, "kv_transfer_params", None)
+        has_grammar = getattr(sampling_params, "structured_outputs", None) is not None
         self.needs_host_token = (self.needs_token_history
-                                 or getattr(sampling_params, "structured_outputs", None) is not None
+                                 or (has_grammar and not defers_grammar_mask)
                                  or bool(kv_transfer and kv_transfer.get("export")))
-        """Its next step needs its last token on the host (penalties, a grammar's mask; a prefill
-        instance's request, whose state is exported as its first token was sampled): with overlapped
-        decode it sits out the step launched while that token is still on the device."""
+        """Its next step needs its last token on the host (penalties, a grammar's mask filled before
+        launch; a prefill instance's request, whose state is exported as its first token was sampled):
+        with overlapped decode it sits out the step launched while that token is still on the device."""
         if seed is None:
             seed = getattr(sampling_params, "seed", None)
         self.seed = seed if seed is not None else secrets.randbits(_SEED_BITS)

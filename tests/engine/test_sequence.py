@@ -87,3 +87,17 @@ def test_reset_cache_state_keeps_tokens():
     assert seq.status is SequenceStatus.WAITING
     assert (seq.num_computed_tokens, seq.slot, seq.num_cached_tokens, seq.no_write_before) == (0, None, 0, 0)
     assert seq.token_ids == [1, 2, 3, 4] and seq.output_token_ids == [4]
+
+
+def test_a_grammar_waits_for_the_host_unless_its_mask_is_deferred():
+    from deepinfer_core.engine.plan import PENDING_TOKEN
+    from deepinfer_core.sampling_params import StructuredOutputsParams
+
+    shaped = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    penalised = SamplingParams(presence_penalty=1.0, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    waits = {}
+    for name, params, defers in (("shaped", shaped, False), ("deferred", shaped, True), ("penalised", penalised, True)):
+        seq = Sequence("r", [1, 2], params, defers_grammar_mask=defers)
+        seq.append_token(PENDING_TOKEN)
+        waits[name] = seq.waits_for_host
+    assert waits == {"shaped": True, "deferred": False, "penalised": True}  # penalties read the ids themselves

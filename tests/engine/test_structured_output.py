@@ -11,6 +11,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.engine import Engine
@@ -103,12 +104,18 @@ def test_bad_constraints_are_value_errors_with_xgrammars_message(llm: LLM) -> No
     assert not llm.engine.has_unfinished_requests()
 
 
-def run_engine(engine: Engine, requests: dict[str, SamplingParams], prompt=(0, 7)) -> dict:
+def run_engine(engine: Engine, requests: dict[str, SamplingParams], prompt=(0, 7), gains: list | None = None) -> dict:
+    """Every request to the end; `gains` gets, per step, the tokens each request decoding at its start had
+    gained by its end (a pending one included)."""
     for request_id, params in requests.items():
         engine.add_request(request_id, list(prompt) + [len(request_id)], params)
     done = {}
     while engine.has_unfinished_requests():
+        before = {s.request_id: s.num_tokens for s in engine.scheduler.running if not s.is_prefill}
         done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        if gains is not None:
+            gains.append({s.request_id: s.num_tokens - before[s.request_id] for s in engine.scheduler.running
+                          if s.request_id in before})
     return done
 
 
@@ -117,8 +124,121 @@ def overlapped_engine(llm: LLM) -> Engine:
     return llm.engine
 
 
+@pytest.fixture(scope="module")
+def step_by_step() -> Engine:
+    """The reference: decode not overlapped, every mask filled before its step."""
+    return LLM(str(embedded_tiny_model_dir()), max_model_len=256, max_num_seqs=16, num_kv_blocks=20, device="cpu",
+               async_scheduling=False).engine
+
+
 def free(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=8, seed=seed, ignore_eos=True, logprobs=2)
+
+
+def count_deferred(engine: Engine, monkeypatch) -> list[str]:
+    """The ids of the requests of each plan whose bitmask the runner fills after launch, in order."""
+    execute, deferred = engine.executor.execute, []
+
+    def record(plan):
+        if callable(plan.grammar_bitmask):
+            deferred.extend(r.request_id for r in plan.requests if r.grammar_row is not None)
+        return execute(plan)
+
+    monkeypatch.setattr(engine.executor, "execute", record)
+    return deferred
+
+
+def summary(done: dict) -> dict:
+    return {request_id: (c.token_ids, c.text, c.finish_reason) for request_id, c in done.items()}
+
+
+def test_overlapped_constrained_rows_decode_every_step_as_step_by_step(overlapped_engine, step_by_step,
+                                                                       monkeypatch) -> None:
+    requests = {"json-greedy": SamplingParams(max_tokens=60, temperature=0, structured_outputs=CONSTRAINTS["json"]),
+                "json-seeded": SamplingParams(max_tokens=60, seed=4, structured_outputs=CONSTRAINTS["json"]),
+                "regex-greedy": SamplingParams(max_tokens=60, temperature=0, structured_outputs=CONSTRAINTS["regex"]),
+                "regex-seeded": SamplingParams(max_tokens=60, seed=9, structured_outputs=CONSTRAINTS["regex"]),
+                "free": SamplingParams(max_tokens=40, seed=2, ignore_eos=True)}
+    reference = run_engine(step_by_step, requests)
+    deferred, gains = count_deferred(overlapped_engine, monkeypatch), []
+    done = run_engine(overlapped_engine, requests, gains=gains)
+    assert summary(done) == summary(reference)
+    assert all(gain == 1 for step in gains for gain in step.values())  # no request sits a step out
+    assert sum(len(step) for step in gains) > 60
+    assert {"json-greedy", "json-seeded", "regex-greedy", "regex-seeded"} <= set(deferred)
+    for name in ("json-greedy", "json-seeded"):  # each token accepted once: the answers validate
+        assert done[name].finish_reason == "stop"
+        jsonschema.validate(json.loads(done[name].text), SCHEMA)
+    for name in ("regex-greedy", "regex-seeded"):  # complete mid-batch, while the free row goes on
+        assert done[name].finish_reason == "stop" and re.fullmatch(REGEX, done[name].text)
+    assert done["free"].finish_reason == "length" and len(done["free"].token_ids) == 40
+
+
+def test_a_token_rejected_under_overlap_ends_that_request_alone(overlapped_engine, step_by_step, monkeypatch) -> None:
+    end = overlapped_engine.tokenizer.hf.token_to_id("</think>")  # never continues the pattern
+    requests = {"bad": SamplingParams(max_tokens=16, seed=5, logit_bias={end: 100.0}, structured_outputs=CONSTRAINTS["regex"]),
+                "good": SamplingParams(max_tokens=16, seed=5, structured_outputs=CONSTRAINTS["regex"]),
+                "free": free(0)}
+    reference = run_engine(step_by_step, requests)
+    manager, unmasked = overlapped_engine.structured_output, []
+    fill = manager.fill_bitmask
+
+    def unmask_third(plan, *accept_pending):  # "bad" samples its third token without its mask: `</think>`
+        plan = fill(plan, *accept_pending)
+        requests = list(plan.requests)
+        for i, r in enumerate(requests):
+            if r.request_id == "bad" and r.start == 4:  # its prompt has 3 tokens
+                unmasked.append(callable(plan.grammar_bitmask))
+                requests[i] = replace(r, grammar_row=None)
+        return replace(plan, requests=tuple(requests))
+
+    monkeypatch.setattr(manager, "fill_bitmask", unmask_third)
+    done = run_engine(overlapped_engine, requests)
+    assert unmasked == [True]  # the overlapped path: its mask was to be filled after launch
+    assert len(reference["bad"].token_ids) > 2
+    assert done["bad"].finish_reason == "error" and done["bad"].token_ids == reference["bad"].token_ids[:2]
+    assert summary({k: done[k] for k in ("good", "free")}) == summary({k: reference[k] for k in ("good", "free")})
+
+
+def test_thinking_ends_on_a_pending_token_under_overlap(overlapped_engine, step_by_step, monkeypatch) -> None:
+    tokenizer = overlapped_engine.tokenizer.hf
+    think = tokenizer.token_to_id("<think>")
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=CONSTRAINTS["choice"])
+    thinking = run_engine(step_by_step, {"think": params}, prompt=(0, 5, think))["think"]
+    assert thinking.finish_reason == "length"  # the model never closes its reasoning by itself
+    ender = next(t for i, t in enumerate(thinking.token_ids) if i >= 3 and t not in thinking.token_ids[:i])
+    cut = thinking.token_ids.index(ender) + 1
+    for engine in (step_by_step, overlapped_engine):  # the reasoning ends with that token, a decode's
+        monkeypatch.setattr(engine.structured_output, "_think", (think, ender))
+    deferred = count_deferred(overlapped_engine, monkeypatch)
+    reference = run_engine(step_by_step, {"think": params}, prompt=(0, 5, think))["think"]
+    done = run_engine(overlapped_engine, {"think": params}, prompt=(0, 5, think))["think"]
+    assert done.token_ids[:cut] == thinking.token_ids[:cut] and "think" in deferred
+    assert done.finish_reason == "stop" and tokenizer.decode(done.token_ids[cut:]) in CHOICES
+    assert summary({"think": done}) == summary({"think": reference})
+
+
+def test_accept_is_idempotent_by_position(llm: LLM) -> None:
+    manager, tokenizer = llm.engine.structured_output, llm.get_tokenizer()
+    for seq_id in ("x", "y"):
+        manager.track(seq_id, manager.submit(CONSTRAINTS["regex"]), [0, 5])
+    manager.wait(CONSTRAINTS["regex"])
+    manager.pop_failed()  # starts their matchers
+    tokens = tokenizer.encode("ab-12") + [llm.engine.eos_token_ids[0]]
+    assert manager.accept("x", tokens[0], 0) is False
+    once = manager.next_token_bitmask(["x"])
+    assert manager.accept("x", tokens[0], 0) is False  # already accepted: the matcher stays
+    assert torch.equal(manager.next_token_bitmask(["x"]), once) and not torch.equal(once, once.new_full(once.shape, -1))
+    with pytest.raises(RuntimeError, match="accepted before token 1"):
+        manager.accept("x", tokens[1], 2)
+    results = [manager.accept("x", token, i) for i, token in enumerate(tokens)]
+    assert results == [False] * (len(tokens) - 1) + [True] and manager.accept("x", tokens[-1], len(tokens) - 1)
+    for _ in range(2):  # a rejection is raised again, and the row is left free
+        with pytest.raises(GrammarError, match="does not continue"):
+            manager.accept("y", tokenizer.encode("!")[0], 0)
+    assert torch.equal(manager.next_token_bitmask(["y", "x"]), once.new_full((2, once.shape[1]), -1))
+    manager.remove("x")
+    manager.remove("y")
 
 
 def test_unconstrained_rows_are_identical_with_constrained_batch_mates(overlapped_engine: Engine) -> None:
@@ -149,8 +269,8 @@ def test_a_matcher_error_ends_that_request_alone(overlapped_engine: Engine, monk
     manager = overlapped_engine.structured_output
     fill = manager.fill_bitmask
 
-    def unmask_bad(plan):  # the request "bad" samples without its mask: the matcher rejects the token
-        plan = fill(plan)
+    def unmask_bad(plan, *accept_pending):  # the request "bad" samples without its mask: the matcher rejects it
+        plan = fill(plan, *accept_pending)
         return replace(plan, requests=tuple(replace(r, grammar_row=None) if r.request_id == "bad" else r
                                             for r in plan.requests))
 

@@ -102,9 +102,13 @@ class DraftRollback:
         saved = []
         device = self._slot_rings[0].device
         slot_t, pos_t, owner_t = (host_tensor(v).to(device, non_blocking=True) for v in (slots, positions, owners))
+        indices = {}  # one index per ring length: rings share their rows' positions
         for ring in self._slot_rings:
-            index = (slot_t, pos_t % ring.shape[1])
-            saved.append(_Saved(ring, index, ring[index].clone(), pos_t, owner_t))
+            length = ring.shape[1]
+            if length not in indices:
+                indices[length] = (slot_t, pos_t % length)
+            index = indices[length]
+            saved.append(_Saved(ring, index, ring[index], pos_t, owner_t))  # advanced indexing copies
         for pool, rate in self._pools:
             rows, row_pos, row_owner = [], [], []
             per_block = BLOCK_SIZE // rate
@@ -119,7 +123,7 @@ class DraftRollback:
                     row_owner.append(r)
             if rows:
                 index = (host_tensor(rows).to(device, non_blocking=True),)
-                saved.append(_Saved(pool, index, pool[index].clone(), host_tensor(row_pos).to(device, non_blocking=True),
+                saved.append(_Saved(pool, index, pool[index], host_tensor(row_pos).to(device, non_blocking=True),
                                     host_tensor(row_owner).to(device, non_blocking=True)))
         return saved
 
@@ -134,6 +138,9 @@ class DraftRollback:
         device = saved[0].positions.device
         last_kept = host_tensor([d.start + a for d, a in zip(drafts, num_accepted, strict=True)])
         last_kept = last_kept.to(device, non_blocking=True)
+        masks = {}  # per positions tensor (every slot ring shares one): which rows were rejected
         for s in saved:
-            rejected = (s.positions > last_kept[s.requests]).view(-1, *[1] * (s.values.dim() - 1))
+            if id(s.positions) not in masks:
+                masks[id(s.positions)] = s.positions > last_kept[s.requests]
+            rejected = masks[id(s.positions)].view(-1, *[1] * (s.values.dim() - 1))
             s.tensor[s.index] = torch.where(rejected, s.values, s.tensor[s.index])

@@ -407,7 +407,7 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
         collapse_pre = collapse_pre.contiguous()
     given = (pre, 0) if collapse_pre is None else (collapse_pre, collapse_pre.stride(0))
     # the second launch's rows stay within the first's padded rows (both powers of two)
-    tail_tokens = min(TAIL_TOKENS, plan.block_tokens) if plan.two_pass else plan.block_tokens
+    tail_tokens = min(plan.tail_tokens, plan.block_tokens) if plan.two_pass else plan.block_tokens
     tail = {"TAIL_D": min(triton.next_power_of_2(hidden), max(32, 4096 // tail_tokens)),
             "SG": max(1, min(triton.next_power_of_2(plan.num_splits), 8192 // (tail_tokens * plan.num_cols)))}
     hyper_kernel[(num_blocks, plan.num_splits)](
@@ -431,7 +431,8 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
         hyper_tail_kernel[(triton.cdiv(num_rows, tail_tokens),)](
             src, *strides, hc.base, hc.scale, norm_weight, pre if post_out is None else post_out,
             pre if comb_out is None else comb_out, x, pre, *given, part_m, part_sq, num_rows, padded, hidden,
-            plan.num_splits, spec.hc_eps, spec.rms_norm_eps, BT=tail_tokens, num_warps=4, **common, **tail,
+            plan.num_splits, spec.hc_eps, spec.rms_norm_eps, BT=tail_tokens,
+            num_warps=8 if tail["TAIL_D"] >= hidden else 4, **common, **tail,  # a whole row's streams in registers
         )
     return pre[:num_rows, :n]
 
@@ -447,10 +448,14 @@ class LaunchPlan(NamedTuple):
     num_cols: int
     """Dot-product columns (`C`): `fn` rows as a `[C // n_pow2, n_pow2]` grid."""
     two_pass: bool = False
-    """Phase 1 in one launch, phases 2-4 in a second over `TAIL_TOKENS`-row programs."""
+    """Phase 1 in one launch, phases 2-4 in a second over `tail_tokens`-row programs."""
     split_dot: bool = False
     """The `fn` dot on tensor cores as three bf16 products (`_dot_bf16x3`) when the streams are bf16
     (two-pass calls of 16+ tokens a program)."""
+    tail_tokens: int = TAIL_TOKENS
+    """Rows a program of the two-pass path's second launch (at most `block_tokens`). With one, a row's
+    streams fit one register tile and the collapse is normalised there; the sum of squares then runs
+    over the whole row at once instead of per chunk, so it is not the same rounding as more rows a program."""
 
 
 def launch_plan(num_rows: int, n: int, hidden: int, is_head: bool, device: torch.device) -> LaunchPlan:

@@ -5,9 +5,10 @@ What the default launchers choose by the number of rows, and what is fixed here:
 
 - RMSNorm / RoPE (`layer_kernels.rms_norm`, `rotary`): rows a program (1 below 4,096 rows, up to 8 above)
   and with it the warps that reduce a row; here one row a program, always;
-- mHC (`hyper_kernels`, and V4.1's single pass `single_pass`): tokens a program, one or two launches, the split of the hidden dim and the dot's
-  form; here `invariant_launch_plan`, one plan (two launches, 16-token programs, a fixed split, partial sums
-  added in split order) for every row count;
+- mHC (`hyper_kernels`, and V4.1's single pass `single_pass`): tokens a program, one or two launches, the
+  split of the hidden dim and the dot's form; here `invariant_launch_plan`, one plan (two launches,
+  16-token programs and a fixed split in the first, partial sums added in split order by one-row programs
+  in the second) for every row count;
 - the compressor's window close (`layer_kernels.compress`): whether channels are split over programs;
   here fixed by the span alone;
 - the window ring write is a copy;
@@ -31,9 +32,14 @@ from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
 PLAN_TOKENS = 16
 """Tokens a program of the mHC plan (the tensor-core dot needs 16)."""
-PLAN_CHUNKS_PER_SPLIT = 4
+PLAN_CHUNKS_PER_SPLIT = 2
 """Hidden-dim chunks (of `hyper_kernels.TWO_PASS_TILE[0]` channels) a split of the mHC plan walks: a
-V4-Flash decode step reads `fn` over 32 programs a token block."""
+V4-Flash decode step reads `fn` over 64 programs a token block (H200, bs 1: 4 chunks, 32 programs, left
+the first launch latency-bound)."""
+PLAN_TAIL_TOKENS = 1
+"""Rows a program of the mHC plan's second launch: a decode step of one token is one program either way,
+and one row's streams collapse in registers without a second pass over the hidden dim (H200, bs 1: the
+4-row tail took 21 us a call, the default's whole one-launch call 13 us)."""
 POOL_CHANNEL_SPLIT = 32
 """Channels a pooling program for spans longer than 16 rows (the HCA close), as a default decode step."""
 
@@ -45,7 +51,8 @@ def invariant_launch_plan(n: int, hidden: int, is_head: bool) -> hyper_kernels.L
     block_d = hyper_kernels.TWO_PASS_TILE[0]
     num_splits = triton.cdiv(triton.cdiv(hidden, block_d), PLAN_CHUNKS_PER_SPLIT)
     return hyper_kernels.LaunchPlan(PLAN_TOKENS, block_d, num_splits, PLAN_CHUNKS_PER_SPLIT, n_pow2, num_cols,
-                                    two_pass=True, split_dot=hyper_kernels.TENSOR_CORE_DOT)
+                                    two_pass=True, split_dot=hyper_kernels.TENSOR_CORE_DOT,
+                                    tail_tokens=PLAN_TAIL_TOKENS)
 
 
 def pool_channel_split(rate: int, overlap: bool) -> int:

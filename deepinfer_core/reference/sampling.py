@@ -87,7 +87,8 @@ class ReferenceSampler:
                 params.seeds[rows],
                 params.steps[rows],
             )
-        return sampler_output(logits, token_ids, params, log_softmax_rows if self.spec.deterministic else None)
+        return sampler_output(logits, token_ids, params, log_softmax_rows if self.spec.deterministic else None,
+                              stable_ties=self.spec.deterministic)
 
 
 def _draw(

@@ -155,3 +155,20 @@ def test_a_deterministic_reference_sampler_gives_a_rows_logprobs_whatever_its_ba
                                banned_token_ids=params.banned_token_ids[-1:])
     alone = ReferenceSampler(spec, CPU).sample(logits[-1:], last)
     assert torch.equal(alone.logprobs, batch.logprobs[-1:]) and torch.equal(alone.token_ids, batch.token_ids[-1:])
+
+
+def test_a_deterministic_sampler_lists_tied_top_logprobs_by_ascending_token_id():
+    from deepinfer_core.backends import SamplingSpec
+    from deepinfer_core.reference.sampling import ReferenceSampler
+    from deepinfer_core.testing.cases import random_sampling_case
+
+    spec = SamplingSpec(vocab_size=5000, deterministic=True)
+    logits, params = random_sampling_case(spec, seed=3)
+    logits = logits.round(decimals=0)  # coarse values: many exact ties, as bf16 logits have
+    params = dataclasses.replace(params, num_logprobs=20)
+    out = ReferenceSampler(spec, CPU).sample(logits, params)
+    values, ids = out.top_logprobs, out.top_token_ids
+    assert torch.equal(values, logits.log_softmax(-1).sort(dim=-1, descending=True).values[:, :20])
+    tied = values[:, 1:] == values[:, :-1]
+    assert tied.any(), "the case was meant to tie"
+    assert bool((ids[:, 1:] > ids[:, :-1])[tied].all())

@@ -166,4 +166,5 @@ class CudaSampler:
                 scaled = apply_min_p(scaled, torch.where(is_sampled, params.min_p, 0.0))
             drawn = gumbel_argmax(scaled, params.seeds, params.steps)
             token_ids = torch.where(is_sampled, drawn, token_ids)
-        return sampler_output(logits, token_ids, params, log_softmax if self.spec.deterministic else None)
+        return sampler_output(logits, token_ids, params, log_softmax if self.spec.deterministic else None,
+                              stable_ties=self.spec.deterministic)

@@ -18,6 +18,8 @@ between CUDA events around the calls, so `host` is the time the GPU spends waiti
 Modes: `eager` builds flat inputs (`ModelRunner.prepare_inputs`); `graph` runs decode through
 `DecodeGraphs`: captured CUDA graphs on a GPU, and on the CPU the same static-buffer inputs run eagerly.
 
+`--spec K` makes every step a verify step of K drafts per request (the fixed policy; drafts that
+repeat the last token, which seeded sampling mostly rejects): the host work of speculative decoding.
 `--profile` prints a cProfile top list of the host part only (the profiler is off inside the model
 and the sampler).
 """
@@ -107,14 +109,27 @@ def write_model(directory: Path) -> None:
     write_checkpoint(directory, tiny_config(vocab_size=VOCAB, max_position_embeddings=4096), seed=0)
 
 
-def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str) -> Engine:
-    max_len = PROMPT_LEN + steps + 8
+class RepeatDrafter:
+    """Proposes the request's last token again (`--spec`): every step verifies its drafts, which
+    seeded sampling mostly rejects, so each step pays a verify step's host work."""
+
+    has_confidences = False
+
+    def propose(self, seq, max_drafts: int):
+        return [seq.token_ids[-1]] * max_drafts, None
+
+
+def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str, spec: int = 0) -> Engine:
+    max_len = PROMPT_LEN + (spec + 1) * steps + 8
     blocks_per_seq = -(-max_len // BLOCK_SIZE)
     engine = Engine(EngineConfig(
         model=str(model_dir), dtype="float32", device=device, max_num_seqs=batch,
         max_num_batched_tokens=max(batch * PROMPT_LEN, 2048), max_model_len=max_len,
         num_kv_blocks=batch * blocks_per_seq, enforce_eager=mode == "eager",
+        speculative_config={"method": "ngram", "num_speculative_tokens": spec} if spec else None,
     ))
+    if spec:
+        engine.speculator.drafter = RepeatDrafter()
     if mode == "graph" and device == "cpu":  # the graphs' input path, run eagerly
         engine.runner.graphs = DecodeGraphs(engine.runner, batch, blocks_per_seq, max_len)
     if mode == "graph" and engine.runner.graphs is None:
@@ -135,14 +150,15 @@ def _install_clocks(engine: Engine, profiler: cProfile.Profile | None) -> tuple[
 
 
 def measure(model_dir: Path, batch: int, args: argparse.Namespace, mode: str) -> dict:
-    engine = build_engine(model_dir, batch, args.steps, mode, args.device)
+    engine = build_engine(model_dir, batch, args.steps, mode, args.device, args.spec)
     profiler = cProfile.Profile() if args.profile else None
     forward, sample = _install_clocks(engine, profiler)
     generator = torch.Generator().manual_seed(batch)
     stop = ["\x00never\x00"] if args.stop else []
     for i in range(batch):
         prompt = torch.randint(2, VOCAB, (PROMPT_LEN,), generator=generator).tolist()
-        params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=args.steps + 3, ignore_eos=True,
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=(args.spec + 1) * (args.steps + 3),
+                                ignore_eos=True,
                                 stop=stop, logprobs=args.logprobs)
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(3):  # the prefill, then two decode steps
@@ -191,6 +207,8 @@ def main(argv=None) -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per request")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--profile", action="store_true", help="print a cProfile top list of the host part")
+    parser.add_argument("--spec", type=int, default=0, metavar="K",
+                        help="speculative decoding: every step verifies K drafts (the last token repeated)")
     parser.add_argument("--top", type=int, default=25, help="rows of the profile")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import io
+import json
 import os
 import pstats
-import datetime
-import json
 import time
 from contextlib import contextmanager
 

@@ -443,8 +443,9 @@ class EngineConfig(BaseModel):
         None,
         description='How a prefix-cache hit rebuilds the sliding windows: "exact" recomputes the last '
         'num_layers x sliding_window tokens before the hit (same outputs as a cold run), "bounded" only the '
-        "last sliding_window (SWA Bounded Replay, approximate, for models built for it); None takes the "
-        "model family's default (SWA_REPLAY_DEFAULTS).",
+        "last sliding_window (SWA Bounded Replay, approximate, for models built for it); None takes \"exact\" "
+        "under deterministic=True (which refuses \"bounded\"), else the model family's default "
+        "(SWA_REPLAY_DEFAULTS: bounded for V4.1).",
     )
     host_cache_gib: float = Field(
         0.0, ge=0, description="GiB of (pinned, with CUDA) host memory holding prefix-cache blocks behind the "

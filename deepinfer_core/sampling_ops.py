@@ -8,6 +8,8 @@ on the other rows of its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deepinfer_core.backends.sampling import (
@@ -114,17 +116,27 @@ def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
-def sampler_output(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+def sampler_output(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors,
+                   log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   stable_ties: bool = False) -> SamplerOutput:
     """The chosen `token_ids` with their logprobs and ranks under the raw log-softmax of `logits`, and the
-    top `num_logprobs`; NaN logprobs and zero ranks when no row asked for logprobs."""
+    top `num_logprobs`; NaN logprobs and zero ranks when no row asked for logprobs. `log_softmax` replaces
+    torch's (`[B, V]` -> `[B, V]` fp32; a sampler's own kernel, e.g. a batch-invariant one for
+    `SamplingSpec.deterministic`). `stable_ties` (deterministic mode): equal top logprobs are listed by
+    ascending token id (a stable sort), where `topk`'s order among ties is unspecified on CUDA; bf16 logits
+    tie often."""
     if not params.needs_logprobs and params.num_logprobs == 0:
         nan = torch.full(token_ids.shape, float("nan"), device=logits.device)
         return SamplerOutput(token_ids=token_ids, logprobs=nan, ranks=torch.zeros_like(token_ids))
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    raw_logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits, dim=-1)
     chosen = raw_logprobs.gather(1, token_ids[:, None])
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     output = SamplerOutput(token_ids=token_ids, logprobs=chosen.squeeze(1), ranks=ranks)
     if params.num_logprobs > 0:
         num_top = min(params.num_logprobs, logits.shape[-1])
-        output.top_logprobs, output.top_token_ids = raw_logprobs.topk(num_top, dim=-1)
+        if stable_ties:
+            values, ids = raw_logprobs.sort(dim=-1, descending=True, stable=True)
+            output.top_logprobs, output.top_token_ids = values[:, :num_top], ids[:, :num_top]
+        else:
+            output.top_logprobs, output.top_token_ids = raw_logprobs.topk(num_top, dim=-1)
     return output

@@ -1,10 +1,10 @@
 """Deterministic (batch-invariant) mode in the backend contracts: what a spec asking for it means.
 
-`EngineConfig.deterministic` sets `deterministic=True` on every `AttentionSpec`, `MoESpec` and
-`LayerOpsSpec` the engine builds. A backend built for such a spec must give each token (each query, each
-row) bit-identical results whatever else shares its call and however its request is split into steps;
-the reference's variants are in `deepinfer_core.reference.invariant`. A plugin whose kernels do not
-guarantee that declines those specs (`deterministic_problem`), and the reference serves them.
+`EngineConfig.deterministic` sets `deterministic=True` on every `AttentionSpec`, `MoESpec`,
+`LayerOpsSpec` and `SamplingSpec` the engine builds. A backend built for such a spec must give each token
+(each query, each row) bit-identical results whatever else shares its call and however its request is
+split into steps; the reference's variants are in `deepinfer_core.reference.invariant`. A plugin whose
+kernels do not guarantee that declines those specs (`deterministic_problem`), and the reference serves them.
 """
 
 from __future__ import annotations

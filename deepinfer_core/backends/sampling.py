@@ -17,6 +17,12 @@ class SamplingSpec:
     """Logit width."""
     max_logprobs: int = 20
     """Largest `logprobs` a request may ask for."""
+    deterministic: bool = False
+    """Batch-invariant mode (`EngineConfig.deterministic`): a row's logprobs (and token) must be
+    bit-identical whatever other rows share the call, e.g. a log-softmax of one program a row with a fixed
+    reduction order. Every other step of `sampling_ops` already works row by row; the reference takes the
+    log-softmax on fixed row tiles (`reference.invariant.log_softmax_rows`). A sampler without such a
+    log-softmax declines the spec."""
 
 
 @dataclass

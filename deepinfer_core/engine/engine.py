@@ -461,7 +461,10 @@ class Engine:
         request = self._seq_owner[seq.request_id].request
         if request.seq_ids[0] != seq.request_id:
             return  # the n completions share one prompt
-        logprobs = logits.float().log_softmax(-1).cpu()
+        logits = logits.float()
+        # deterministic mode: on the host, whose log-softmax reduces each row in an order fixed by the
+        # vocabulary size (`SamplingSpec.deterministic`), so a position's logprobs ignore its step's shape
+        logprobs = logits.cpu().log_softmax(-1) if self.config.deterministic else logits.log_softmax(-1).cpu()
         targets = torch.tensor(seq.token_ids[first : first + logprobs.shape[0]])
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
         ranks = (logprobs > chosen[:, None]).sum(-1) + 1

@@ -123,7 +123,8 @@ class ModelRunner:
         self.model: CausalLM = self._load_model(model_cls, weights)
         self._bind_backends()
         self.context_parallel = ContextParallel(self.parallel.cp, device) if self.parallel.cp.size > 1 else None
-        self.sampler = plugins.make_sampler(SamplingSpec(vocab_size=model_config.vocab_size), device)
+        self.sampler = plugins.make_sampler(
+            SamplingSpec(vocab_size=model_config.vocab_size, deterministic=engine_config.deterministic), device)
         self.num_slots = engine_config.max_num_seqs
         self.num_blocks = self.available_blocks()
         if agree_num_blocks is not None:

@@ -220,7 +220,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Per rope kind, cos, sin and -sin of `positions`, computed once a step for every layer."""
         tables = {}
         for name, rotary in self.rotary.items():
-            cos, sin = rotary.cos_sin(positions)
+            cos, sin = self.ops.map_rows(rotary.cos_sin, positions)  # row tiles in deterministic mode
             tables[name] = (cos, sin, -sin)
         return tables
 

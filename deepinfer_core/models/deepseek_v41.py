@@ -12,9 +12,12 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
 The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
 bound backends, and so does the single-pass mixing when the layer ops serve it (`SinglePassMixing`; else
 the reference's), and so does the two-level indexer's scoring when the backend hands out scores
-(`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Decode steps read no device value on the host (the
-compressor and the two-level indexer size their work from `max_seq_len`), so the runner captures them
-in CUDA graphs when the backends allow it.
+(`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Every
+per-token computation the model runs itself (projections, compressor, Engram, shared experts, rope
+tables, head) goes through `LayerOps.map_rows`, so deterministic mode runs it on fixed row tiles
+(docs/deepseek-v41.md). Decode steps read no device value on the host (the compressor and the two-level
+indexer size their work from `max_seq_len`), so the runner captures them in CUDA graphs when the backends
+allow it.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         tables = {}
         for name, rotary in self.rotary.items():
-            cos, sin = rotary.cos_sin(positions)
+            cos, sin = self.ops.map_rows(rotary.cos_sin, positions)  # row tiles in deterministic mode
             tables[name] = (cos, sin, -sin)
         return tables
 
@@ -150,7 +153,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                                       block.attn_norm.weight, pre)
             else:  # Engram reads the folded streams before this site mixes them
                 if pending is not None:
-                    streams = hyper_residual(streams, *pending)
+                    streams = self.ops.map_rows(hyper_residual, streams, *pending)
                 if plan.has_engram:
                     streams = self.engram(i, streams, hashes, image_mask)
                 pre_a, post_a, comb_a, x = mixing.hc_mix(streams, self.hc[i][0], block.attn_norm.weight, pre)
@@ -158,8 +161,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
                                                                 block.ffn_norm.weight, pre_a)
             pending = (self.moe(i, x, ctx, image_mask), post_f, comb_f)
-        streams = hyper_residual(streams, *pending)
-        hidden = self.ops.rms_norm(collapse(streams[logits_indices], pre[logits_indices]), self.norm.weight)
+        rows = [t[logits_indices] for t in (streams, *pending, pre)]
+        return self.ops.map_rows(self.head_logits, *rows)
+
+    def head_logits(self, streams, block_out, post, comb, pre) -> torch.Tensor:
+        """The last FFN's fold, the collapse with its site's `pre`, the norm and the fp32 head (per row)."""
+        streams = hyper_residual(streams, block_out, post, comb)
+        hidden = self.ops.rms_norm(collapse(streams, pre), self.norm.weight)
         return F.linear(hidden.float(), self.head.weight)
 
     def engram_hashes(self, ctx: ForwardContext, caches: list[LayerCache], image_mask) -> torch.Tensor:
@@ -185,17 +193,23 @@ class DeepseekV41ForCausalLM(nn.Module):
     def engram(self, i: int, streams: torch.Tensor, hashes: torch.Tensor, image_mask) -> torch.Tensor:
         weights = self.layers[i].engram
         column = self.config.engram_layer_ids.index(i)
-        keep = None if image_mask is None else ~image_mask
-        return engram_forward(streams, hashes[:, column], self.tables[i], weights.wkv.weight,
-                              weights.q_weight * weights.k_weight, self.config.rms_norm_eps, keep)
+        table, weight, eps = self.tables[i], weights.q_weight * weights.k_weight, self.config.rms_norm_eps
+
+        def run(s, h, *keep):
+            return engram_forward(s, h, table, weights.wkv.weight, weight, eps, *keep)
+
+        keep = () if image_mask is None else (~image_mask,)
+        return self.ops.map_rows(run, streams, hashes[:, column], *keep)
 
     def attention(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, shared: dict) -> torch.Tensor:
         plan, weights, ops, meta = self.plans[i], self.layers[i].attn, self.ops, ctx.metadata
         num_tokens = x.shape[0]
         cos, sin, minus_sin = ctx.rope[plan.rope]
-        qr = ops.rms_norm(weights.wq_a(x), weights.q_norm.weight)
-        q = ops.rotary(weights.wq_b(qr).view(num_tokens, -1, self.config.head_dim), cos, sin)
-        kv = ops.rms_norm(weights.wkv(x), weights.kv_norm.weight, cos, sin)
+        # per-token matmuls go through `ops.map_rows` (fixed row tiles in deterministic mode)
+        q_a, kv = ops.map_rows(lambda t: (weights.wq_a(t), weights.wkv(t)), x)
+        qr = ops.rms_norm(q_a, weights.q_norm.weight)
+        q = ops.rotary(ops.map_rows(weights.wq_b, qr).view(num_tokens, -1, self.config.head_dim), cos, sin)
+        kv = ops.rms_norm(kv, weights.kv_norm.weight, cos, sin)
         topk = num_entries = None
         if plan.ratio:
             num_entries = ctx.num_entries[plan.ratio]
@@ -208,33 +222,33 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                  topk, num_entries)
         ops.write_window(meta, cache.window, kv)
         out = ops.rotary(out, cos, minus_sin)
-        return weights.wo_b(weights.wo_a(out.reshape(num_tokens, self.config.o_groups, -1)))
+        return ops.map_rows(lambda t: weights.wo_b(weights.wo_a(t)), out.reshape(num_tokens, self.config.o_groups, -1))
 
     def compress(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache) -> None:
         """Close this step's groups: compressed entries (RoPE'd at `g * ratio`) and index keys from the
         pre-RoPE latent; the open group's rows to the tail ring."""
-        plan, compressor, meta = self.plans[i], self.layers[i].attn.compressor, ctx.metadata
+        plan, compressor, meta, ops = self.plans[i], self.layers[i].attn.compressor, ctx.metadata, self.ops
         ratio, rotary = plan.ratio, self.rotary["compress"]
         if ratio > 1:
-            kv, gate = compressor.wkv(x.float()), compressor.wgate(x.float())
+            kv, gate = ops.map_rows(lambda t: (compressor.wkv(t.float()), compressor.wgate(t.float())), x)
         else:
-            kv, gate = compressor.wkv(x), None
+            kv, gate = ops.map_rows(compressor.wkv, x), None
         pooled, entry, seq, keep = closed_groups(kv, gate, ratio, meta, cache.kv_tail, cache.gate_tail,
-                                                 ctx.no_write_before)
+                                                 ctx.no_write_before, ops.map_rows)
         if ratio > 1:
             write_rings(meta, cache.kv_tail, kv, cache.gate_tail, gate)
-        latent = self.ops.rms_norm(pooled.to(x.dtype), compressor.norm.weight)
-        cos, sin = rotary.cos_sin(entry * ratio)
+        latent = ops.rms_norm(pooled.to(x.dtype), compressor.norm.weight)
+        cos, sin = ops.map_rows(rotary.cos_sin, entry * ratio)
         indexer = self.layers[i].attn.indexer
-        keys = self.ops.rms_norm(indexer.wk(latent), indexer.k_norm.weight, cos, sin)
+        keys = ops.rms_norm(ops.map_rows(indexer.wk, latent), indexer.k_norm.weight, cos, sin)
         write_entries(cache.index_keys, keys, entry, seq, keep, meta, ratio)
-        write_entries(cache.compressed, self.ops.rotary(latent, cos, sin), entry, seq, keep, meta, ratio)
+        write_entries(cache.compressed, ops.rotary(latent, cos, sin), entry, seq, keep, meta, ratio)
 
     def indexer(self, i: int, x, qr, ctx: ForwardContext, cache: LayerCache, shared: dict, num_entries):
-        plan, indexer = self.plans[i], self.layers[i].attn.indexer
+        plan, indexer, ops = self.plans[i], self.layers[i].attn.indexer, self.ops
         cos, sin, _ = ctx.rope[plan.rope]
-        q = self.ops.rotary(indexer.wq_b(qr).view(x.shape[0], indexer.num_heads, -1), cos, sin)
-        weights = indexer.weights_proj(x).float() * indexer.num_heads**-0.5
+        q = ops.rotary(ops.map_rows(indexer.wq_b, qr).view(x.shape[0], indexer.num_heads, -1), cos, sin)
+        weights = ops.map_rows(indexer.weights_proj, x).float() * indexer.num_heads**-0.5
         if not (plan.is_candidate_source or plan.uses_candidates):
             return self.attention_backends[i].indexer_topk(q, weights, cache.index_keys, ctx.metadata, num_entries)
         scorer, meta, candidates = self.index_scorers[i], ctx.metadata, shared.get("candidates")
@@ -259,7 +273,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             routed = torch.empty_like(x)
             for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):
                 routed[mask] = backend.forward(x[mask], ctx.input_ids[mask], chosen)
-        return (routed.float() + ffn.shared_experts(x, limit).float()).to(x.dtype)
+        return (routed.float() + self.ops.map_rows(lambda t: ffn.shared_experts(t, limit), x).float()).to(x.dtype)
 
 
 def _moe_weights(ffn) -> MoEWeights:

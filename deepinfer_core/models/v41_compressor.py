@@ -17,6 +17,9 @@ Decode steps (one query per request) and every step under CUDA graphs run batche
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from deepinfer_core.backends import AttentionMetadata
@@ -25,10 +28,12 @@ from deepinfer_core.reference.attention import _gather_rows, _max_seq_len, gathe
 
 
 def closed_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, meta: AttentionMetadata,
-                  kv_tail: torch.Tensor | None, gate_tail: torch.Tensor | None, no_write_before: torch.Tensor):
+                  kv_tail: torch.Tensor | None, gate_tail: torch.Tensor | None, no_write_before: torch.Tensor,
+                  map_rows: Callable[..., Any] | None = None):
     """The groups this step completes: `(pooled [E, D] fp32, entry [E], seq [E], keep [E])`, `keep`
     False for groups already cached (`(entry + 1) * ratio <= no_write_before`). Under CUDA graphs every
-    token yields a row (non-closing ones `keep` False), so nothing reads device values on the host."""
+    token yields a row (non-closing ones `keep` False), so nothing reads device values on the host.
+    `map_rows` (`LayerOps.map_rows`, fixed row tiles in deterministic mode) runs the pooling."""
     positions = meta.positions
     lens = meta.query_start_loc.diff()
     seq = torch.repeat_interleave(torch.arange(len(lens), device=kv.device), lens, output_size=len(positions))
@@ -47,7 +52,17 @@ def closed_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, meta:
     ring_at = (meta.slots[seq, None], row_pos % kv_tail.shape[1])
     kv_rows = torch.where(in_step, kv[flat].float(), kv_tail[ring_at].float())
     gate_rows = torch.where(in_step, gate[flat].float(), gate_tail[ring_at])
-    return (kv_rows * gate_rows.softmax(dim=1)).sum(dim=1), entry.clamp(min=0), seq, keep
+    pooled = (map_rows or _call)(pool_group, kv_rows, gate_rows)
+    return pooled, entry.clamp(min=0), seq, keep
+
+
+def pool_group(kv_rows: torch.Tensor, gate_rows: torch.Tensor) -> torch.Tensor:
+    """Each group's `[ratio, D]` fp32 rows pooled with a per-channel softmax over the gate."""
+    return (kv_rows * gate_rows.softmax(dim=1)).sum(dim=1)
+
+
+def _call(fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
+    return fn(*rows)
 
 
 def write_entries(pool: torch.Tensor, rows: torch.Tensor, entry: torch.Tensor, seq: torch.Tensor,

@@ -63,6 +63,12 @@ def tile_rows(fn: Callable[..., Any], *rows: torch.Tensor, tile: int = ROW_TILE)
     return tuple(torch.cat(parts)[:num_rows] for parts in zip(*outs))
 
 
+def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax on fixed row tiles: the reference sampler's logprobs for a deterministic
+    `SamplingSpec` (on any device whose kernel is a function of the call's shape)."""
+    return tile_rows(lambda rows: torch.log_softmax(rows, dim=-1), logits)
+
+
 class InvariantLayerOps(ReferenceLayerOps):
     """`LayerOps` whose every per-token op (and `map_rows`) runs on fixed `ROW_TILE`-row tiles, and whose
     compressor pools the windows it closes in fixed tiles too. Window and tail writes are copies."""
@@ -85,6 +91,15 @@ class InvariantLayerOps(ReferenceLayerOps):
             every = torch.arange(s.shape[0], device=s.device)
             return super(InvariantLayerOps, self).hc_post_head(s, out, p, c, every, head, norm_weight)
         return tile_rows(block, streams[rows], block_out[rows], post[rows], comb[rows])
+
+    def hc_mix(self, streams, hc: HyperWeights, norm_weight, collapse_pre):
+        return tile_rows(lambda s, c: super(InvariantLayerOps, self).hc_mix(s, hc, norm_weight, c),
+                         streams, collapse_pre)
+
+    def hc_post_mix(self, streams, block_out, post, comb, hc: HyperWeights, norm_weight, collapse_pre):
+        def block(s, out, p, c, pre):
+            return super(InvariantLayerOps, self).hc_post_mix(s, out, p, c, hc, norm_weight, pre)
+        return tile_rows(block, streams, block_out, post, comb, collapse_pre)
 
     def rms_norm(self, x, weight, cos=None, sin=None):
         base = super()

@@ -7,7 +7,9 @@ splits of `KEY_SPLIT`: window keys by absolute position (split `s` holds positio
 likewise. A split is two fixed-shape batched GEMMs (one matrix per row) and an online-softmax merge
 (flash attention's), started from the sink, in ascending split order. A split a row cannot see is an
 exact no-op for it (probabilities 0, rescale exp(0) = 1), so how many splits its tile happens to visit,
-and which rows share the tile, change nothing: a query's output depends on its own keys only.
+and which rows share the tile, change nothing: a query's output depends on its own keys only. The
+indexer scores its entries in the same splits; its raw scores also serve V4.1's two-level indexer
+(`index_scores`, the `IndexScorer` protocol).
 """
 
 from __future__ import annotations
@@ -57,9 +59,29 @@ class InvariantAttention:
         return out
 
     def indexer_topk(self, q, weights, index_keys, metadata: AttentionMetadata, num_entries):
-        k, rate, epb = self.spec.index_topk, self.spec.compress_rate, self.spec.entries_per_block
-        rows = _Rows(metadata)
+        k, rate = self.spec.index_topk, self.spec.compress_rate
         out = torch.full((q.shape[0], k), -1, dtype=torch.long, device=q.device)
+        for a, tile, scores in self._score_tiles(q, weights, index_keys, metadata):
+            # stable: on equal scores (ReLU makes exact zeros common) the lower entry number wins
+            top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+            limit = (tile.positions[: tile.num_rows, None] + 1) // rate
+            out[a : a + tile.num_rows, : top.shape[1]] = torch.where(top >= limit, -1, top)
+        return out
+
+    def index_scores(self, q, weights, index_keys, metadata: AttentionMetadata, cap: int) -> torch.Tensor:
+        """`IndexScorer.index_scores` (V4.1's two-level indexer selects on them), scored as `indexer_topk`
+        scores: a token's scores depend on its own entries only."""
+        out = torch.full((q.shape[0], cap), float("-inf"), device=q.device)
+        for a, tile, scores in self._score_tiles(q, weights, index_keys, metadata):
+            width = min(cap, scores.shape[1])
+            out[a : a + tile.num_rows, :width] = scores[:, :width]
+        return out
+
+    def _score_tiles(self, q, weights, index_keys, metadata: AttentionMetadata):
+        """Per query tile: `(first row, tile, scores [rows, splits * KEY_SPLIT])`, -inf where not visible;
+        each split one fixed-shape batched GEMM over `KEY_SPLIT` entries at absolute entry numbers."""
+        rate, epb = self.spec.compress_rate, self.spec.entries_per_block
+        rows = _Rows(metadata)
         for a in range(0, q.shape[0], QUERY_TILE):
             tile = rows.tile(a)
             limit = (tile.positions + 1) // rate
@@ -73,12 +95,7 @@ class InvariantAttention:
                 keys, visible = rows.entry_split(tile, index_keys, split, limit, epb)
                 s = torch.relu(torch.bmm(qt, keys.float().transpose(1, 2))) * self.spec.index_head_dim**-0.5
                 scores.append((s * wt[:, :, None]).sum(dim=1).masked_fill(~visible, float("-inf")))
-            scores = torch.cat(scores, dim=1)[: tile.num_rows]
-            # stable: on equal scores (ReLU makes exact zeros common) the lower entry number wins
-            top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-            limit = limit[: tile.num_rows, None]
-            out[a : a + tile.num_rows, : top.shape[1]] = torch.where(top >= limit, -1, top)
-        return out
+            yield a, tile, torch.cat(scores, dim=1)[: tile.num_rows]
 
 
 class _Tile:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
+from deepinfer_core.reference.invariant import log_softmax_rows
 from deepinfer_core.sampling_ops import (
     adjust_logits,
     apply_min_p,
@@ -86,7 +87,8 @@ class ReferenceSampler:
                 params.seeds[rows],
                 params.steps[rows],
             )
-        return sampler_output(logits, token_ids, params)
+        return sampler_output(logits, token_ids, params, log_softmax_rows if self.spec.deterministic else None,
+                              stable_ties=self.spec.deterministic)
 
 
 def _draw(

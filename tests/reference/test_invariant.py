@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backends import AttentionSpec, LayerOpsSpec, MoESpec
+from deepinfer_core.backends import AttentionSpec, HyperWeights, LayerOpsSpec, MoESpec
 from deepinfer_core.reference.invariant import ROW_TILE, InvariantLayerOps, tile_rows
 from deepinfer_core.reference.invariant_attention import InvariantAttention
 from deepinfer_core.reference.invariant_moe import InvariantMoE
@@ -105,3 +105,70 @@ def test_moe_row_does_not_depend_on_its_batch():
     full = backend.forward(x, input_ids, weights)
     for rows in (slice(69, 70), slice(60, 70), slice(0, 70, 3)):
         assert torch.equal(backend.forward(x[rows], input_ids[rows], weights), full[rows])
+
+
+def test_index_scores_rank_as_the_indexer_and_do_not_depend_on_the_batch():
+    """`InvariantAttention.index_scores` (V4.1's two-level indexer selects on them): -inf past each row's
+    visible entries, `indexer_topk`'s picks are their stable top k, and a decode row's scores are the same
+    bits alone and in its batch, whatever the width asked for."""
+    backend = InvariantAttention(CSA, CPU)
+    case = random_attention_case(CSA, [1, 1, 1, 1], [3, 40, 77, 21], seed=3)
+    args = (case.index_q, case.index_weights, case.index_keys, case.metadata)
+    scores = backend.index_scores(*args, 30)
+    visible = (case.metadata.positions + 1) // CSA.compress_rate
+    assert torch.equal(torch.isinf(scores), torch.arange(30)[None] >= visible[:, None])
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : CSA.index_topk]
+    picks = backend.indexer_topk(*args, case.num_entries)
+    assert torch.equal(picks, torch.where(top >= visible[:, None], -1, top))
+    single = _select_request(case, 2)
+    alone = backend.index_scores(case.index_q[2:3], case.index_weights[2:3], case.index_keys, single.metadata, 64)
+    assert torch.equal(alone[0, :30], scores[2]) and alone[0, 30:].eq(float("-inf")).all()
+
+
+def test_single_pass_mixing_rows_do_not_depend_on_the_batch():
+    ops = InvariantLayerOps(LAYER_OPS)
+    gen = torch.Generator().manual_seed(1)
+    n, hidden, num_tokens = LAYER_OPS.hc_mult, LAYER_OPS.hidden_size, ROW_TILE + 9
+    hc = HyperWeights(torch.randn((2 + n) * n, n * hidden, generator=gen) * 0.1,
+                      torch.randn((2 + n) * n, generator=gen), torch.ones(3))
+    streams, out = torch.randn(num_tokens, n, hidden, generator=gen), torch.randn(num_tokens, hidden, generator=gen)
+    post, comb = torch.rand(num_tokens, n, generator=gen), torch.rand(num_tokens, n, n, generator=gen)
+    pre, norm = torch.rand(num_tokens, n, generator=gen), torch.rand(hidden, generator=gen)
+    full = ops.hc_post_mix(streams, out, post, comb, hc, norm, pre)
+    for rows in (slice(num_tokens - 1, num_tokens), slice(5, num_tokens)):
+        part = ops.hc_post_mix(streams[rows], out[rows], post[rows], comb[rows], hc, norm, pre[rows])
+        assert all(torch.equal(a, b[rows]) for a, b in zip(part, full))
+    assert torch.equal(ops.hc_mix(streams[-1:], hc, norm, pre[-1:])[3], ops.hc_mix(streams, hc, norm, pre)[3][-1:])
+
+
+def test_a_deterministic_reference_sampler_gives_a_rows_logprobs_whatever_its_batch():
+    from deepinfer_core.backends import SamplingSpec
+    from deepinfer_core.reference.sampling import ReferenceSampler
+    from deepinfer_core.testing.cases import random_sampling_case
+
+    spec = SamplingSpec(vocab_size=5000, deterministic=True)
+    logits, params = random_sampling_case(spec, seed=2)
+    batch = ReferenceSampler(spec, CPU).sample(logits, params)
+    torch.testing.assert_close(batch.logprobs, logits.log_softmax(-1).gather(1, batch.token_ids[:, None])[:, 0])
+    rows = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+    last = dataclasses.replace(params, **{name: getattr(params, name)[-1:] for name in rows},
+                               banned_token_ids=params.banned_token_ids[-1:])
+    alone = ReferenceSampler(spec, CPU).sample(logits[-1:], last)
+    assert torch.equal(alone.logprobs, batch.logprobs[-1:]) and torch.equal(alone.token_ids, batch.token_ids[-1:])
+
+
+def test_a_deterministic_sampler_lists_tied_top_logprobs_by_ascending_token_id():
+    from deepinfer_core.backends import SamplingSpec
+    from deepinfer_core.reference.sampling import ReferenceSampler
+    from deepinfer_core.testing.cases import random_sampling_case
+
+    spec = SamplingSpec(vocab_size=5000, deterministic=True)
+    logits, params = random_sampling_case(spec, seed=3)
+    logits = logits.round(decimals=0)  # coarse values: many exact ties, as bf16 logits have
+    params = dataclasses.replace(params, num_logprobs=20)
+    out = ReferenceSampler(spec, CPU).sample(logits, params)
+    values, ids = out.top_logprobs, out.top_token_ids
+    assert torch.equal(values, logits.log_softmax(-1).sort(dim=-1, descending=True).values[:, :20])
+    tied = values[:, 1:] == values[:, :-1]
+    assert tied.any(), "the case was meant to tie"
+    assert bool((ids[:, 1:] > ids[:, :-1])[tied].all())

@@ -140,3 +140,12 @@ def test_graph_api_is_torch_npus_on_a_950_and_declined_elsewhere(monkeypatch, do
     delattr(module.npu, "NPUGraph")
     api, reasons = ask(hooks.graph_api, NPU)
     assert api is None and "torch_npu.npu has no NPUGraph" in reasons[0]
+
+
+def test_deterministic_specs_are_declined_so_the_reference_serves_them(npu_doubles_installed):
+    import dataclasses
+
+    for hook, spec in ((hooks.make_attention, ATTENTION), (hooks.make_moe, MOE), (hooks.make_layer_ops, LAYER_OPS),
+                       (hooks.make_sampler, SamplingSpec(8))):
+        backend, reasons = ask(hook, dataclasses.replace(spec, deterministic=True), NPU)
+        assert backend is None and "not batch-invariant" in reasons[0], hook.__name__

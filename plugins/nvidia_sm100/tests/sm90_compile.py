@@ -1,7 +1,7 @@
 """Compile every kernel a tiny model's forward launches for an H100/H200 (sm_90), on a machine without one
 (and the FP4 experts' prefill kernels, which tiny forwards do not reach).
 
-    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det|fp4-prefill ...]
+    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det|v41-det|fp4-prefill ...]
 
 Triton's interpreter (how the kernel tests run off the GPU) executes a kernel's Python, not its
 compilation: code the compiler rejects (a `str` constexpr in an `if`, an unsupported dtype in a dot, a
@@ -80,7 +80,8 @@ def install() -> None:
 
 def forward(family: str, directory: str) -> dict:
     """Two prompts (9 and 3 tokens) in chunks of 4 on the plugin's backends (bf16): prefill steps, and a
-    last step of one token (the decode path). "v4-det": V4 in deterministic mode (the invariant kernels)."""
+    last step of one token (the decode path). "v4-det", "v41-det": deterministic mode (the invariant
+    kernels), then one draw with logprobs through the runner's sampler (its invariant log-softmax)."""
     from deepinfer_nvidia_sm100 import hooks
 
     from deepinfer_core import plugins
@@ -89,7 +90,8 @@ def forward(family: str, directory: str) -> dict:
     from deepinfer_core.models.registry import load_model_config
     from tests.oracle import run_chunked
 
-    if family == "v41":
+    deterministic = family.endswith("-det")
+    if family.startswith("v41"):
         from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 
         write_v41_checkpoint(directory, tiny_v41_config(), seed=3)
@@ -104,13 +106,17 @@ def forward(family: str, directory: str) -> dict:
     plugins.get_plugin_manager = lambda: manager
     model_config = load_model_config(directory)
     engine_config = EngineConfig(model=directory, dtype="bfloat16", max_num_seqs=4, num_kv_blocks=40,
-                                 enforce_eager=True, deterministic=family == "v4-det").resolve(model_config)
+                                 enforce_eager=True, deterministic=deterministic).resolve(model_config)
     runner = ModelRunner(model_config, engine_config, torch.device("cpu"))
     backends = sorted({type(b).__name__ for b in (*runner.model.moe_backends, *runner.linear_backends)})
-    if family == "v4-det":
+    if deterministic:
         backends = sorted({type(b).__name__ for b in (*runner.model.moe_backends, *runner.model.attention_backends,
-                                                      runner.model.ops)})
+                                                      runner.model.ops, runner.sampler)})
     run_chunked(runner, [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5]], 4)
+    if deterministic:
+        from deepinfer_core.testing.cases import random_sampling_case
+
+        runner.sampler.sample(*random_sampling_case(runner.sampler.spec))
     return {"model": family, "backends": backends}
 
 
@@ -150,4 +156,4 @@ def main(families: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["v4", "v4-quant", "v41", "v4-det", "fp4-prefill"])
+    main(sys.argv[1:] or ["v4", "v4-quant", "v41", "v4-det", "v41-det", "fp4-prefill"])

@@ -85,3 +85,37 @@ def test_logit_adjustments_draw_the_reference_tokens(kernel_device: torch.device
     assert actual.token_ids.cpu().tolist() == expected.token_ids.tolist()
     assert expected.token_ids[0] != logits[0].argmax() and expected.token_ids[4] == 5
     assert expected.token_ids[3] in (3, 11, 4000) and expected.token_ids[2] not in (7, 8)
+
+
+def test_log_softmax_kernel_is_batch_invariant_and_close_to_torch(kernel_device: torch.device) -> None:
+    """One program a row with a fixed reduction order (deterministic mode): a row's logprobs are the same bits
+    alone and at any place in batches of any size, at V4's full vocabulary."""
+    from deepinfer_nvidia_sm100.sampling import log_softmax
+
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(40, 129280, generator=generator) * 6
+    logits[3, ::7] = float("-inf")  # masked ids
+    logits[5] += 90.0  # far from zero: the max shift matters
+    logits = logits.to(kernel_device)
+    alone = {row: log_softmax(logits[row : row + 1])[0] for row in (3, 5)}
+    for first, last in ((0, 6), (0, 40), (3, 9), (5, 6)):
+        out = log_softmax(logits[first:last])
+        for row, expected in alone.items():
+            if first <= row < last:
+                assert torch.equal(out[row - first], expected)
+    torch.testing.assert_close(log_softmax(logits).cpu(), torch.log_softmax(logits.cpu(), dim=-1), atol=2e-5, rtol=0)
+
+
+def test_a_deterministic_sampler_returns_a_rows_logprobs_whatever_its_batch(kernel_device: torch.device) -> None:
+    from deepinfer_nvidia_sm100.sampling import CudaSampler, log_softmax
+
+    spec = SamplingSpec(vocab_size=4096, deterministic=True)
+    logits, params = random_sampling_case(spec, seed=3)
+    moved = {name: getattr(params, name).to(kernel_device)
+             for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
+    batch = CudaSampler(spec).sample(logits.to(kernel_device), type(params)(**{**params.__dict__, **moved}))
+    expected = log_softmax(logits.to(kernel_device))
+    assert torch.equal(batch.logprobs, expected.gather(1, batch.token_ids[:, None]).squeeze(1))
+    one = type(params)(**{**params.__dict__, **{name: t[:1] for name, t in moved.items()}, "banned_token_ids": None})
+    alone = CudaSampler(spec).sample(logits[:1].to(kernel_device), one)
+    assert torch.equal(alone.logprobs, batch.logprobs[:1]) and torch.equal(alone.token_ids, batch.token_ids[:1])

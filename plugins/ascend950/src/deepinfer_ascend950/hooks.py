@@ -100,7 +100,7 @@ def make_layer_ops(spec: LayerOpsSpec, device: torch.device, decline: Callable[[
 
 @hookimpl
 def make_sampler(spec: SamplingSpec, device: torch.device, decline: Callable[[str], None]) -> SamplingBackend | None:
-    problem = npu_problem(device)
+    problem = npu_problem(device) or deterministic_problem(spec)
     if problem is not None:
         decline(problem)
         return None

@@ -5,7 +5,9 @@ noise; `gumbel_argmax_kernel` computes the same noise bit for bit and the argmax
 `filtered / temperature + gumbel` in float64 in one pass over each row, instead of materialising
 `[B, vocab]` float64 noise. Allowed and banned ids, logit bias, penalties and the top-k / top-p /
 min-p filters run as the shared PyTorch steps of `deepinfer_core.sampling_ops` on the device (only
-when some row asks for them).
+when some row asks for them). For a deterministic spec (`SamplingSpec.deterministic`) the logprobs come
+from `log_softmax_kernel`: one program a row, `BLOCK_V`-wide chunks of the vocabulary in ascending order,
+one fixed reduction across the lanes, so a row's logprobs never depend on its batch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from deepinfer_core.sampling_ops import (
 )
 
 BLOCK_V = 2048
+"""Vocabulary ids a program reads at once (the draw and the log-softmax); 64 chunks at V4's 129,280 ids."""
+LOG_SOFTMAX_WARPS = 8
+"""Warps of every log-softmax program: with `BLOCK_V`, it fixes the tree that reduces the lanes."""
 
 
 @triton.jit
@@ -86,6 +91,43 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     return out
 
 
+@triton.jit
+def log_softmax_kernel(logits_ptr, out_ptr, vocab_size, stride_in, stride_out, BLOCK: tl.constexpr):
+    """out[row] = (logits[row] - m) - log(sum_v exp(logits[row, v] - m)), `m` the row's max, fp32.
+
+    Lane `i` keeps a running max and sum over ids `i, i + BLOCK, ...` (chunks in ascending order, the
+    sum rescaled when the max grows); the lanes are then reduced once, by a tree fixed by `BLOCK` and
+    the warp count. Nothing depends on other rows or on the grid, so a row's bits are its own."""
+    row = tl.program_id(0).to(tl.int64)
+    lane_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    lane_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for v0 in range(0, vocab_size, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * stride_in + v, mask=v < vocab_size, other=float("-inf"))
+        new_max = tl.maximum(lane_max, x)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a lane that saw only -inf stays at 0
+        lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    log_sum = tl.log(tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0))
+    for v0 in range(0, vocab_size, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * stride_in + v, mask=v < vocab_size, other=0.0)
+        tl.store(out_ptr + row * stride_out + v, (x - shift) - log_sum, mask=v < vocab_size)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax of `logits` `[B, V]` fp32 by `log_softmax_kernel` (batch-invariant)."""
+    logits = logits.float().contiguous()
+    out = torch.empty_like(logits)
+    if logits.shape[0] == 0:
+        return out
+    log_softmax_kernel[(logits.shape[0],)](logits, out, logits.shape[1], logits.stride(0), out.stride(0),
+                                           BLOCK=BLOCK_V, num_warps=LOG_SOFTMAX_WARPS)
+    return out
+
+
 class CudaSampler:
     """`SamplingBackend` for CUDA devices; draws the same tokens as the reference sampler."""
 
@@ -124,4 +166,5 @@ class CudaSampler:
                 scaled = apply_min_p(scaled, torch.where(is_sampled, params.min_p, 0.0))
             drawn = gumbel_argmax(scaled, params.seeds, params.steps)
             token_ids = torch.where(is_sampled, drawn, token_ids)
-        return sampler_output(logits, token_ids, params)
+        return sampler_output(logits, token_ids, params, log_softmax if self.spec.deterministic else None,
+                              stable_ties=self.spec.deterministic)

@@ -49,6 +49,20 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
     return ids[len(prompt):], lps
 
 
+def greedy_tokens_and_logprobs(engine, batch: list[list[int]], num_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy `(token ids, chosen-token logprobs)` of every prompt of `batch`, in order, through `engine`."""
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True,
+                                                          logprobs=0))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    outs = [done[str(i)] for i in range(len(batch))]
+    return [(out.token_ids, [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]) for out in outs]
+
+
 def write_config(directory: Path, config: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     return directory

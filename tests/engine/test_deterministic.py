@@ -7,10 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from tests.oracle import hf_greedy, hf_model, parity_config, random_state_dict, write_config
+from tests.oracle import (
+    greedy_tokens_and_logprobs,
+    hf_greedy,
+    hf_model,
+    parity_config,
+    random_state_dict,
+    write_config,
+)
 
 CONFIG = parity_config("hca128")  # window 16, CSA rate 4, HCA rate 128
 WEIGHTS = random_state_dict(CONFIG, seed=11)
@@ -30,19 +36,7 @@ def generate(tmp_path, batch: list[list[int]], deterministic: bool = True, **opt
     write_config(tmp_path, CONFIG)
     engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", deterministic=deterministic, **options),
                     weights=WEIGHTS)
-    for i, prompt in enumerate(batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                                                          logprobs=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    results = []
-    for i in range(len(batch)):
-        out = done[str(i)]
-        results.append((out.token_ids, [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]))
-    return results, engine
+    return greedy_tokens_and_logprobs(engine, batch, NUM_TOKENS), engine
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 
 from deepinfer_core import SamplingParams
 from tests.models.v41_helpers import make_engine, random_prompt, tiny_checkpoint
+from tests.oracle import greedy_tokens_and_logprobs
 
 NUM_TOKENS = 5
 TARGET = random_prompt(150, seed=1)  # crosses a block; every compressed layer closes many groups
@@ -22,19 +23,7 @@ def generate(checkpoint, batch: list[list[int]], deterministic: bool = True, **o
     """Greedy `(token ids, logprobs)` of every prompt of `batch`, in order, and the engine."""
     options = {"max_num_seqs": max(4, len(batch)), "num_kv_blocks": 2 * len(batch) + 4} | options
     engine = make_engine(*checkpoint, deterministic=deterministic, **options)
-    for i, prompt in enumerate(batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                                                          logprobs=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    results = []
-    for i in range(len(batch)):
-        out = done[str(i)]
-        results.append((out.token_ids, [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]))
-    return results, engine
+    return greedy_tokens_and_logprobs(engine, batch, NUM_TOKENS), engine
 
 
 @pytest.fixture(scope="module")

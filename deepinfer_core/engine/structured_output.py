@@ -109,14 +109,14 @@ def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> N
     """Mask, in place, the disallowed tokens of the constrained rows of `logits` (row k samples
     `plan.requests[sampled[k]]`, repeated for a request's drafts: its j-th row takes bitmask row
     `grammar_row + j`); the other rows are not touched."""
-    rows, source, previous, j = [], [], None, 0
-    for row, index in enumerate(sampled):
-        j = j + 1 if index == previous else 0
-        previous = index
-        grammar_row = plan.requests[index].grammar_row
-        if grammar_row is not None:
+    from deepinfer_core.engine.spec.verify import row_token_offsets
+
+    rows, source = [], []
+    for row, (index, offset) in enumerate(zip(sampled, row_token_offsets(plan, sampled))):
+        request = plan.requests[index]
+        if request.grammar_row is not None:  # offset -d .. 0 over the request's d + 1 rows
             rows.append(row)
-            source.append(grammar_row + j)
+            source.append(request.grammar_row + request.num_draft_tokens + offset)
     if not rows:
         return
     bitmask = plan.grammar_bitmask

@@ -82,9 +82,37 @@ def grammar_timers(engine):
             delattr(manager, name)
 
 
-def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int, profile_host: bool = False) -> dict:
+def fill_sweep(engine, seq_ids: list[str], repeats: int = 50) -> dict:
+    """Milliseconds to fill the masks of `seq_ids` (constrained sequences, in the states the run left
+    them) in one call of xgrammar's batch matcher on 1, 2, 4 and 8 threads, and one row at a time."""
+    import xgrammar as xgr
+
+    manager = engine.structured_output
+    matchers = [manager._seqs[i].matcher for i in seq_ids if i in manager._seqs]
+    bitmask = xgr.allocate_token_bitmask(len(matchers), manager.vocab_size)
+    rows = list(range(len(matchers)))
+
+    def timed(fill) -> float:
+        fill()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fill()
+        return round(1e3 * (time.perf_counter() - start) / repeats, 4)
+
+    result = {"rows": len(matchers)}
+    for threads in (1, 2, 4, 8):
+        batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        result[f"batch_{threads}_threads_ms"] = timed(
+            lambda b=batch: b.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows))
+    result["row_by_row_ms"] = timed(lambda: [m.fill_next_token_bitmask(bitmask, r) for r, m in enumerate(matchers)])
+    return result
+
+
+def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int, profile_host: bool = False,
+                 sweep: bool = False) -> dict:
     """Time `steps` decode steps in which every request decodes; the first `constrained` rows follow SCHEMA
-    (`profile_host`: print a cProfile top 15 of the timed steps' host time)."""
+    (`profile_host`: print a cProfile top 15 of the timed steps' host time; `sweep`: time the mask fill of
+    the constrained rows' final states on several thread counts, see `fill_sweep`)."""
     from deepinfer_core.sampling_params import SamplingParams, StructuredOutputsParams
 
     plain = SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True)
@@ -121,6 +149,7 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int,
     # what a constrained row wrote (the matcher states its masks were filled in)
     sample = next((engine.tokenizer.decode([t for t in s.output_token_ids if t >= 0])[-160:]
                    for s in scheduler.running if s.request_id == ids[0]), None) if constrained else None
+    swept = fill_sweep(engine, ids[:constrained]) if sweep and constrained else None
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
@@ -135,6 +164,7 @@ def steady_steps(engine, prompts: list[list[int]], constrained: int, steps: int,
         "tokens_per_step_constrained_row": round(per_step(shaped_ids), 3) if shaped_ids else None,
         "tokens_per_step_plain_row": round(per_step(plain_ids), 3) if plain_ids else None,
         "constrained_output_tail": sample,
+        **({"fill_sweep": swept} if swept else {}),
     }
 
 
@@ -147,6 +177,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the embedded tiny model on the CPU (checks the script)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the constrained run's timed steps")
+    parser.add_argument("--fill-sweep", action="store_true",
+                        help="after the constrained run, time its rows' mask fill on 1, 2, 4, 8 threads")
     args = parser.parse_args()
     engine, prompt_len = build_engine(args)
     print(json.dumps({"bench": "structured_overhead", "date": datetime.date.today().isoformat(),
@@ -161,7 +193,8 @@ def main() -> None:
     steady_steps(engine, prompts, args.batch // 2, 2)  # warm-up: compiles the grammar, grows the allocator
     rows = {}
     for name, constrained in (("plain", 0), ("half_constrained", args.batch // 2)):
-        rows[name] = steady_steps(engine, prompts, constrained, args.steps, args.profile_host and constrained > 0)
+        rows[name] = steady_steps(engine, prompts, constrained, args.steps, args.profile_host and constrained > 0,
+                                  args.fill_sweep)
         print(json.dumps({"run": name, **rows[name]}), flush=True)
     overhead = rows["half_constrained"]["step_ms"] / rows["plain"]["step_ms"] - 1
     print(json.dumps({"step_overhead": round(overhead, 4), "target": "< 0.05",

@@ -60,7 +60,11 @@ CACHE_LIMIT_BYTES = 256 * 2**20
 NUM_COMPILE_THREADS = 2
 """Grammars compiled at once (each compile also spreads its mask precomputation over threads)."""
 BATCH_FILL_ROWS = 8
-"""From this many constrained rows on, bitmasks are filled in parallel (xgrammar's batch matcher)."""
+"""From this many constrained rows on, bitmasks are filled by xgrammar's batch matcher (one C++ call)."""
+FILL_THREADS = 1
+"""Threads of that batch fill. A row's mask takes microseconds, and xgrammar's threads cost more than they
+save: 32 rows in JSON states took 0.10 ms on one thread against 0.94 ms on two here, and 5.2 ms a step on
+eight on the H200's host (bench/structured_overhead.py --fill-sweep measures it)."""
 THINK_START, THINK_END = "<think>", "</think>"
 
 _LOG_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?\S+:\d+:\s*")
@@ -70,8 +74,8 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled (invalid, or too slow), or a token its matcher rejects."""
 
 
-def _fill_threads() -> int:
-    """Threads for xgrammar's parallel work: the CPUs this process may run on, at most 8."""
+def _compile_threads() -> int:
+    """Threads for a grammar compile: the CPUs this process may run on, at most 8."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(8, usable))
 
@@ -269,7 +273,7 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.hf), vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=_fill_threads(),
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_compile_threads(),
                                                      cache_enabled=False)
             return self._compiler
 
@@ -398,12 +402,11 @@ class StructuredOutputManager:
         return bitmask
 
     def _fill(self, bitmask: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-        """Fill bitmask row `rows[i]` from `matchers[i]`, in parallel for many rows."""
+        """Fill bitmask row `rows[i]` from `matchers[i]`, in one C++ call for many rows."""
         if len(rows) >= BATCH_FILL_ROWS:
             if self._batch_matcher is None:
-                # xgrammar's "auto" is half of std::thread::hardware_concurrency, the host's CPUs even
-                # in a container given a few of them: name the threads this process may use
-                self._batch_matcher = _xgrammar().BatchGrammarMatcher(max_threads=_fill_threads())
+                # xgrammar's "auto" is half of std::thread::hardware_concurrency: name the count
+                self._batch_matcher = _xgrammar().BatchGrammarMatcher(max_threads=FILL_THREADS)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         else:
             for row, matcher in zip(rows, matchers):

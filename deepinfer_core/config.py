@@ -520,6 +520,12 @@ class EngineConfig(BaseModel):
         "whatever shares its batch, however its prompt is chunked, after a preemption and after a prefix-cache "
         "hit (every backend is built in its invariant variant; prefix hits replay exactly). Costs throughput.",
     )
+    engram_placement: Literal["device", "host"] = Field(
+        "device", description='Where a model\'s Engram tables live (DeepSeek-V4.1): "device", or "host" (pinned '
+        'host memory: the release\'s ~190 GiB of tables fit no GPU; decode then runs without CUDA graphs).')
+    engram_prefetch: bool = Field(
+        True, description="Host-placed Engram tables: start a step's lookups before its first layer, gathered on "
+        "a worker thread and copied on a side stream (models/engram_prefetch.py); False gathers at the layer.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

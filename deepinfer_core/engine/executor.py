@@ -105,7 +105,7 @@ class UniExecutor:
         return [self.runner.execute(plan) for plan in plans]
 
     def shutdown(self) -> None:
-        pass
+        self.runner.close()
 
 
 class MultiprocExecutor:

@@ -193,6 +193,12 @@ class ModelRunner:
         if self.parallel.cp.size > 1:  # split prefill steps exchange window keys and compressed entries
             attention = {spec: ContextParallelAttention(backend) for spec, backend in attention.items()}
             ops = ContextParallelLayerOps(ops)
+        if hasattr(self.model, "engram_placement"):  # a model with Engram tables (V4.1)
+            self.model.engram_placement = self.engine_config.engram_placement
+            self.model.engram_prefetch = self.engine_config.engram_prefetch
+        elif self.engine_config.engram_placement != "device":
+            raise ValueError(f"engram_placement={self.engine_config.engram_placement!r}: "
+                             f"{type(self.model).__name__} has no Engram tables")
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
         if self.experts is not None:
@@ -266,6 +272,12 @@ class ModelRunner:
                 state.token_ids.extend(request.token_ids[len(state.token_ids) - request.start :])
             states.append(state)
         return states
+
+    def close(self) -> None:
+        """Stop what the model runs beside the steps (V4.1's Engram prefetch worker); idempotent."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan: compute every scheduled token, sample the requests it marks."""

@@ -33,6 +33,7 @@ from deepinfer_core.backends.attention import BLOCK_SIZE, IndexScorer
 from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec, SinglePassMixing
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.engram import EngramHasher, EngramTable, engram_forward
+from deepinfer_core.models.engram_prefetch import EngramPrefetcher, PendingEngram
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import FP32, RMSNorm
 from deepinfer_core.models.rope import Rotary
@@ -63,6 +64,10 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     engram_placement = "device"
     """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
+    engram_prefetch = True
+    """Host placement only: start a step's lookups before layer 0 on a worker thread (`engram_prefetch`);
+    False gathers at the Engram layer on the launching thread (for comparison)."""
+    prefetcher: EngramPrefetcher | None = None
     final_streams: torch.Tensor | None = None
     """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
 
@@ -119,6 +124,15 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                 self.layers[p.index].engram.embed.scale, device,
                                                 self.engram_placement)
                            for p in self.plans if p.has_engram}
+            self.close()
+            if self.engram_placement == "host" and self.engram_prefetch:
+                self.prefetcher = EngramPrefetcher(self.tables, device)
+
+    def close(self) -> None:
+        """Stop the Engram prefetch worker, if any (the runner's `close`, at engine shutdown)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
 
     def backends(self) -> list[object]:
         """Every bound backend, plus `HOST_ENGRAM_TABLES` when Engram tables live in host memory (their
@@ -140,7 +154,19 @@ class DeepseekV41ForCausalLM(nn.Module):
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the step's tokens; fp32 logits `[len(logits_indices), vocab]`. `image_mask`
         `[T]` marks image-span positions (none without a vision input)."""
-        hashes = self.engram_hashes(ctx, caches, image_mask) if self.hasher is not None else None
+        engram = self.engram_hashes(ctx, caches, image_mask) if self.hasher is not None else None
+        if engram is not None and self.prefetcher is not None:  # every Engram layer's rows, from now on
+            engram = self.prefetcher.start(engram, {i: self.config.engram_layer_ids.index(i) for i in self.tables})
+        try:
+            return self.run_layers(ctx, caches, logits_indices, image_mask, engram)
+        finally:
+            if isinstance(engram, PendingEngram):  # a step that failed part-way leaves nothing in flight
+                engram.drain()
+
+    def run_layers(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor,
+                   image_mask: torch.Tensor | None, engram: torch.Tensor | PendingEngram | None) -> torch.Tensor:
+        """The layers and the head; `engram`: the hash ids `[T, engram layers, cols]`, or their lookups
+        in flight (host tables with prefetch)."""
         x = self.embed(ctx.input_ids)
         streams = x.unsqueeze(1).repeat(1, self.hc_mult, 1)
         pre = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
@@ -155,7 +181,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 if pending is not None:
                     streams = self.ops.map_rows(hyper_residual, streams, *pending)
                 if plan.has_engram:
-                    streams = self.engram(i, streams, hashes, image_mask)
+                    streams = self.engram(i, streams, engram, image_mask)
                 pre_a, post_a, comb_a, x = mixing.hc_mix(streams, self.hc[i][0], block.attn_norm.weight, pre)
             out = self.attention(i, x, ctx, caches[i], shared)
             streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
@@ -190,16 +216,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         back = [torch.where(positions - k >= 0, pool[rows(positions - k)], -2) for k in range(self.hasher.max_ngram)]
         return self.hasher.hashes(torch.stack(back, dim=1))
 
-    def engram(self, i: int, streams: torch.Tensor, hashes: torch.Tensor, image_mask) -> torch.Tensor:
+    def engram(self, i: int, streams: torch.Tensor, engram: torch.Tensor | PendingEngram, image_mask) -> torch.Tensor:
         weights = self.layers[i].engram
-        column = self.config.engram_layer_ids.index(i)
         table, weight, eps = self.tables[i], weights.q_weight * weights.k_weight, self.config.rms_norm_eps
+        keep = () if image_mask is None else (~image_mask,)
+        if isinstance(engram, PendingEngram):  # rows gathered since the step began; waits for them only now
+            def run_rows(s, rows, *keep):
+                return engram_forward(s, rows, weights.wkv.weight, weight, eps, *keep)
+
+            return self.ops.map_rows(run_rows, streams, engram.rows(i), *keep)
 
         def run(s, h, *keep):
-            return engram_forward(s, h, table, weights.wkv.weight, weight, eps, *keep)
+            return engram_forward(s, table.lookup(h), weights.wkv.weight, weight, eps, *keep)
 
-        keep = () if image_mask is None else (~image_mask,)
-        return self.ops.map_rows(run, streams, hashes[:, column], *keep)
+        return self.ops.map_rows(run, streams, engram[:, self.config.engram_layer_ids.index(i)], *keep)
 
     def attention(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, shared: dict) -> torch.Tensor:
         plan, weights, ops, meta = self.plans[i], self.layers[i].attn, self.ops, ctx.metadata

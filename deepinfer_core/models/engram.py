@@ -176,10 +176,13 @@ class EngramTable:
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Rows `[T, cols]` -> dequantised bf16 `[T, cols, dim]` on the model's device."""
         ids = hash_ids.to(self.weight.device)
-        values = self.weight[ids].view(torch.float8_e4m3fn).float()
-        scales = self.scale[ids].view(torch.float8_e8m0fnu).float()
-        rows = (values.unflatten(-1, (-1, self.block)) * scales[..., None]).flatten(-2).to(torch.bfloat16)
-        return rows.to(self.device, non_blocking=True)
+        return self.dequantise(self.weight[ids].to(self.device), self.scale[ids].to(self.device))
+
+    def dequantise(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Gathered raw rows (`[..., cols]` FP8 bytes, `[..., cols // block]` UE8M0 bytes) -> bf16 rows,
+        where they are (the host placement copies the raw bytes, half a bf16 row's, then dequantises)."""
+        values, scales = values.view(torch.float8_e4m3fn).float(), scales.view(torch.float8_e8m0fnu).float()
+        return (values.unflatten(-1, (-1, self.block)) * scales[..., None]).flatten(-2).to(torch.bfloat16)
 
 
 def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -198,8 +201,8 @@ def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, e
     return (h + gate[..., None] * value.float()[:, None, :]).to(streams.dtype)
 
 
-def engram_forward(streams: torch.Tensor, hash_ids: torch.Tensor, table: EngramTable, wkv: torch.Tensor,
-                   weight: torch.Tensor, eps: float, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """One Engram layer: gather, project (`wkv` `[(n + 1) * D, cols * dim]`), gate into the streams."""
-    rows = table.lookup(hash_ids).flatten(1).to(wkv.dtype)
-    return engram_gate(streams, F.linear(rows, wkv), weight, eps, keep)
+def engram_forward(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, weight: torch.Tensor, eps: float,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
+    """One Engram layer on its gathered `rows` `[T, cols, dim]` (`EngramTable.lookup`, or prefetched by
+    `engram_prefetch`): project (`wkv` `[(n + 1) * D, cols * dim]`), gate into the streams."""
+    return engram_gate(streams, F.linear(rows.flatten(1).to(wkv.dtype), wkv), weight, eps, keep)

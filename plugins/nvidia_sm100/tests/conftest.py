@@ -3,18 +3,45 @@
 Tests that take `kernel_device` run everywhere: compiled on a suitable GPU, and on the CPU through
 Triton's interpreter (`TRITON_INTERPRET=1`, set here before any kernel module is imported; the plugin's
 hooks import kernel modules only on a suitable GPU, so nothing else in the process is affected).
+
+The interpreter's `tl.dot` is a NumPy matmul, and OpenBLAS's microkernels give a row other bits at
+another position in the tile on some CPUs (its Haswell kernels do). A GPU's MMA computes a row alike
+wherever it sits, and the batch-invariance tests rest on that, so under the interpreter each row of a
+`tl.dot` is its own product (`_row_by_row_dot`).
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from deepinfer_nvidia_sm100.platform import device_problem
 
 if device_problem() is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _row_by_row_dot() -> None:
+    """Make the interpreter's `tl.dot` compute each output row alone (see the module's docstring)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    whole = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        rows = [whole(self, interpreter.TensorHandle(a.data[..., i:i + 1, :], a.dtype),
+                      b, interpreter.TensorHandle(d.data[..., i:i + 1, :], d.dtype), *args)
+                for i in range(a.data.shape[-2])]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows], axis=-2), rows[0].dtype)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_by_row_dot()
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
     python bench/gpu_decode.py [--layers 2] [--experts 256] [--batches 1,16,64,256] [--new-tokens 33]
         [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16] [--model v41]
-        [--deterministic]
+        [--deterministic] [--engram-placement device|host] [--engram-sync]
 
 DeepSeek-V4-Flash per-layer shapes, `--layers` layers alternating CSA/HCA, `--experts` routed experts,
 random weights (normal, std 0.02; random hash tables), bf16, 512-token random prompts, greedy with
@@ -345,14 +345,21 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=["v4", "v41"], default="v4",
                         help='"v41": the v41flash-LxE workload against our V4 path (bench/v41_workload.py)')
+    parser.add_argument("--engram-placement", choices=["device", "host"], default="device",
+                        help="--model v41: where the Engram table lives (EngineConfig.engram_placement)")
+    parser.add_argument("--engram-sync", action="store_true",
+                        help="--model v41 with host tables: gather at the layer, no prefetch (engram_prefetch=False)")
     args = parser.parse_args()
+    if args.model != "v41" and (args.engram_placement != "device" or args.engram_sync):
+        parser.error("--engram-placement and --engram-sync are for --model v41 (V4 has no Engram)")
     if args.model == "v41":
         from v41_workload import run_v41
 
         device_name = "cpu" if args.tiny else torch.cuda.get_device_name()
         run_v41(args, {"date": datetime.date.today().isoformat(), "device": device_name, "commit": args.commit,
                        "torch": torch.__version__, "new_tokens": args.new_tokens, "prompt_len": PROMPT_LEN,
-                       "eager": args.eager})
+                       "eager": args.eager, "engram_placement": args.engram_placement,
+                       "engram_prefetch": not args.engram_sync})
         return
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -119,8 +119,10 @@ def synthetic_tokenizer_json(vocab_size: int) -> str:
     return tokenizer.to_str()
 
 
-def build_side(config_dict: dict, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int, eager: bool):
-    """(engine, floor model) of one side, on random weights with packed FP4 experts."""
+def build_side(config_dict: dict, device: str, dtype: torch.dtype, max_batch: int, new_tokens: int, eager: bool,
+               **options):
+    """(engine, floor model) of one side, on random weights with packed FP4 experts; `options` go to
+    `EngineConfig` (the V4.1 side's Engram placement and prefetch)."""
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.models import registry, weight_formats
@@ -138,7 +140,7 @@ def build_side(config_dict: dict, device: str, dtype: torch.dtype, max_batch: in
     blocks_per_seq = math.ceil((PROMPT_LEN + new_tokens + 8) / 128)
     engine = Engine(EngineConfig(model=str(directory), dtype="float32" if dtype == torch.float32 else "bfloat16",
                                  device=device, max_num_seqs=max_batch, max_model_len=PROMPT_LEN + new_tokens + 8,
-                                 num_kv_blocks=2 * max_batch * blocks_per_seq + 8, enforce_eager=eager),
+                                 num_kv_blocks=2 * max_batch * blocks_per_seq + 8, enforce_eager=eager, **options),
                     weights=weights)
     del weights
     return engine, floors(engine.runner.model, config, plans)
@@ -219,12 +221,13 @@ def run_v41(args, header: dict) -> None:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(2, 129000, (max(batches), PROMPT_LEN), generator=gen).tolist()
     rows, greedy = [], {}
-    sides = (("deepinfer-v41", v41_config(layers, args.experts, args.tiny)),
-             ("deepinfer-v4", v4_config(layers, args.experts, args.tiny)))
-    for name, config in sides:
-        engine, f = build_side(config, device, dtype, max(batches), args.new_tokens, args.eager)
+    engram = {"engram_placement": args.engram_placement, "engram_prefetch": not args.engram_sync}
+    sides = (("deepinfer-v41", v41_config(layers, args.experts, args.tiny), engram),
+             ("deepinfer-v4", v4_config(layers, args.experts, args.tiny), {}))
+    for name, config, options in sides:
+        engine, f = build_side(config, device, dtype, max(batches), args.new_tokens, args.eager, **options)
         net = engine.runner.model
-        print(json.dumps({"side": name, "backends": {"attention": sorted({type(b).__name__ for b in net.attention_backends}),
+        print(json.dumps({"side": name, "engine_options": options, "backends": {"attention": sorted({type(b).__name__ for b in net.attention_backends}),
                                                      "moe": sorted({type(b).__name__ for b in net.moe_backends}),
                                                      "layer_ops": type(net.ops).__name__,
                                                      "mixing": type(getattr(net, "mixing", net.ops)).__name__},
@@ -232,6 +235,7 @@ def run_v41(args, header: dict) -> None:
               flush=True)
         rows += [measure(name, engine, f, prompts[:batch], args.new_tokens) for batch in batches]
         greedy[name] = engine_generate(engine, prompts[:1], 8)[0]
+        engine.shutdown()  # stops the Engram prefetch worker of host-placed tables
         del engine, net
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -522,10 +522,12 @@ class EngineConfig(BaseModel):
     )
     engram_placement: Literal["device", "host"] = Field(
         "device", description='Where a model\'s Engram tables live (DeepSeek-V4.1): "device", or "host" (pinned '
-        'host memory: the release\'s ~190 GiB of tables fit no GPU; decode then runs without CUDA graphs).')
+        'host memory: the release\'s ~190 GiB of tables fit no GPU; decode then runs without CUDA graphs). '
+        '"host" for a model without Engram tables is an error.')
     engram_prefetch: bool = Field(
         True, description="Host-placed Engram tables: start a step's lookups before its first layer, gathered on "
-        "a worker thread and copied on a side stream (models/engram_prefetch.py); False gathers at the layer.")
+        "a worker thread and copied on a side stream (models/engram_prefetch.py); False gathers at the layer, "
+        "on the launching thread. Changes nothing for tables on the device or a model without Engram.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -581,6 +583,9 @@ class EngineConfig(BaseModel):
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Return a copy with every None default made concrete for `model_config` (and checked)."""
+        if self.engram_placement != "device" and not getattr(model_config, "engram_layer_ids", None):
+            raise ConfigError(f"engram_placement={self.engram_placement!r}: {model_config.model_type} has no Engram "
+                              "tables (only DeepSeek-V4.1 does); leave engram_placement at 'device'")
         max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
         if max_model_len > model_config.max_position_embeddings:
             raise ConfigError(

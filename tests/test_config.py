@@ -202,6 +202,19 @@ def test_engine_config_errors_are_actionable(model_dir, tmp_path_factory):
         engine.resolve(engine.load_model_config())
 
 
+def test_engram_options_name_their_field_and_host_tables_need_a_model_with_engram(model_dir):
+    with pytest.raises(ValidationError, match="engram_placement"):
+        EngineConfig(model=str(model_dir), engram_placement="disk")
+    with pytest.raises(ValidationError, match="engram_prefetch"):
+        EngineConfig(model=str(model_dir), engram_prefetch="sometimes")
+    engine = EngineConfig(model=str(model_dir), engram_placement="host")
+    with pytest.raises(ConfigError, match="engram_placement='host': deepseek_v4 has no Engram tables"):
+        engine.resolve(engine.load_model_config())
+    # prefetching is about host tables only: for V4 it is accepted and changes nothing
+    engine = EngineConfig(model=str(model_dir), engram_prefetch=False)
+    assert engine.resolve(engine.load_model_config()).engram_prefetch is False
+
+
 # ------------------------------------------------------------------------------------------------ bad config.json
 
 

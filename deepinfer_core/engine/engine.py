@@ -244,7 +244,7 @@ class Engine:
         return runner
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (nothing to do in-process); the engine is unusable afterwards."""
+        """Stop the executor's workers (in-process: the model's own threads); the engine is unusable afterwards."""
         self.flush_cache_ops()
         if self.prefix_tiers is not None:
             self.prefix_tiers.close()

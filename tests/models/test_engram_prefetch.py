@@ -1,0 +1,103 @@
+"""Engram tables in host memory (`engram_placement="host"`), with the prefetch worker
+(`models/engram_prefetch.py`) and without it: the same tokens and logprobs as tables on the device, bit
+for bit; the rows come from the worker thread, which shutdown stops; a failed gather is an error naming
+its layer, never a hang; bad values name the field."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.models.engram import EngramTable
+from deepinfer_core.models.engram_prefetch import THREAD_NAME, EngramGatherError, EngramPrefetcher
+from tests.models.v41_helpers import make_engine, random_prompt, tiny_checkpoint
+from tests.oracle import greedy_tokens_and_logprobs
+
+PROMPTS = [random_prompt(30, seed=1), random_prompt(11, seed=2)]
+# two prompts, a 16-token budget: chunked prefill, then decode steps of both
+OPTIONS = {"max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 6}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def on_device(checkpoint):
+    engine = make_engine(*checkpoint, **OPTIONS)
+    assert {t.placement for t in engine.runner.model.tables.values()} == {"device"}
+    return greedy_tokens_and_logprobs(engine, PROMPTS, 4)
+
+
+class Recorder:
+    """Wraps `EngramPrefetcher.gather` and `EngramTable.lookup`: which threads gathered, how many lookups."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.threads, self.num_lookups = [], 0
+        gather, lookup = EngramPrefetcher.gather, EngramTable.lookup
+
+        def recorded_gather(prefetcher, *args):
+            self.threads.append(threading.current_thread())
+            return gather(prefetcher, *args)
+
+        def counted_lookup(table, hash_ids):
+            self.num_lookups += 1
+            return lookup(table, hash_ids)
+
+        monkeypatch.setattr(EngramPrefetcher, "gather", recorded_gather)
+        monkeypatch.setattr(EngramTable, "lookup", counted_lookup)
+
+
+def test_prefetched_host_rows_equal_device_rows_and_shutdown_stops_the_worker(checkpoint, on_device, monkeypatch):
+    recorder = Recorder(monkeypatch)
+    engine = make_engine(*checkpoint, engram_placement="host", **OPTIONS)
+    model = engine.runner.model
+    assert {t.placement for t in model.tables.values()} == {"host"} and model.prefetcher is not None
+    assert greedy_tokens_and_logprobs(engine, PROMPTS, 4) == on_device
+    # every Engram layer's rows of every step came from the worker, none from a lookup at the layer
+    assert recorder.num_lookups == 0 and len(recorder.threads) >= 2 * len(model.tables)
+    assert len(recorder.threads) % len(model.tables) == 0
+    worker = recorder.threads[0]
+    assert worker is not threading.main_thread() and worker.name.startswith(THREAD_NAME)
+    assert all(t is worker for t in recorder.threads) and worker.is_alive()
+    engine.shutdown()
+    assert not worker.is_alive() and model.prefetcher is None
+
+
+def test_synchronous_host_lookups_equal_device_rows(checkpoint, on_device, monkeypatch):
+    recorder = Recorder(monkeypatch)
+    engine = make_engine(*checkpoint, engram_placement="host", engram_prefetch=False, **OPTIONS)
+    assert engine.runner.model.prefetcher is None
+    assert greedy_tokens_and_logprobs(engine, PROMPTS, 4) == on_device
+    assert recorder.threads == [] and recorder.num_lookups > 0  # gathered at the layer, on this thread
+    engine.shutdown()
+
+
+def test_a_failed_gather_names_its_layer_and_the_worker_serves_on(checkpoint):
+    engine = make_engine(*checkpoint, engram_placement="host", **OPTIONS)
+    model, prefetcher = engine.runner.model, engine.runner.model.prefetcher
+    table = model.tables[4]
+    whole, table.weight = table.weight, table.weight[:1]  # every id past row 0 is out of range
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    with pytest.raises(EngramGatherError, match=r"gather of layer 4 failed: \w+Error: .*index"):
+        engine.step()
+    table.weight = whole
+    num_rows = min(t.weight.shape[0] for t in model.tables.values())
+    ids = torch.randint(0, num_rows, (3, len(model.tables), model.hasher.primes.shape[1]))
+    pending = prefetcher.start(ids)
+    assert torch.equal(pending.rows(4), table.lookup(ids[:, 1]))
+    pending.drain()  # layer 1's rows, never asked for
+    engine.shutdown()
+    with pytest.raises(EngramGatherError, match="closed"):
+        prefetcher.start(ids)
+
+
+@pytest.mark.parametrize("field, value", [("engram_placement", "disk"), ("engram_prefetch", "sometimes")])
+def test_bad_values_name_the_field(checkpoint, field, value):
+    with pytest.raises(ValidationError, match=field):
+        make_engine(*checkpoint, **{field: value})

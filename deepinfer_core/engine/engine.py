@@ -118,7 +118,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.config.model, model_config)
         self.eos_token_ids = model_config.eos_token_ids
         self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
-                                                         self.eos_token_ids)
+                                                         self.eos_token_ids, pin_memory=device.type == "cuda")
         self.prefix_tiers = make_prefix_tiers(self.config, info.cache_fingerprint, info.block_layout,
                                               layout_bytes(info.block_layout))
         self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
@@ -382,13 +382,14 @@ class Engine:
         launched. `_settle` appends the tokens later, and finds them accepted (`accept` by position)."""
         if in_flight.ready is not None:
             in_flight.ready.synchronize()
+        seq_ids, tokens, positions = [], [], []
         for seq, token in zip(in_flight.seqs, in_flight.output.token_ids.tolist()):
-            if seq.is_finished or token == NONFINITE_TOKEN or seq.request_id not in self.structured_output:
-                continue
-            try:
-                self.structured_output.accept(seq.request_id, token, seq.num_output_tokens - 1)
-            except GrammarError:
-                pass  # its row is left free; `_settle` meets the error again and ends the request
+            if not (seq.is_finished or token == NONFINITE_TOKEN):
+                seq_ids.append(seq.request_id)
+                tokens.append(token)
+                positions.append(seq.num_output_tokens - 1)
+        # a rejected token leaves its row free; `_settle`'s `accept` raises it and ends the request
+        self.structured_output.accept_many(seq_ids, tokens, positions)
 
     def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request], pending: bool = False) -> None:
         """Add each row's token to its sequence and apply the stop rules; `pending`: the tokens replace

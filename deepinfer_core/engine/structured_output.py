@@ -29,6 +29,7 @@ rows after it are masked from the grammar's start).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -131,11 +132,18 @@ def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> N
         full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
         full[rows] = bitmask[source]
         bitmask = full
-    if logits.is_cuda and not bitmask.is_pinned():
-        # a pageable source makes the copy wait for the stream, i.e. for this step's forward: the host
-        # would stall here instead of preparing the next step (H200, bs 64: 13.1 ms steps against 6.2)
-        bitmask = bitmask.pin_memory()
-    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    indices: Any = rows
+    if logits.is_cuda:
+        import torch
+
+        # a pageable source makes a copy wait for the stream, i.e. for this step's forward: the host
+        # would stall here instead of preparing the next step (H200, bs 64: 13.1 ms steps against 6.2).
+        # xgrammar copies a list of indices from pageable memory, so they go as a tensor too.
+        if not bitmask.is_pinned():
+            bitmask = bitmask.pin_memory()
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=indices)
 
 
 @dataclass
@@ -187,12 +195,15 @@ class StructuredOutputManager:
     :param tokenizer: the checkpoint's tokenizer (its `hf` is a `tokenizers.Tokenizer`), or None.
     :param vocab_size: the model's vocabulary (the logits' width; the mask covers it all).
     :param stop_token_ids: end-of-sequence ids: the only tokens allowed once a grammar is complete.
+    :param pin_memory: fill the bitmasks in pinned host memory (the logits are on a CUDA device: its copy
+        then never waits for the step's forward, and nothing is copied twice).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
                  compile_timeout_s: float = COMPILE_TIMEOUT_S, cache_limit_bytes: int = CACHE_LIMIT_BYTES,
-                 num_threads: int = NUM_COMPILE_THREADS) -> None:
+                 num_threads: int = NUM_COMPILE_THREADS, pin_memory: bool = False) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.pin_memory = pin_memory
         self.compile_timeout_s, self.cache_limit_bytes = compile_timeout_s, cache_limit_bytes
         self._num_threads = num_threads
         self._lock = threading.Lock()
@@ -341,10 +352,14 @@ class StructuredOutputManager:
         """
         if not self._seqs:
             return plan
-        indices, seq_ids, drafts, is_deferred = [], [], [], False
+        indices, seq_ids, drafts, first_rows, is_deferred = [], [], [], [], False
+        num_rows = 0  # logits rows before this request's: its grammar rows are its logits rows
         for index, request in enumerate(plan.requests):
+            if not request.is_sampled:
+                continue
+            num_rows += request.num_draft_tokens + 1
             state = self._seqs.get(request.request_id)
-            if state is None or state.matcher is None or not request.is_sampled:
+            if state is None or state.matcher is None:
                 continue
             is_pending = request.token_ids[-1] == PENDING_TOKEN
             d = request.num_draft_tokens
@@ -357,49 +372,60 @@ class StructuredOutputManager:
             indices.append(index)
             seq_ids.append(request.request_id)
             drafts.append(request_drafts)
+            first_rows.append(num_rows - d - 1)
             is_deferred |= is_pending
         if not indices:
             return plan
-        requests, row = list(plan.requests), 0
-        for index, request_drafts in zip(indices, drafts):
+        requests = list(plan.requests)
+        for index, row in zip(indices, first_rows):
             requests[index] = replace(requests[index], grammar_row=row)
-            row += len(request_drafts) + 1
         if not is_deferred:
-            bitmask = self.next_token_bitmask(seq_ids, drafts)
+            bitmask = self.next_token_bitmask(seq_ids, drafts, rows=first_rows, num_rows=num_rows)
         elif accept_pending is None:
             raise RuntimeError("a constrained request's input is pending and nothing accepts the step in flight")
         else:
             def bitmask() -> torch.Tensor:
                 accept_pending()
-                return self.next_token_bitmask(seq_ids)
+                return self.next_token_bitmask(seq_ids, rows=first_rows, num_rows=num_rows)
         return replace(plan, requests=tuple(requests), grammar_bitmask=bitmask)
 
-    def next_token_bitmask(self, seq_ids: list[str], drafts: list[tuple[int, ...]] | None = None) -> torch.Tensor:
+    def next_token_bitmask(self, seq_ids: list[str], drafts: list[tuple[int, ...]] | None = None, *,
+                           rows: list[int] | None = None, num_rows: int | None = None) -> torch.Tensor:
         """Packed masks `[rows, ceil(vocab / 32)]` int32 of each sequence's next token: one row per
         sequence, or with `drafts` (per sequence, the drafts its step verifies) d + 1 consecutive rows
         for d drafts, row j the mask after drafts 0 .. j - 1. Every token is allowed for one still
         thinking, or whose grammar is over (complete, or its last token rejected): such a sequence ends,
         and what its step samples is dropped; and on the rows after a draft the grammar rejects or that
-        ends it (the draft cannot be accepted, or the sequence stops at it)."""
+        ends it (the draft cannot be accepted, or the sequence stops at it).
+
+        `rows`: each sequence's first row in a mask of `num_rows` rows (default: one after the other);
+        the rows no sequence owns are left unset (`apply_bitmask` never reads them)."""
+        import torch
+
         drafts = drafts if drafts is not None else [()] * len(seq_ids)
-        num_rows = len(seq_ids) + sum(map(len, drafts))
-        bitmask = _xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)  # all allowed
-        walks, row = [], 0
-        for seq_id, seq_drafts in zip(seq_ids, drafts, strict=True):
+        if rows is None:
+            rows = [0, *itertools.accumulate(len(d) + 1 for d in drafts)][:-1]
+            num_rows = len(seq_ids) + sum(map(len, drafts))
+        bitmask = torch.empty((num_rows, -(-self.vocab_size // 32)), dtype=torch.int32, pin_memory=self.pin_memory)
+        walks, filled = [], set()
+        for seq_id, seq_drafts, row in zip(seq_ids, drafts, rows, strict=True):
             state = self._seqs.get(seq_id)
             if state is not None and not (state.is_complete or state.error):
                 walks.append(_DraftWalk(row, state, seq_drafts, state.is_reasoning))
-            row += len(seq_drafts) + 1
         think_end = self._think_ids()[1] if any(drafts) else None
         for j in range(max(map(len, drafts), default=0) + 1):
             live = [w for w in walks if j <= len(w.drafts) and not (w.is_stopped or w.is_reasoning)]
             self._fill(bitmask, [w.row + j for w in live], [w.state.matcher for w in live])
+            filled.update(w.row + j for w in live)
             for walk in walks:
                 if j < len(walk.drafts):
                     walk.advance(walk.drafts[j], think_end)
         for walk in walks:
             if walk.num_consumed:
                 walk.state.matcher.rollback(walk.num_consumed)
+        free = [r + j for r, d in zip(rows, drafts) for j in range(len(d) + 1) if r + j not in filled]
+        if free:  # all allowed
+            bitmask[free] = -1
         return bitmask
 
     def _fill(self, bitmask: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
@@ -421,22 +447,31 @@ class StructuredOutputManager:
         :raises GrammarError: the matcher rejects the token (again at every later call).
         """
         state = self._seqs[seq_id]
+        self.accept_many([seq_id], [token_id], [position])
         if state.error is not None:
             raise GrammarError(state.error)
-        if position < state.num_accepted:
-            return state.is_complete
-        if position > state.num_accepted:
-            raise RuntimeError(f"sequence {seq_id!r}: output token {position} accepted before token "
-                               f"{state.num_accepted}")
-        state.num_accepted += 1
-        if state.is_reasoning:
-            state.is_reasoning = token_id != self._think_ids()[1]
-            return False
-        if not state.matcher.accept_token(token_id):
-            state.error = f"token {token_id} does not continue the grammar"
-            raise GrammarError(state.error)
-        state.is_complete = state.matcher.is_terminated()
         return state.is_complete
+
+    def accept_many(self, seq_ids: list[str], token_ids: list[int], positions: list[int]) -> None:
+        """`accept` for the tokens of one step (a deferred mask's, see `fill_bitmask`), raising nothing:
+        sequences not tracked, or whose token at that position was accepted already, are skipped, and a
+        rejected token becomes the sequence's error, which its next `accept` raises."""
+        think_end = None
+        for seq_id, token_id, position in zip(seq_ids, token_ids, positions, strict=True):
+            state = self._seqs.get(seq_id)
+            if state is None or state.error is not None or position < state.num_accepted:
+                continue
+            if position > state.num_accepted:
+                raise RuntimeError(f"sequence {seq_id!r}: output token {position} accepted before token "
+                                   f"{state.num_accepted}")
+            state.num_accepted += 1
+            if state.is_reasoning:
+                think_end = think_end or self._think_ids()[1]
+                state.is_reasoning = token_id != think_end
+            elif state.matcher.accept_token(token_id):  # xgrammar's batch_accept_token is slower for 8-32
+                state.is_complete = state.matcher.is_terminated()
+            else:
+                state.error = f"token {token_id} does not continue the grammar"
 
     def _think_ids(self) -> tuple[int | None, int | None]:
         if self._think is None:

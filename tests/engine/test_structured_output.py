@@ -241,6 +241,53 @@ def test_accept_is_idempotent_by_position(llm: LLM) -> None:
     manager.remove("y")
 
 
+def test_accept_many_advances_matchers_as_accept_does(llm: LLM) -> None:
+    manager, tokenizer, count = llm.engine.structured_output, llm.get_tokenizer(), 4
+    one, many = [f"one{i}" for i in range(count)], [f"many{i}" for i in range(count)]
+    for seq_id in one + many:
+        manager.track(seq_id, manager.submit(CONSTRAINTS["regex"]), [0, 5])
+    manager.wait(CONSTRAINTS["regex"])
+    manager.pop_failed()
+    good, bad = tokenizer.encode("ab-12") + [llm.engine.eos_token_ids[0]], tokenizer.encode("!")[0]
+    for position, token in enumerate(good):
+        tokens = [bad if i == 1 and position == 2 else token for i in range(count)]  # row 1 is rejected
+        for seq_id, t in zip(one, tokens):
+            try:
+                manager.accept(seq_id, t, position)
+            except GrammarError:
+                pass
+        manager.accept_many(many, tokens, [position] * count)
+        manager.accept_many(many, tokens, [position] * count)  # already accepted: skipped
+        assert torch.equal(manager.next_token_bitmask(many), manager.next_token_bitmask(one))
+    with pytest.raises(GrammarError, match=f"token {bad} does not continue"):
+        manager.accept(many[1], bad, 2)
+    assert [manager.accept(s, good[-1], len(good) - 1) for s in many if s != many[1]] == [True] * (count - 1)
+    with pytest.raises(RuntimeError, match="accepted before token"):
+        manager.accept_many([many[0]], [good[0]], [len(good) + 1])
+    for seq_id in one + many:
+        manager.remove(seq_id)
+
+
+def test_a_constrained_rows_mask_row_is_its_logits_row(overlapped_engine: Engine, monkeypatch) -> None:
+    """Mixed batches: each constrained request's mask row is its logits row, so the runner applies the
+    mask without rearranging it (and reads only the constrained rows)."""
+    from deepinfer_core.engine import runner as runner_module
+
+    seen, apply = [], runner_module.apply_bitmask
+
+    def spy(logits, plan, sampled):
+        seen.append([(k, plan.requests[i].grammar_row) for k, i in enumerate(sampled)
+                     if plan.requests[i].grammar_row is not None])
+        return apply(logits, plan, sampled)
+
+    monkeypatch.setattr(runner_module, "apply_bitmask", spy)
+    mixed = {f"free{i}": free(i) for i in range(3)}
+    mixed |= {f"re{i}": SamplingParams(max_tokens=8, seed=i, structured_outputs=CONSTRAINTS["regex"]) for i in range(3)}
+    run_engine(overlapped_engine, dict(sorted(mixed.items(), key=lambda item: item[0][-1])))
+    assert seen and any(pairs and pairs[0][0] > 0 for pairs in seen)  # some constrained row after a free one
+    assert all(row == grammar_row for pairs in seen for row, grammar_row in pairs)
+
+
 def test_unconstrained_rows_are_identical_with_constrained_batch_mates(overlapped_engine: Engine) -> None:
     alone = run_engine(overlapped_engine, {f"free{i}": free(i) for i in range(3)})
     mixed = {f"free{i}": free(i) for i in range(3)}

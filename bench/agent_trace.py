@@ -67,6 +67,9 @@ def add_arguments(parser) -> None:
     group.add_argument("--host-gib", type=float, default=None,
                        help="host tier GiB (default: half the trace's blocks)")
     group.add_argument("--device", default="cpu", help='torch device ("cuda" on a GPU)')
+    group.add_argument("--deterministic", action="store_true",
+                       help="deterministic mode: a cached run's answers then equal the cache-off run's bit for bit "
+                            "on a GPU too (default mode's kernels change their reduction order with the batch)")
     group.add_argument("--model", default=None, help="checkpoint directory (default: a random model of --workload)")
     group.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
                        help="the random model: tiny (the CPU workload, hidden 128) or wide (hidden 1024, 16 "
@@ -196,7 +199,7 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
                "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks,
                # decode batches never exceed the concurrency: capture only those (each mode builds an engine)
-               "cuda_graph_sizes": tuple(range(1, args.concurrency + 1))}
+               "cuda_graph_sizes": tuple(range(1, args.concurrency + 1)), "deterministic": args.deterministic}
     print(json.dumps({"bench": "prefix_cache_agent", "commit": git_commit(), "sessions": args.agent_sessions,
                       "turns": args.agent_turns, "scale": args.scale, "system_tokens": len(trace.system),
                       "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,

@@ -64,9 +64,9 @@ BATCH_FILL_ROWS = 8
 """From this many constrained rows on, bitmasks are filled by xgrammar's batch matcher (one C++ call)."""
 FILL_THREADS = 1
 """Threads of that batch fill. A row's mask takes microseconds, and xgrammar's threads cost more than they
-save on a 2-CPU host: 32 rows in JSON states took 0.06-0.10 ms on one thread against 0.14-0.94 ms on two.
-On eight threads the H200's host spent 5.2 ms a step filling 32 rows; one thread there is not yet measured
-(bench/structured_overhead.py --fill-sweep times 1, 2, 4 and 8)."""
+save: 32 rows in JSON states took 0.09 ms on one thread against 0.31 ms on two and 1.06 ms on eight on the
+H200's 16-CPU host (bench/structured_overhead.py --fill-sweep), 0.06-0.10 ms against 0.14-0.94 ms on two
+on a 2-CPU one."""
 THINK_START, THINK_END = "<think>", "</think>"
 
 _LOG_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?\S+:\d+:\s*")

@@ -130,8 +130,8 @@ def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str
     ))
     if spec:
         engine.speculator.drafter = RepeatDrafter()
-    if mode == "graph" and device == "cpu":  # the graphs' input path, run eagerly
-        engine.runner.graphs = DecodeGraphs(engine.runner, batch, blocks_per_seq, max_len)
+    if mode == "graph" and device == "cpu":  # the graphs' input path, run eagerly (verify steps: width k + 1)
+        engine.runner.graphs = DecodeGraphs(engine.runner, batch, blocks_per_seq, max_len, widths=(1, spec + 1))
     if mode == "graph" and engine.runner.graphs is None:
         raise RuntimeError("no decode graphs on this device (a backend does not support them)")
     return engine

@@ -31,8 +31,9 @@ from deepinfer_core.engine.kv_blocks import BlockIO, block_layout
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
-from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors, to_device
 from deepinfer_core.engine.spec import verify as spec_verify
+from deepinfer_core.engine.spec.rollback import SavedRows
 from deepinfer_core.engine.spec.runner_side import SpecVerifier, build_mtp_drafter
 from deepinfer_core.engine.structured_output import apply_bitmask
 from deepinfer_core.models import registry, tensor_parallel, weight_formats
@@ -307,7 +308,7 @@ class ModelRunner:
         return self._finish(plan, states, rows, logits[: len(rows)], tensors, prompt_logits, saved, ctx.input_ids)
 
     def _finish(self, plan: StepPlan, states: list[RequestState], rows: list[int], logits: torch.Tensor, tensors,
-                prompt_logits: dict, saved: list | None, input_ids: torch.Tensor) -> StepResult:
+                prompt_logits: dict, saved: SavedRows | None, input_ids: torch.Tensor) -> StepResult:
         """Sample the step's logits rows, then verify drafts (`saved`: the cache rows they overwrote)
         and let the MTP drafter propose the next ones."""
         result = self._sample(plan, rows, logits, tensors, prompt_logits)
@@ -411,7 +412,7 @@ class ModelRunner:
         window_starts = [r.window_start for r in requests]
         has_window_starts = any(window_starts)
         (start_loc, start_positions, position_t, slots, total_t, input_ids, no_write_before, logits_rows,
-         window_t, tables) = _to_device([
+         window_t, tables) = to_device([
             [0, *accumulate(r.num_tokens for r in requests)], starts, positions, [s.slot for s in states], totals,
             ids, [r.no_write_before for r in requests], ends + prompt_rows,
             window_starts if has_window_starts else [], _flat_block_tables(states, width, fill=-1),
@@ -426,22 +427,6 @@ class ModelRunner:
         )
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
         return ctx, logits_rows, sampled, prompt_spans, pending
-
-
-_ALIGN = 16
-"""Each int64 input starts 128 bytes into the step's shared buffer (kernels may load it vectorised)."""
-
-
-def _to_device(segments: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """One int64 tensor per list, all on `device` through a single host-to-device copy."""
-    flat, bounds = [], []
-    for values in segments:
-        start = len(flat)
-        flat += values
-        bounds.append((start, len(flat)))
-        flat += [0] * (-len(flat) % _ALIGN)
-    buffer = host_tensor(flat).to(device, non_blocking=True)
-    return [buffer[a:b] for a, b in bounds]
 
 
 def _flat_block_tables(states: list[RequestState], width: int, fill: int) -> list[int]:

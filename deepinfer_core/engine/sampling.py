@@ -32,6 +32,22 @@ def host_tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
 
 
+_ALIGN = 16
+"""Each int64 input starts 128 bytes into the step's shared buffer (kernels may load it vectorised)."""
+
+
+def to_device(segments: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """One int64 tensor per list, all on `device` through a single host-to-device copy."""
+    flat, bounds = [], []
+    for values in segments:
+        start = len(flat)
+        flat += values
+        bounds.append((start, len(flat)))
+        flat += [0] * (-len(flat) % _ALIGN)
+    buffer = host_tensor(flat).to(device, non_blocking=True)
+    return [buffer[a:b] for a, b in bounds]
+
+
 def seed_to_int64(seed: int) -> int:
     """The int64 holding the same 64 bits as the unsigned seed (seeds are in [0, 2**64))."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed

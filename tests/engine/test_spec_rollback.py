@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.engine.spec.rollback import RingTooSmallError, check_ring_sizes, kept_blocks
+from deepinfer_core.engine.spec.rollback import (
+    DraftRollback,
+    DraftRows,
+    RingTooSmallError,
+    check_ring_sizes,
+    kept_blocks,
+)
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from tests.engine.test_spec_decode import MIXED, VOCAB, greedy_reference, make_engine  # noqa: F401 (fixture)
 
 
@@ -61,6 +68,46 @@ def test_rejected_drafts_leave_the_cache_as_a_run_that_never_drafted(tmp_path, g
         assert_same_bookkeeping(plain, spec)
     assert not spec.has_unfinished_requests()
     assert spec.stats()["spec_verified_tokens"] > 0 and spec.stats()["spec_accepted_tokens"] == 0
+
+
+def test_restore_puts_back_exactly_the_rows_of_rejected_positions(tmp_path):
+    runner = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": 3}).runner
+    rollback = DraftRollback(runner.kv_cache.layers, runner.plans)
+    # positions 15 16 17 (15 closes a CSA and an HCA window) with one draft accepted; 3 4 5 (3 closes a
+    # CSA window) with none: the CSA pool saves an accepted and a rejected row
+    drafts = [DraftRows(slot=0, start=14, num_drafts=3, block_table=[2]), DraftRows(2, 2, 3, [5])]
+    rejected = [(0, 2, 16), (0, 2, 17), (2, 5, 3), (2, 5, 4), (2, 5, 5)]  # (slot, block, position)
+    generator = torch.Generator().manual_seed(0)
+    tensors = cache_tensors_of(runner)
+    for tensor, _ in tensors:
+        tensor.copy_(torch.rand(tensor.shape, generator=generator))
+    before = [tensor.clone() for tensor, _ in tensors]
+    saved = rollback.capture(drafts)
+    for tensor, _ in tensors:  # the forward writes every row (more than drafts do: rows not saved stay)
+        tensor.copy_(torch.rand(tensor.shape, generator=generator))
+    expected = [tensor.clone() for tensor, _ in tensors]
+    for (tensor, rate), old, new in zip(tensors, before, expected, strict=True):
+        for slot, block, q in rejected:
+            if rate is None:  # a slot ring
+                new[slot, q % tensor.shape[1]] = old[slot, q % tensor.shape[1]]
+            elif (q + 1) % rate == 0:
+                row = block * (BLOCK_SIZE // rate) + (q + 1) // rate - 1
+                new[row] = old[row]
+    DraftRollback.restore(saved, [1, 0])
+    for (tensor, _), want in zip(tensors, expected, strict=True):
+        assert torch.equal(tensor, want)
+
+
+def cache_tensors_of(runner) -> list[tuple[torch.Tensor, int | None]]:
+    """Every cache tensor once, with its compress rate for paged pools (None for slot rings)."""
+    seen, out = set(), []
+    for layer, plan in zip(runner.kv_cache.layers, runner.plans, strict=True):
+        for name in ("window", "kv_tail", "gate_tail", "index_kv_tail", "index_gate_tail", "compressed", "index_keys"):
+            t = getattr(layer, name)
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append((t, plan.compress_rate if name in ("compressed", "index_keys") else None))
+    return out
 
 
 def assert_same_bookkeeping(plain, spec) -> None:

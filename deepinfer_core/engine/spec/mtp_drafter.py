@@ -83,8 +83,7 @@ class MTPDrafter:
             shifted = [(i, p + depth) for i, p in sampled]
             drafts.append(self._draw(runner, states, shifted, logits))
             self._confidence(runner, states, shifted, logits, drafts[-1], confidences, probs)
-        DraftRollback.restore(saved, [DraftRows(states[i].slot, p - 1, self.num_drafts - 1, []) for i, p in sampled],
-                              [0] * len(sampled))
+        DraftRollback.restore(saved)  # every row: the drafter's cache keeps only computed tokens
         # one copy to the host for both (float64 holds every token id exactly)
         host = torch.cat((torch.stack(drafts, dim=1).double(), torch.stack(confidences, dim=1).double()), dim=1).tolist()
         k = self.num_drafts

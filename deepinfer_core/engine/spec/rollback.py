@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.engine.block_manager import blocks_for
-from deepinfer_core.engine.sampling import host_tensor
+from deepinfer_core.engine.sampling import to_device
 from deepinfer_core.models.interface import LayerCache
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
@@ -62,19 +62,35 @@ class DraftRows:
 
 
 @dataclass
-class _Saved:
-    tensor: torch.Tensor
-    index: tuple[torch.Tensor, ...]
-    values: torch.Tensor
-    positions: torch.Tensor
-    requests: torch.Tensor
+class _RowGroup:
+    """Cache rows that tensors of one shape of ring (one length) or one pool (one rate) save."""
+
+    rows: list[int]
+    """The rows, in the tensors' first dimension (a slot ring's slot and ring row flattened)."""
+    offsets: list[int]
+    """Per row, the distance of its position from its request's last token (1 .. d)."""
+    owners: list[int]
+    """Per row, the index of its request in the captured drafts."""
+    index: torch.Tensor
+    """`rows` on the device."""
+
+
+@dataclass
+class SavedRows:
+    """What `DraftRollback.capture` saved: per cache tensor, its rows at the drafts' positions."""
+
+    tensors: list[tuple[torch.Tensor, int]]
+    """Per saved tensor, a view of it with one row per cache row, and the index of its row group."""
+    values: list[torch.Tensor]
+    """Per saved tensor, its rows as they were before the forward."""
+    groups: list[_RowGroup]
 
 
 class DraftRollback:
     """Saves and restores the cache rows that draft positions write (one object per cache)."""
 
     def __init__(self, caches: list[LayerCache], plans: list[LayerPlan]) -> None:
-        self._slot_rings: list[torch.Tensor] = []
+        self._slot_rings: list[tuple[torch.Tensor, int]] = []  # (rows view, ring length)
         self._pools: list[tuple[torch.Tensor, int]] = []  # (pool, compress rate)
         seen: set[int] = set()
         for cache, plan in zip(caches, plans, strict=True):
@@ -82,65 +98,93 @@ class DraftRollback:
                 tensor = getattr(cache, name)
                 if tensor is not None and id(tensor) not in seen:
                     seen.add(id(tensor))
-                    self._slot_rings.append(tensor)
+                    # slot and ring row as one dimension: a view, so writes through it land in the cache
+                    self._slot_rings.append((tensor.view(-1, *tensor.shape[2:]), tensor.shape[1]))
             for name in _PAGED_POOLS:
                 tensor = getattr(cache, name)
                 if tensor is not None and id(tensor) not in seen:
                     seen.add(id(tensor))
                     self._pools.append((tensor, plan.compress_rate))
 
-    def capture(self, drafts: list[DraftRows]) -> list[_Saved]:
-        """Copy the rows the drafts' positions will write; call before the verification forward."""
-        slots, positions, owners = [], [], []
+    def capture(self, drafts: list[DraftRows]) -> SavedRows | None:
+        """Copy the rows the drafts' positions will write; call before the verification forward. The
+        rows of every tensor go to the device in one copy, and each tensor is read with one gather."""
+        positions, owners, offsets = [], [], []
         for r, d in enumerate(drafts):
-            for q in range(d.start + 1, d.start + 1 + d.num_drafts):
-                slots.append(d.slot)
-                positions.append(q)
-                owners.append(r)
+            positions += range(d.start + 1, d.start + 1 + d.num_drafts)
+            owners += [r] * d.num_drafts
+            offsets += range(1, d.num_drafts + 1)
         if not positions:
-            return []
-        saved = []
-        device = self._slot_rings[0].device
-        slot_t, pos_t, owner_t = (host_tensor(v).to(device, non_blocking=True) for v in (slots, positions, owners))
-        indices = {}  # one index per ring length: rings share their rows' positions
-        for ring in self._slot_rings:
-            length = ring.shape[1]
-            if length not in indices:
-                indices[length] = (slot_t, pos_t % length)
-            index = indices[length]
-            saved.append(_Saved(ring, index, ring[index], pos_t, owner_t))  # advanced indexing copies
+            return None
+        groups: list[tuple[list[int], list[int], list[int]]] = []
+        keys: dict[tuple[str, int], int | None] = {}
+        tensors = []
+        for ring, length in self._slot_rings:  # rings of one length share their rows
+            if ("ring", length) not in keys:
+                keys["ring", length] = len(groups)
+                groups.append(([drafts[r].slot * length + q % length for q, r in zip(positions, owners)],
+                               offsets, owners))
+            tensors.append((ring, keys["ring", length]))
         for pool, rate in self._pools:
-            rows, row_pos, row_owner = [], [], []
-            per_block = BLOCK_SIZE // rate
-            for q, r in zip(positions, owners):
-                if (q + 1) % rate:
-                    continue
-                entry = (q + 1) // rate - 1
-                table = drafts[r].block_table
-                if entry // per_block < len(table):
-                    rows.append(table[entry // per_block] * per_block + entry % per_block)
-                    row_pos.append(q)
-                    row_owner.append(r)
-            if rows:
-                index = (host_tensor(rows).to(device, non_blocking=True),)
-                saved.append(_Saved(pool, index, pool[index], host_tensor(row_pos).to(device, non_blocking=True),
-                                    host_tensor(row_owner).to(device, non_blocking=True)))
-        return saved
+            if ("pool", rate) not in keys:
+                group = _pool_rows(drafts, positions, owners, offsets, rate)
+                keys["pool", rate] = len(groups) if group[0] else None
+                if group[0]:
+                    groups.append(group)
+            if keys["pool", rate] is not None:
+                tensors.append((pool, keys["pool", rate]))
+        device = tensors[0][0].device
+        indices = to_device([rows for rows, _, _ in groups], device)
+        row_groups = [_RowGroup(*group, index) for group, index in zip(groups, indices, strict=True)]
+        values = [tensor.index_select(0, row_groups[g].index) for tensor, g in tensors]
+        return SavedRows(tensors, values, row_groups)
 
     @staticmethod
-    def restore(saved: list[_Saved], drafts: list[DraftRows], num_accepted: list[int]) -> None:
-        """Write back the rows of rejected draft positions (after the forward, acceptance known).
+    def restore(saved: SavedRows | None, num_accepted: list[int] | None = None) -> None:
+        """Write back the rows of rejected draft positions, after the forward (`num_accepted`: per
+        captured request, the drafts accepted; None: every draft rejected).
 
-        Every saved row is rewritten, with its saved value where its position was rejected and its
-        current one elsewhere: no boolean indexing, so the device never waits for the host here."""
-        if not saved:
+        One copy per tensor, none where every draft was accepted: the rejected rows are known on the
+        host (the step has read its tokens), and picking them out of the saved rows takes a gather only
+        where a group mixes accepted and rejected rows (the indices of all of them go in one copy)."""
+        if saved is None:
             return
-        device = saved[0].positions.device
-        last_kept = host_tensor([d.start + a for d, a in zip(drafts, num_accepted, strict=True)])
-        last_kept = last_kept.to(device, non_blocking=True)
-        masks = {}  # per positions tensor (every slot ring shares one): which rows were rejected
-        for s in saved:
-            if id(s.positions) not in masks:
-                masks[id(s.positions)] = s.positions > last_kept[s.requests]
-            rejected = masks[id(s.positions)].view(-1, *[1] * (s.values.dim() - 1))
-            s.tensor[s.index] = torch.where(rejected, s.values, s.tensor[s.index])
+        picks: list[tuple[torch.Tensor, int | None] | None] = []  # per group: (rows, selection segment)
+        segments: list[list[int]] = []
+        for group in saved.groups:
+            rejected = list(range(len(group.rows))) if num_accepted is None else [
+                n for n, (offset, r) in enumerate(zip(group.offsets, group.owners)) if offset > num_accepted[r]]
+            if len(rejected) == len(group.rows):
+                picks.append((group.index, None))
+            elif rejected:
+                picks.append((None, len(segments)))
+                segments += [[group.rows[n] for n in rejected], rejected]
+            else:
+                picks.append(None)
+        parts = to_device(segments, saved.groups[0].index.device) if segments else []
+        for (tensor, g), values in zip(saved.tensors, saved.values, strict=True):
+            if picks[g] is None:
+                continue
+            index, segment = picks[g]
+            if segment is None:
+                tensor.index_copy_(0, index, values)
+            else:
+                tensor.index_copy_(0, parts[segment], values.index_select(0, parts[segment + 1]))
+
+
+def _pool_rows(drafts: list[DraftRows], positions: list[int], owners: list[int], offsets: list[int],
+               rate: int) -> tuple[list[int], list[int], list[int]]:
+    """The pool rows written by the positions that close a compression window, with their offsets
+    and owners (a position whose entry lies past its block table writes nothing kept)."""
+    rows, row_offsets, row_owners = [], [], []
+    per_block = BLOCK_SIZE // rate
+    for q, r, offset in zip(positions, owners, offsets):
+        if (q + 1) % rate:
+            continue
+        entry = (q + 1) // rate - 1
+        table = drafts[r].block_table
+        if entry // per_block < len(table):
+            rows.append(table[entry // per_block] * per_block + entry % per_block)
+            row_offsets.append(offset)
+            row_owners.append(r)
+    return rows, row_offsets, row_owners

@@ -12,7 +12,13 @@ from deepinfer_core.backends.verify import VerifySpec
 from deepinfer_core.engine.plan import StepPlan, StepResult
 from deepinfer_core.engine.spec import verify
 from deepinfer_core.engine.spec.config import SpeculativeConfig
-from deepinfer_core.engine.spec.rollback import DraftRollback, DraftRows, check_ring_sizes, kept_blocks
+from deepinfer_core.engine.spec.rollback import (
+    DraftRollback,
+    DraftRows,
+    SavedRows,
+    check_ring_sizes,
+    kept_blocks,
+)
 
 
 class SpecVerifier:
@@ -43,13 +49,12 @@ class SpecVerifier:
         return [DraftRows(state.slot, r.start, r.num_draft_tokens, state.block_table)
                 for r, state in zip(plan.requests, states) if r.num_draft_tokens]
 
-    def capture(self, plan: StepPlan, states) -> list | None:
+    def capture(self, plan: StepPlan, states) -> SavedRows | None:
         """Before the forward: the cache rows the plan's drafts will write (None: the plan has none)."""
-        drafts = self._draft_rows(plan, states)
-        return self.rollback.capture(drafts) if drafts else None
+        return self.rollback.capture(self._draft_rows(plan, states))
 
     def finish(self, plan: StepPlan, states, rows: list[int], logits: torch.Tensor, tensors,
-               result: StepResult, saved: list, draft_probs: dict[int, torch.Tensor] | None = None) -> StepResult:
+               result: StepResult, saved: SavedRows, draft_probs: dict[int, torch.Tensor] | None = None) -> StepResult:
         """After sampling every row: accept drafts, roll back the rejected ones' cache rows and blocks,
         and return one output row per emitted token (`StepResult.num_accepted` per sampled request).
         `draft_probs`: per request index, the distributions its drafts were drawn from (MTP), which
@@ -65,10 +70,9 @@ class SpecVerifier:
                     merged = verify.merge_rejection(output, logits, tensors, rows, rejection)
                     output = replace(merged, token_ids=_keep_nonfinite(output.token_ids, merged.token_ids))
         verified = verify.accept_drafts(plan, rows, output, rejection)
-        sampled_requests = list(dict.fromkeys(rows))
-        accepted = dict(zip(sampled_requests, verified.num_accepted, strict=True))
+        accepted = dict(zip(dict.fromkeys(rows), verified.num_accepted, strict=True))
         drafted = [i for i, r in enumerate(plan.requests) if r.num_draft_tokens]
-        DraftRollback.restore(saved, self._draft_rows(plan, states), [accepted[i] for i in drafted])
+        DraftRollback.restore(saved, [accepted[i] for i in drafted])
         for i in drafted:
             request, state = plan.requests[i], states[i]
             keep = kept_blocks(len(state.block_table), len(request.new_block_ids), request.start + 1 + accepted[i])

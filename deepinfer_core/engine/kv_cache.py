@@ -13,7 +13,7 @@ Blocks are per request (block tables); slots are per running request. A layer wh
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -55,25 +55,29 @@ class KVCache:
 
     One extra slot (`scratch_slot`) and one extra block (`scratch_block`) exist beyond what the
     scheduler hands out: padding rows of captured decode batches read and write only those.
+    The layers' tensors of one field and shape are contiguous views of one allocation (`_stacked`), so
+    a speculative step saves and restores a field's rows in every layer with one kernel.
     """
 
     def __init__(self, plans: list[LayerPlan], num_blocks: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.scratch_block, self.scratch_slot = num_blocks, num_slots
-        self.layers: list[LayerCache] = []
+        meta = torch.device("meta")  # shapes first: same-shaped tensors of many layers share one allocation
+        layers: list[LayerCache] = []
         for plan in plans:
             if plan.kv_source is None:
-                self.layers.append(self._allocate(plan, num_blocks + 1, num_slots + 1, dtype, device))
+                layers.append(self._allocate(plan, num_blocks + 1, num_slots + 1, dtype, meta))
                 continue
             if plan.kv_source >= plan.index or plans[plan.kv_source].kv_source is not None:
                 raise ValueError(f"layer {plan.index} reads the compressed entries of layer {plan.kv_source}, "
                                  "which must be an earlier layer that owns its own")
-            source = self.layers[plan.kv_source]
+            source = layers[plan.kv_source]
             window = torch.zeros(num_slots + 1, plan.attention.sliding_window, plan.attention.head_dim,
-                                 dtype=dtype, device=device)
-            self.layers.append(replace(source, window=window, kv_tail=None, gate_tail=None, index_kv_tail=None,
-                                       index_gate_tail=None))
+                                 dtype=dtype, device=meta)
+            layers.append(replace(source, window=window, kv_tail=None, gate_tail=None, index_kv_tail=None,
+                                  index_gate_tail=None))
+        self.layers = _stacked(layers, device)
 
     @staticmethod
     def _allocate(plan: LayerPlan, num_blocks: int, num_slots: int, dtype, device) -> LayerCache:
@@ -97,3 +101,24 @@ class KVCache:
             cache.index_kv_tail = zeros(num_slots, plan.tail_rows, plan.index_tail_width)
             cache.index_gate_tail = zeros(num_slots, plan.tail_rows, plan.index_tail_width, dt=torch.float32)
         return cache
+
+
+def _stacked(layers: list[LayerCache], device: torch.device) -> list[LayerCache]:
+    """The layers' cache tensors allocated on `device`: the tensors of one field, shape and dtype are the
+    rows of one tensor, each layer's a contiguous view of it, so work on every layer's rows of a field
+    (a draft rollback's gathers) is one kernel. A tensor several layers share stays shared."""
+    stacks: dict[tuple, list[torch.Tensor]] = {}
+    for layer in layers:
+        for f in fields(layer):
+            tensor = getattr(layer, f.name)
+            if tensor is None:
+                continue
+            members = stacks.setdefault((f.name, tuple(tensor.shape), tensor.dtype), [])
+            if all(tensor is not other for other in members):
+                members.append(tensor)
+    placed: dict[int, torch.Tensor] = {}
+    for (_, shape, dtype), members in stacks.items():
+        stack = torch.zeros(len(members), *shape, dtype=dtype, device=device)
+        placed.update({id(tensor): stack[j] for j, tensor in enumerate(members)})
+    return [replace(layer, **{f.name: placed[id(getattr(layer, f.name))] for f in fields(layer)
+                              if getattr(layer, f.name) is not None}) for layer in layers]

@@ -38,3 +38,15 @@ def test_a_layer_must_read_an_earlier_owning_layer():
                                                             replace(own[2], kv_source=1), own[3]]):
         with pytest.raises(ValueError, match="earlier layer that owns"):
             KVCache(bad, num_blocks=2, num_slots=1, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_same_shaped_tensors_of_layers_are_views_of_one_allocation():
+    plans = build_layer_plan(CONFIG, torch.float32)
+    cache = KVCache(plans, num_blocks=3, num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
+    windows = [layer.window for layer in cache.layers]
+    stack = windows[0]._base
+    assert stack is not None and stack.shape == (len(plans), *windows[0].shape)
+    assert all(w._base is stack and w.is_contiguous() for w in windows)
+    windows[1].fill_(1.0)  # each layer's rows are its own
+    assert [bool(w.eq(1).all()) for w in windows] == [False, True, False, False]
+    assert bool(stack[1].eq(1).all()) and not bool(stack[0].any())

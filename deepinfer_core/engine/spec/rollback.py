@@ -80,7 +80,7 @@ class SavedRows:
     """What `DraftRollback.capture` saved: per cache tensor, its rows at the drafts' positions."""
 
     tensors: list[tuple[torch.Tensor, int]]
-    """Per saved tensor, a view of it with one row per cache row, and the index of its row group."""
+    """Per saved tensor `[n layers, cache rows, ...]`, and the index of its row group."""
     values: list[torch.Tensor]
     """Per saved tensor, its rows as they were before the forward."""
     groups: list[_RowGroup]
@@ -90,21 +90,20 @@ class DraftRollback:
     """Saves and restores the cache rows that draft positions write (one object per cache)."""
 
     def __init__(self, caches: list[LayerCache], plans: list[LayerPlan]) -> None:
-        self._slot_rings: list[tuple[torch.Tensor, int]] = []  # (rows view, ring length)
-        self._pools: list[tuple[torch.Tensor, int]] = []  # (pool, compress rate)
+        rings: list[tuple[torch.Tensor, int]] = []  # (ring, its length)
+        pools: list[tuple[torch.Tensor, int]] = []  # (pool, compress rate)
         seen: set[int] = set()
         for cache, plan in zip(caches, plans, strict=True):
-            for name in _SLOT_RINGS:
-                tensor = getattr(cache, name)
-                if tensor is not None and id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    # slot and ring row as one dimension: a view, so writes through it land in the cache
-                    self._slot_rings.append((tensor.view(-1, *tensor.shape[2:]), tensor.shape[1]))
-            for name in _PAGED_POOLS:
-                tensor = getattr(cache, name)
-                if tensor is not None and id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    self._pools.append((tensor, plan.compress_rate))
+            for names, found, key in ((_SLOT_RINGS, rings, None), (_PAGED_POOLS, pools, plan.compress_rate)):
+                for name in names:
+                    tensor = getattr(cache, name)
+                    if tensor is not None and id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        found.append((tensor, tensor.shape[1] if key is None else key))
+        # `[n, rows, ...]` views, n layers each (slot and ring row as one dimension): writes land in the cache
+        self._slot_rings = [(stack.view(stack.shape[0], -1, *stack.shape[3:]), length)
+                            for stack, length in _stacks(rings)]
+        self._pools = _stacks(pools)
 
     def capture(self, drafts: list[DraftRows]) -> SavedRows | None:
         """Copy the rows the drafts' positions will write; call before the verification forward. The
@@ -136,7 +135,7 @@ class DraftRollback:
         device = tensors[0][0].device
         indices = to_device([rows for rows, _, _ in groups], device)
         row_groups = [_RowGroup(*group, index) for group, index in zip(groups, indices, strict=True)]
-        values = [tensor.index_select(0, row_groups[g].index) for tensor, g in tensors]
+        values = [tensor.index_select(1, row_groups[g].index) for tensor, g in tensors]
         return SavedRows(tensors, values, row_groups)
 
     @staticmethod
@@ -167,9 +166,9 @@ class DraftRollback:
                 continue
             index, segment = picks[g]
             if segment is None:
-                tensor.index_copy_(0, index, values)
+                tensor.index_copy_(1, index, values)
             else:
-                tensor.index_copy_(0, parts[segment], values.index_select(0, parts[segment + 1]))
+                tensor.index_copy_(1, parts[segment], values.index_select(1, parts[segment + 1]))
 
 
 def _pool_rows(drafts: list[DraftRows], positions: list[int], owners: list[int], offsets: list[int],
@@ -188,3 +187,23 @@ def _pool_rows(drafts: list[DraftRows], positions: list[int], owners: list[int],
             row_offsets.append(offset)
             row_owners.append(r)
     return rows, row_offsets, row_owners
+
+
+def _stacks(tensors: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+    """The `(tensor, key)` pairs as `([n, *shape] tensor, key)`: the layers of one allocation (`KVCache`
+    keeps a field's same-shaped tensors as rows of one tensor) with one key as that tensor, so one kernel
+    reads or writes them all; any other tensor alone (n = 1)."""
+    out, stacked = [], {}
+    for tensor, key in tensors:
+        base = tensor._base
+        if (base is not None and base.is_contiguous() and tensor.is_contiguous() and base.shape[1:] == tensor.shape
+                and (tensor.data_ptr() - base.data_ptr()) % (tensor.numel() * tensor.element_size()) == 0):
+            stacked.setdefault((id(base), key), (base, []))[1].append(tensor)
+        else:
+            out.append((tensor.unsqueeze(0), key))
+    for (_, key), (base, members) in stacked.items():
+        if len({t.data_ptr() for t in members}) == len(members) == base.shape[0]:
+            out.append((base, key))
+        else:  # only some of the allocation's layers are ours
+            out += [(t.unsqueeze(0), key) for t in members]
+    return out

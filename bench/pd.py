@@ -4,13 +4,17 @@
 
 Starts `deepinfer serve` (co-located), then `serve --role prefill`, `serve --role decode` and
 `deepinfer router` on 127.0.0.1 (UCX over loopback: set UCX_NET_DEVICES for real NICs), and sends the
-same mixed load to each setup through the openai SDK, streaming: `--requests` chat requests, half with
+same mixed load to each setup through the openai SDK, streaming, greedy with thinking off (DeepSeek's
+`"thinking": {"type": "disabled"}`: with thinking on the API samples at temperature 1.0): `--requests` chat requests, half with
 long prompts (agent-like: ~`--long-words` words) and half short, `--max-tokens` answer tokens each,
-`--concurrency` at a time. Per setup one JSON line: mean and p90 time to first token, mean decode
+`--concurrency` at a time, after the same load with other words, unreported (kernel compiles and
+autotuning happen there, not in the first setup's figures). Per setup one JSON line: mean and p90 time to first token, mean decode
 tokens/s per request (answer tokens after the first / time after the first), requests/s, whether
 every answer equals the co-located one, and (disaggregated) the decode instance's counters: prompt
 tokens it computed (0: every prompt came with its state from the prefill instance), states and blocks
-it read. A last line compares the two. Without `--model` the embedded tiny model is served.
+it read. A last line compares the two. Equal answers are guaranteed bit for bit with
+`--serve-args=--deterministic`; default mode's GPU kernels may break a near-tie another way when the
+batch differs. Without `--model` the embedded tiny model is served.
 
 `--device cuda`: with two or more GPUs visible the prefill instance gets GPU 0 and the decode instance
 GPU 1; on one GPU they share it (each `--gpu-memory-utilization` 0.4, the co-located one 0.8).
@@ -90,7 +94,7 @@ def one_request(base_url: str, content: str, max_tokens: int) -> tuple[float, fl
     first, text, tokens = None, [], 0
     stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
-                                            extra_body={"chat_template_kwargs": {"thinking": False}})
+                                            extra_body={"thinking": {"type": "disabled"}})
     for chunk in stream:
         delta = chunk.choices[0].delta if chunk.choices else None
         # a random model's answer may stream as reasoning text: every token counts
@@ -132,14 +136,16 @@ def main(argv=None) -> None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    prompts = [" ".join(f"step {j} of task {i} returned {j * i}." for j in range(args.long_words // 6))
-               if i % 2 == 0 else f"Say hello to user {i}." for i in range(args.requests)]
+    def load(word: str) -> list[str]:
+        return [" ".join(f"{word} {j} of task {i} returned {j * i}." for j in range(args.long_words // 6))
+                if i % 2 == 0 else f"Say hello to user {i}." for i in range(args.requests)]
+
+    prompts, warm_up = load("step"), load("stage")  # the same shapes, no shared prefix beyond the template
     serve = ["serve", *([args.model] if args.model else []), "--served-model-name", NAME, *args.serve_args.split()]
     where = placement(args.device)
     rows, procs, reference = [], [], None
     try:
         for setup in ("co-located", "disaggregated"):
-            extra = {}
             if setup == "co-located":
                 options, env = where["co-located"]
                 proc, url = launch([*serve, "--enable-prefix-caching", *options], env)
@@ -154,12 +160,14 @@ def main(argv=None) -> None:
                 for proc, at, what in ((prefill, prefill_url, "prefill"), (decode, decode_url, "decode"),
                                        (router, url, "router")):
                     wait_healthy(proc, at, f"the {what} instance")
+            run_load(url, warm_up, args)  # unreported: kernel compiles and autotuning happen here
+            counted = {"decode_prompt_tokens_computed": "deepinfer_prefill_computed_tokens_total",
+                       "decode_states_read": "deepinfer_kv_transfer_states_in_total",
+                       "decode_blocks_read": "deepinfer_kv_transfer_blocks_in_total",
+                       "transfer_failures": "deepinfer_kv_transfer_failures_total"} if setup == "disaggregated" else {}
+            before = {key: metric(decode_url, name) for key, name in counted.items()}
             result = run_load(url, prompts, args)
-            if setup == "disaggregated":
-                extra = {"decode_prompt_tokens_computed": metric(decode_url, "deepinfer_prefill_computed_tokens_total"),
-                         "decode_states_read": metric(decode_url, "deepinfer_kv_transfer_states_in_total"),
-                         "decode_blocks_read": metric(decode_url, "deepinfer_kv_transfer_blocks_in_total"),
-                         "transfer_failures": metric(decode_url, "deepinfer_kv_transfer_failures_total")}
+            extra = {key: metric(decode_url, name) - before[key] for key, name in counted.items()}
             answers = result.pop("answers")
             reference = reference or answers
             row = {"bench": "pd", "setup": setup, "device": args.device, "requests": args.requests,

@@ -22,7 +22,7 @@ from tests.entrypoints.live import SERVED_NAME, tiny_engine
 
 pytest.importorskip("nixl_cu13._api", reason="prefill/decode disaggregation needs NIXL (the pd extra: nixl-cu13)")
 
-NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
+NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek's switch: with thinking on, temperature is 1.0
 LONG = " ".join(f"tool call {i} returned status ok with value {i * 7}." for i in range(60))
 MESSAGES = [{"role": "user", "content": LONG}]
 

@@ -9,7 +9,7 @@ from deepinfer_core.entrypoints.serve import build_app
 from deepinfer_core.entrypoints.serve_cli import running_server
 from tests.entrypoints.live import SERVED_NAME, tiny_engine
 
-NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
+NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek's switch: with thinking on, temperature is 1.0
 AGENT = {"x-deepinfer-traffic-class": "agent"}
 
 

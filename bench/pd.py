@@ -2,17 +2,17 @@
 
     python bench/pd.py [--model CKPT] [--device cuda] [--requests 32] [--concurrency 8] [--quick]
 
-Starts `deepinfer serve` (co-located), then `serve --role prefill`, `serve --role decode` and
-`deepinfer router` on 127.0.0.1 (UCX over loopback: set UCX_NET_DEVICES for real NICs), and sends the
-same mixed load to each setup through the openai SDK, streaming, greedy with thinking off (DeepSeek's
-`"thinking": {"type": "disabled"}`: with thinking on the API samples at temperature 1.0): `--requests` chat requests, half with
-long prompts (agent-like: ~`--long-words` words) and half short, `--max-tokens` answer tokens each,
-`--concurrency` at a time, after the same load with other words, unreported (kernel compiles and
-autotuning happen there, not in the first setup's figures). Per setup one JSON line: mean and p90 time to first token, mean decode
-tokens/s per request (answer tokens after the first / time after the first), requests/s, whether
-every answer equals the co-located one, and (disaggregated) the decode instance's counters: prompt
-tokens it computed (0: every prompt came with its state from the prefill instance), states and blocks
-it read. A last line compares the two. Equal answers are guaranteed bit for bit with
+Starts `deepinfer serve` (co-located), then `serve --role prefill`, `serve --role decode` and `deepinfer
+router` on 127.0.0.1 (UCX over loopback: set UCX_NET_DEVICES for real NICs), and sends the same mixed
+load to each setup through the openai SDK, streaming, greedy with thinking off (DeepSeek's `"thinking":
+{"type": "disabled"}`: with thinking on the API samples at temperature 1.0): `--requests` chat requests,
+half with long prompts (agent-like: ~`--long-words` words) and half short, `--max-tokens` answer tokens
+each, `--concurrency` at a time, after the same load with other words, unreported (kernel compiles and
+autotuning happen there, not in the first setup's figures). Per setup one JSON line: mean and p90 time
+to first token, mean decode tokens/s per request (answer tokens after the first / time after the first),
+requests/s, whether every answer equals the co-located one, and (disaggregated) the decode instance's
+counters: prompt tokens it computed (0: every prompt came with its state from the prefill instance),
+states and blocks it read. A last line compares the two. Equal answers are guaranteed bit for bit with
 `--serve-args=--deterministic`; default mode's GPU kernels may break a near-tie another way when the
 batch differs. Without `--model` the embedded tiny model is served.
 

@@ -33,7 +33,8 @@ ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tok
                   "enforce_eager", "cuda_graph_sizes", "enable_prefix_caching", "tensor_parallel_size",
                   "data_parallel_size", "context_parallel_size", "enable_expert_parallel", "enable_eplb",
                   "eplb_config", "speculative_config", "deterministic", "host_cache_gib", "prefix_store_path",
-                  "prefix_store_gib", "prefix_store_ttl_s", "default_traffic_class")
+                  "prefix_store_gib", "prefix_store_ttl_s", "default_traffic_class", "engram_placement",
+                  "engram_prefetch")
 
 
 def _dtype_choices() -> list[str]:
@@ -75,6 +76,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--deterministic", action="store_true", default=None,
                         help="batch-invariant inference: a request's tokens and logprobs do not depend on what "
                              "shares its batch (costs throughput)")
+    engine.add_argument("--engram-placement", choices=["device", "host"], default=None,
+                        help="where DeepSeek-V4.1's Engram tables live (host: pinned host memory, decode eager)")
+    engine.add_argument("--no-engram-prefetch", dest="engram_prefetch", action="store_false", default=None,
+                        help="host-placed Engram tables: gather at the layer instead of on a worker thread ahead of it")
     add_parallel_arguments(engine)
     tiers = parser.add_argument_group("prefix tiers (need --enable-prefix-caching)")
     tiers.add_argument("--host-cache-gib", type=float, default=None,

@@ -42,6 +42,8 @@ def test_engine_options_reach_the_engine_config() -> None:
     assert (config.dtype, config.max_model_len, config.max_num_seqs) == ("float16", 4096, 8)
     assert config.max_num_batched_tokens == 1024 and config.gpu_memory_utilization == 0.5 and config.enforce_eager
     assert config.cuda_graph_sizes == (1, 8)
+    engram = engine_config_of(parse(["serve", "--engram-placement", "host", "--no-engram-prefetch"]), model_dir)
+    assert (engram.engram_placement, engram.engram_prefetch) == ("host", False)
     defaults = engine_config_of(parse(["serve"]), model_dir)
     assert defaults == EngineConfig(model=model_dir)  # unset options keep the engine's defaults
 

@@ -150,10 +150,13 @@ class ModelRunner:
         native = self.engine_config.quantized_weights == "native"
         block = weight_formats.fp8_layout(self.config)[0]
         keep_fp4 = self.plans[0].moe.expert_format == "fp4"
+        host_names = getattr(model_cls, "host_weight_names", lambda names, placement: set())(
+            tensor_schema(model), self.engine_config.engram_placement)  # never on the device, even while loading
         if weights is None:  # a model class with its own checkpoint layout brings its loader
             own_loader = getattr(model_cls, "load_checkpoint", None)
             if own_loader is not None:
-                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4)
+                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4,
+                                     **({"host": host_names} if host_names else {}))
                 if self.experts is not None:
                     weights = self.experts.select_local(weights)
             else:  # under tensor parallelism only this rank's slices are read
@@ -175,7 +178,7 @@ class ModelRunner:
                                                  keep_fp8=native, block=block)
         weight_formats.hold_fp8_linears(model, weights, self.config, self.dtype)
         # checked against the modules (names, shapes, finite values) and cast to their declared dtypes
-        weights = match_param_dtypes(weights, tensor_schema(model), self.device)
+        weights = match_param_dtypes(weights, tensor_schema(model), self.device, host=host_names)
         model.load_state_dict(weights, strict=True, assign=True)
         return model.eval()
 

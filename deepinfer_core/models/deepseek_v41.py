@@ -22,6 +22,7 @@ allow it.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 import torch
@@ -32,7 +33,7 @@ from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.attention import BLOCK_SIZE, IndexScorer
 from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec, SinglePassMixing
 from deepinfer_core.engine.parallel import ParallelGroups
-from deepinfer_core.models.engram import EngramHasher, EngramTable, engram_forward
+from deepinfer_core.models.engram import ENGRAM_TABLE_SUFFIXES, EngramHasher, EngramTable, engram_forward
 from deepinfer_core.models.engram_prefetch import EngramPrefetcher, PendingEngram
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import FP32, RMSNorm
@@ -76,11 +77,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         return build_v41_plan(config, dtype)
 
     @classmethod
-    def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False):
-        """Weights from an official-layout checkpoint, in this model's names (`v41_weights`)."""
+    def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
+                        host: Collection[str] = ()):
+        """Weights from an official-layout checkpoint, in this model's names (`v41_weights`); those
+        named in `host` are read into host memory, never onto `device`."""
         from deepinfer_core.models.v41_weights import load_v41_checkpoint
 
-        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4)
+        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host)
+
+    @staticmethod
+    def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:
+        """The weights loaded straight into host memory: the Engram tables when they are placed there
+        (the release's ~190 GiB would not fit on the device even for a moment)."""
+        if engram_placement != "host":
+            return set()
+        return {n for n in names if n.endswith(ENGRAM_TABLE_SUFFIXES)}
 
     def __init__(self, config, plans: list[V41LayerPlan], dtype: torch.dtype,
                  parallel: ParallelGroups | None = None) -> None:

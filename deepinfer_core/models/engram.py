@@ -155,6 +155,10 @@ class EngramHasher:
         return torch.cat(out, dim=-1) + self.offsets
 
 
+ENGRAM_TABLE_SUFFIXES = ("engram.embed.weight", "engram.embed.scale")
+"""How the names of an Engram layer's table (FP8 rows, UE8M0 scales: raw bytes) end."""
+
+
 class EngramTable:
     """One Engram layer's FP8 rows and UE8M0 scales (raw bytes, uint8) behind `lookup`.
 
@@ -166,10 +170,10 @@ class EngramTable:
         if placement not in ("device", "host"):
             raise ValueError(f"Engram placement must be 'device' or 'host', got {placement!r}")
         self.device, self.placement = device, placement
-        if placement == "host":
-            weight, scale = weight.cpu(), scale.cpu()
-            if torch.cuda.is_available():
-                weight, scale = weight.pin_memory(), scale.pin_memory()
+        if placement == "host":  # loaded there already (`host_weight_names`): kept as they are
+            from deepinfer_core.models.weights import to_host
+
+            weight, scale = to_host(weight), to_host(scale)
         self.weight, self.scale = weight, scale
         self.block = weight.shape[1] // scale.shape[1]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Collection
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,15 +22,19 @@ import torch
 from deepinfer_core.config import CheckpointError
 from deepinfer_core.models import quant
 from deepinfer_core.models.checkpoint_files import SafetensorsReader, checkpoint_files
+from deepinfer_core.models.engram import ENGRAM_TABLE_SUFFIXES
 from deepinfer_core.models.v41_release import is_skipped, release_differences, released_tensors
+from deepinfer_core.models.weights import to_host
 
 logger = logging.getLogger(__name__)
 _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
 """Stored dtype the release uses -> what a checkpoint may store instead (F32 holds BF16 exactly)."""
 
 
-def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False) -> dict[str, torch.Tensor]:
-    """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`."""
+def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
+                        host: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`; those
+    named in `host` (the Engram tables placed in host memory) are read into host memory instead."""
     model_dir = Path(model_dir)
     differences = release_differences(model_dir, config)
     if differences:
@@ -40,10 +45,11 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
         check_tensors(reader, expected, model_dir)
         weights = {}
         for name, tensor in expected.items():
-            is_scale = name.endswith(".scale") and not name.endswith("engram.embed.scale")
+            is_scale = name.endswith(".scale") and not name.endswith(ENGRAM_TABLE_SUFFIXES)
             if is_skipped(name) or is_scale or ".experts." in name:
                 continue
-            weights[name] = _read(reader, name, tensor.dtype, config, dtype).to(device)
+            value = _read(reader, name, tensor.dtype, config, dtype)
+            weights[name] = to_host(value) if name in host else value.to(device)
         for layer in range(config.num_hidden_layers):
             weights.update(_experts(reader, config, layer, dtype, device, keep_fp4))
     if config.engram_layer_ids:
@@ -78,7 +84,7 @@ def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path) ->
 
 def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torch.dtype) -> torch.Tensor:
     tensor = reader.read(name)
-    if name.endswith(("engram.embed.weight", "engram.embed.scale")):
+    if name.endswith(ENGRAM_TABLE_SUFFIXES):
         return tensor.view(torch.uint8)  # the table stays in its own bytes
     if stored == "F8_E4M3":
         scale = reader.read(name.removesuffix(".weight") + ".scale")

@@ -115,10 +115,12 @@ def load_weights(
 
 
 def match_param_dtypes(
-    weights: dict[str, torch.Tensor], schema: dict[str, TensorSpec], device: str | torch.device
+    weights: dict[str, torch.Tensor], schema: dict[str, TensorSpec], device: str | torch.device,
+    host: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Given weights (internal names) checked against `schema` (names, shapes), each cast to its
-    declared dtype on `device`, and checked to be finite."""
+    declared dtype on `device` (those named in `host` in host memory instead, pinned where CUDA is:
+    `host_weight_names`), and checked to be finite."""
     missing = sorted(set(schema) - set(weights))
     unexpected = sorted(set(weights) - set(schema))
     misshaped = [
@@ -129,12 +131,22 @@ def match_param_dtypes(
     _raise_problems(
         "the given weights do not match the model", missing, ("unexpected tensors", unexpected), misshaped, []
     )
-    loaded = {name: weights[name].to(device=device, dtype=spec.dtype) for name, spec in schema.items()}
+    loaded = {name: to_host(weights[name].to(dtype=spec.dtype)) if name in host
+              else weights[name].to(device=device, dtype=spec.dtype) for name, spec in schema.items()}
     finite = _FiniteCheck()
     for name, tensor in loaded.items():
         finite.add(name, tensor)
     finite.raise_if_any("the given weights")
     return loaded
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in host memory, pinned where CUDA is present (a pinned one is returned as it is)."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if torch.cuda.is_available() and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor
 
 
 # ---------------------------------------------------------------------- reading a checkpoint

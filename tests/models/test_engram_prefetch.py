@@ -101,3 +101,29 @@ def test_a_failed_gather_names_its_layer_and_the_worker_serves_on(checkpoint):
 def test_bad_values_name_the_field(checkpoint, field, value):
     with pytest.raises(ValidationError, match=field):
         make_engine(*checkpoint, **{field: value})
+
+
+def test_host_tables_are_read_into_host_memory_and_never_copied(checkpoint, monkeypatch):
+    """The loader gets the Engram tables' names to keep in host memory (so the release's tables never
+    pass through the device), and the tables the layers gather from are those tensors themselves."""
+    from deepinfer_core.models import v41_weights
+
+    asked, load = [], v41_weights.load_v41_checkpoint
+
+    def spy(*args, host=(), **kwargs):
+        asked.append(set(host))
+        return load(*args, host=host, **kwargs)
+
+    monkeypatch.setattr(v41_weights, "load_v41_checkpoint", spy)
+    directory = checkpoint[0]  # read from its files, as a served checkpoint is
+    engine = make_engine(directory, {}, engram_placement="host", engram_prefetch=False, **OPTIONS)
+    model = engine.runner.model
+    expected = {f"layers.{i}.engram.embed.{part}" for i in model.tables for part in ("weight", "scale")}
+    assert asked == [expected] and len(expected) == 2 * len(model.config.engram_layer_ids)
+    for i, table in model.tables.items():
+        embed = model.layers[i].engram.embed
+        assert table.weight.data_ptr() == embed.weight.data_ptr() and table.scale.data_ptr() == embed.scale.data_ptr()
+        assert table.weight.device.type == "cpu"
+    engine.shutdown()
+    make_engine(directory, {}, **OPTIONS).shutdown()
+    assert asked[-1] == set()  # tables on the device: nothing kept back

@@ -36,7 +36,7 @@ def make_runner(directory: Path, weights: dict, num_slots: int = 4, num_blocks: 
 
 def make_engine(directory: Path, weights: dict, **options) -> Engine:
     options = {"dtype": "float32", "max_num_seqs": 4, "num_kv_blocks": 16} | options
-    return Engine(EngineConfig(model=str(directory), **options), weights=dict(weights))
+    return Engine(EngineConfig(model=str(directory), **options), weights=dict(weights) if weights else None)
 
 
 def random_prompt(length: int, seed: int = 0) -> list[int]:

@@ -119,8 +119,9 @@ def rejection_verify(verifier: VerifyBackend, plan: StepPlan, row_requests: list
         temps = temperature[rows.view(len(members), d + 1)[:, 0]]
         probs = _draft_distributions(members, drafts, d, logits.shape[-1], draft_probs or {})
         out = verifier.verify(drafts, probs, logits[rows].view(len(members), d + 1, -1), temps, generator)
+        accepted = out.num_accepted.tolist()  # one read a group, not one a request
         for m, i in enumerate(members):
-            results[i] = (out.token_ids[m], int(out.num_accepted[m]))
+            results[i] = (out.token_ids[m], accepted[m])
     return results
 
 

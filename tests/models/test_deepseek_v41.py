@@ -124,6 +124,7 @@ def test_single_pass_mixing_is_what_the_model_runs(checkpoint):
     seq = FakeSeq(prompt, slot=0, block_table=[0])
     single_pass = all_position_logprobs(runner, [seq], [12])[0]
 
+    @torch.inference_mode()  # as the forward it stands for
     def v4_style(ctx, caches, logits_indices, image_mask=None):
         hashes = model.engram_hashes(ctx, caches, None)
         streams = model.embed(ctx.input_ids).unsqueeze(1).repeat(1, model.hc_mult, 1)

@@ -137,6 +137,7 @@ def worker_main(conn) -> None:
     def send(kind: str, payload) -> None:
         conn.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
+    runner = None
     try:
         rank, world_size, init_method, model_config, engine_config, device, weights = pickle.loads(conn.recv_bytes())
         local_device = rank_device(torch.device(device), rank)
@@ -157,6 +158,8 @@ def worker_main(conn) -> None:
             pass
         sys.exit(1)
     finally:
+        if runner is not None:
+            runner.close()  # its model's worker threads (V4.1's Engram prefetch)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -235,6 +238,7 @@ class TorchrunExecutor:
         except Exception:  # noqa: BLE001 -- a rank already gone; the others time out on their own
             logger.warning("could not tell every worker rank to stop")
         finally:
+            self.runner.close()
             dist.destroy_process_group()
 
 
@@ -256,4 +260,5 @@ def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
             error = f"{type(err).__name__}: {err}"
         answer = host_result(result) if is_leader and result is not None else None
         dist.gather_object((error, answer, report.as_dict()), None, dst=0)  # after an error rank 0 stops everyone with `None`
+    runner.close()
     dist.destroy_process_group()

@@ -317,7 +317,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--sides", default="transformers,deepinfer")
+    parser.add_argument("--sides", default="transformers,deepinfer",
+                        help='V4: which of transformers,deepinfer run; --model v41: "v41" skips the V4 peer')
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
     parser.add_argument(

@@ -522,12 +522,15 @@ class EngineConfig(BaseModel):
     )
     engram_placement: Literal["device", "host"] = Field(
         "device", description='Where a model\'s Engram tables live (DeepSeek-V4.1): "device", or "host" (pinned '
-        'host memory: the release\'s ~190 GiB of tables fit no GPU; decode then runs without CUDA graphs). '
+        'host memory: the release\'s ~190 GiB of tables fit no GPU). Layer ops that read host memory from the '
+        'device (`HostRowGather`: the NVIDIA plugin\'s) gather the rows with a kernel and decode keeps its CUDA '
+        'graphs; others gather on the host, and decode then runs without CUDA graphs. '
         '"host" for a model without Engram tables is an error.')
     engram_prefetch: bool = Field(
-        True, description="Host-placed Engram tables: start a step's lookups before its first layer, gathered on "
-        "a worker thread and copied on a side stream (models/engram_prefetch.py); False gathers at the layer, "
-        "on the launching thread. Changes nothing for tables on the device or a model without Engram.")
+        True, description="Host-placed Engram tables: start a step's lookups before its first layer, on a side "
+        "stream when the device reads the tables, else gathered on a worker thread and copied on a side stream "
+        "(models/engram_prefetch.py); False gathers at the layer. Changes nothing for tables on the device or a "
+        "model without Engram.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -11,6 +11,7 @@ from deepinfer_core.backends.eplb import EplbBackend, EplbSpec
 from deepinfer_core.backends.graphs import GraphApi, GraphCapturable, supports_cuda_graphs
 from deepinfer_core.backends.layer_ops import (
     CompressorWeights,
+    HostRowGather,
     HyperWeights,
     LayerOps,
     LayerOpsSpec,
@@ -30,6 +31,7 @@ __all__ = [
     "EplbSpec",
     "GraphApi",
     "GraphCapturable",
+    "HostRowGather",
     "HyperWeights",
     "IndexScorer",
     "LayerOps",

@@ -184,3 +184,22 @@ class SinglePassMixing(Protocol):
         :returns: the new streams `[T, n, D]` (contiguous), then `hc_mix`'s four tensors.
         """
         ...
+
+
+@runtime_checkable
+class HostRowGather(Protocol):
+    """Layer ops whose device reads host memory itself: rows of a table in pinned host memory gathered
+    by a device kernel at indices on the device, with no host step, so decode steps that gather stay
+    capturable in CUDA graphs (DeepSeek-V4.1's Engram tables placed in host memory use it; without it,
+    their rows are gathered on the host and copied over, and such steps run eagerly)."""
+
+    def gather_host_rows(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None,
+                         ) -> torch.Tensor:
+        """`table[ids]`, read by the device.
+
+        :param table: `[rows, width]` in pinned host memory.
+        :param ids: int64 row indices of any shape, on the device.
+        :param out: `[*ids.shape, width]` of `table`'s dtype on the device, or None (allocated).
+        :returns: `out`, on `ids`' stream.
+        """
+        ...

@@ -31,10 +31,16 @@ from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
 from deepinfer_core.backends.attention import BLOCK_SIZE, IndexScorer
-from deepinfer_core.backends.layer_ops import HyperWeights, LayerOps, LayerOpsSpec, SinglePassMixing
+from deepinfer_core.backends.layer_ops import (
+    HostRowGather,
+    HyperWeights,
+    LayerOps,
+    LayerOpsSpec,
+    SinglePassMixing,
+)
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.engram import ENGRAM_TABLE_SUFFIXES, EngramHasher, EngramTable, engram_forward
-from deepinfer_core.models.engram_prefetch import EngramPrefetcher, PendingEngram
+from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher, EngramPrefetcher, PendingEngram
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import FP32, RMSNorm
 from deepinfer_core.models.rope import Rotary
@@ -51,8 +57,9 @@ from deepinfer_core.reference.layer_ops import ReferenceLayerOps, collapse, hype
 
 
 class _HostEngramTables:
-    """Stands for Engram tables placed in host memory among the backends: their gather reads the hash
-    ids on the host, so decode steps that run it cannot be captured in a CUDA graph."""
+    """Stands for Engram tables placed in host memory and gathered on the host among the backends: the
+    gather reads the hash ids on the host, so decode steps that run it cannot be captured in a CUDA graph
+    (layer ops that are a `HostRowGather` read such tables from the device instead)."""
 
     supports_cuda_graphs = False
 
@@ -66,8 +73,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     engram_placement = "device"
     """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
     engram_prefetch = True
-    """Host placement only: start a step's lookups before layer 0 on a worker thread (`engram_prefetch`);
-    False gathers at the Engram layer on the launching thread (for comparison)."""
+    """Host placement only: start a step's lookups before layer 0 (`engram_prefetch`): on a side stream
+    when the device reads the tables (`HostRowGather` layer ops), else on a worker thread; False gathers
+    at the Engram layer (for comparison)."""
     prefetcher: EngramPrefetcher | None = None
     final_streams: torch.Tensor | None = None
     """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
@@ -131,14 +139,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.hasher = self.tables = None
         if self.config.engram_layer_ids:
             self.hasher = EngramHasher(self.config, self.engram_token_map.tolist()).to(device)
+            # host tables the device reads itself when the layer ops can (graph-safe), else host gathers
+            reader = ops if isinstance(ops, HostRowGather) else None
             self.tables = {p.index: EngramTable(self.layers[p.index].engram.embed.weight,
                                                 self.layers[p.index].engram.embed.scale, device,
-                                                self.engram_placement)
+                                                self.engram_placement, reader)
                            for p in self.plans if p.has_engram}
+            self.engram_columns = {i: self.config.engram_layer_ids.index(i) for i in self.tables}
+            """Engram layer -> its column in the hash ids' dim 1."""
             self.close()
             if self.engram_placement == "host" and self.engram_prefetch:
-                columns = {i: self.config.engram_layer_ids.index(i) for i in self.tables}
-                self.prefetcher = EngramPrefetcher(self.tables, columns, device)
+                kind = DeviceReadPrefetcher if reader is not None else EngramPrefetcher
+                self.prefetcher = kind(self.tables, self.engram_columns, device)
 
     def close(self) -> None:
         """Stop the Engram prefetch worker, if any (the runner's `close`, at engine shutdown)."""
@@ -147,9 +159,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.prefetcher = None
 
     def backends(self) -> list[object]:
-        """Every bound backend, plus `HOST_ENGRAM_TABLES` when Engram tables live in host memory (their
-        gathers are not graph-safe; everything else of a decode step reads no device value on the host)."""
-        host = [HOST_ENGRAM_TABLES] if self.tables and any(t.placement == "host" for t in self.tables.values()) else []
+        """Every bound backend, plus `HOST_ENGRAM_TABLES` when Engram tables in host memory are gathered
+        on the host (not graph-safe; everything else of a decode step reads no device value on the host)."""
+        host = [HOST_ENGRAM_TABLES] if self.tables and not all(t.graph_safe for t in self.tables.values()) else []
         return [*self.attention_backends, *self.moe_backends, self.ops, *host]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -234,7 +246,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if isinstance(engram, PendingEngram):  # gathered since the step began; waits for them only now
             rows = engram.rows(i)
         else:
-            rows = self.tables[i].lookup(engram[:, self.config.engram_layer_ids.index(i)])
+            rows = self.tables[i].lookup(engram[:, self.engram_columns[i]])
 
         def run(s, r, *keep):
             return engram_forward(s, r, weights.wkv.weight, weight, eps, *keep)

@@ -163,10 +163,12 @@ class EngramTable:
     """One Engram layer's FP8 rows and UE8M0 scales (raw bytes, uint8) behind `lookup`.
 
     `placement` "device" keeps the table where the model runs; "host" keeps it in host memory (pinned
-    when CUDA is present), gathers the rows there and copies only them to the device: the release's
-    two tables are ~190 GiB, more than a GPU holds."""
+    when CUDA is present): the release's two tables are ~190 GiB, more than a GPU holds. Host rows are
+    read by the device itself when `reader` (layer ops that are a `HostRowGather`) is given, with no host
+    step (`graph_safe`); else gathered on the host and only they are copied to the device."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, device: torch.device, placement: str = "device") -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, device: torch.device, placement: str = "device",
+                 reader=None) -> None:
         if placement not in ("device", "host"):
             raise ValueError(f"Engram placement must be 'device' or 'host', got {placement!r}")
         self.device, self.placement = device, placement
@@ -175,10 +177,24 @@ class EngramTable:
 
             weight, scale = to_host(weight), to_host(scale)
         self.weight, self.scale = weight, scale
+        self.reader = reader if placement == "host" else None
         self.block = weight.shape[1] // scale.shape[1]
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a lookup reads no device value on the host (on the device, or host rows read by the device)."""
+        return self.placement == "device" or self.reader is not None
+
+    def raw_rows(self, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 and UE8M0 bytes at device `ids`, read by the device (`reader`; into `out` if given)."""
+        outs = out or (None, None)
+        return tuple(self.reader.gather_host_rows(t, ids, o) for t, o in zip((self.weight, self.scale), outs))
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Rows `[T, cols]` -> dequantised bf16 `[T, cols, dim]` on the model's device."""
+        if self.reader is not None:
+            return self.dequantise(*self.raw_rows(hash_ids.to(self.device)))
         ids = hash_ids.to(self.weight.device)
         return self.dequantise(self.weight[ids].to(self.device), self.scale[ids].to(self.device))
 

@@ -1,6 +1,11 @@
 """Engram lookups from host-memory tables, started at the beginning of a step and overlapped with its
 first layers.
 
+Where the layer ops read host memory from the device (`HostRowGather`), `DeviceReadPrefetcher` launches
+every table's gather kernel at the step's start on a side stream that forks from the step's stream and
+joins it at each Engram layer (`PendingReads`): no host step, so decode steps stay in CUDA graphs, and
+the reads over the host link overlap layer 0 onwards. Otherwise `EngramPrefetcher` gathers on the host:
+
 Hash ids depend only on token ids, so every Engram layer's ids are known before layer 0 runs. `start`
 copies them device -> host into a pinned buffer (an event marks the copy) and queues one gather per
 table on a worker thread. The worker waits for the event, gathers the table's raw FP8 / UE8M0 row bytes
@@ -111,3 +116,57 @@ class PendingEngram:
                 if copied is not None:
                     torch.cuda.current_stream(values.device).wait_event(copied)
         self.futures.clear()
+
+
+class DeviceReadPrefetcher:
+    """Host-placed `tables` read by the device (each table's `reader`), their gathers launched at the
+    step's start on a side stream (CUDA) so they overlap the first layers; graph-capturable. `columns`
+    as for `EngramPrefetcher`."""
+
+    def __init__(self, tables: dict[int, EngramTable], columns: dict[int, int], device: torch.device) -> None:
+        if any(t.reader is None for t in tables.values()):
+            raise ValueError("DeviceReadPrefetcher needs tables the device reads (EngramTable.reader)")
+        self.tables, self.columns, self.device = tables, columns, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, hashes: torch.Tensor) -> PendingReads:
+        """Launch every table's gather of `hashes` `[T, engram layers, cols]` (on the device)."""
+        main = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        # the outputs belong to the step's stream (allocated there); the side stream only writes them
+        outs = {layer: tuple(torch.empty(*hashes.shape[:1], hashes.shape[2], t.shape[1], dtype=t.dtype,
+                                         device=self.device) for t in (table.weight, table.scale))
+                for layer, table in self.tables.items()}
+        if main is None:
+            return PendingReads(self.tables, {l: (t.raw_rows(hashes[:, self.columns[l]], outs[l]), None)
+                                              for l, t in self.tables.items()})
+        self.stream.wait_stream(main)  # the hash ids are written on the step's stream
+        done = {}
+        with torch.cuda.stream(self.stream):
+            for layer, table in self.tables.items():
+                table.raw_rows(hashes[:, self.columns[layer]], outs[layer])
+                done[layer] = (outs[layer], torch.cuda.Event())
+                done[layer][1].record(self.stream)
+        return PendingReads(self.tables, done)
+
+    def close(self) -> None:
+        """Nothing to stop (no thread)."""
+
+
+class PendingReads(PendingEngram):
+    """`DeviceReadPrefetcher`'s gathers in flight: layer -> ((values, scales), the side stream's event or None)."""
+
+    def __init__(self, tables: dict[int, EngramTable], done: dict) -> None:
+        self.tables, self.done = tables, done
+
+    def rows(self, layer: int) -> torch.Tensor:
+        (values, scales), event = self.done.pop(layer)
+        if event is not None:
+            torch.cuda.current_stream(values.device).wait_event(event)
+        return self.tables[layer].dequantise(values, scales)
+
+    def drain(self) -> None:
+        """Join the side stream for every gather not consumed (a CUDA graph's capture needs it joined)."""
+        for (values, _), event in self.done.values():
+            if event is not None:
+                torch.cuda.current_stream(values.device).wait_event(event)
+        self.done.clear()

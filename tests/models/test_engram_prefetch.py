@@ -1,7 +1,8 @@
 """Engram tables in host memory (`engram_placement="host"`), with the prefetch worker
 (`models/engram_prefetch.py`) and without it: the same tokens and logprobs as tables on the device, bit
 for bit; the rows come from the worker thread, which shutdown stops; a failed gather is an error naming
-its layer, never a hang; bad values name the field."""
+its layer, never a hang; bad values name the field. Layer ops that read host rows from the device
+(`HostRowGather`) serve the tables with no host step: no worker, and decode stays graph-safe."""
 
 from __future__ import annotations
 
@@ -127,3 +128,34 @@ def test_host_tables_are_read_into_host_memory_and_never_copied(checkpoint, monk
     engine.shutdown()
     make_engine(directory, {}, **OPTIONS).shutdown()
     assert asked[-1] == set()  # tables on the device: nothing kept back
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_layer_ops_that_read_host_rows_serve_the_tables_graph_safe(checkpoint, on_device, monkeypatch, prefetch):
+    """Reference layer ops given a `gather_host_rows` (as the NVIDIA plugin's have) become the tables'
+    reader: every row of every step comes through it, the model lists no graph-unsafe host tables,
+    and the tokens and logprobs equal the tables' on the device."""
+    from deepinfer_core.backends import HostRowGather
+    from deepinfer_core.models.deepseek_v41 import HOST_ENGRAM_TABLES
+    from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher
+    from deepinfer_core.reference.layer_ops import ReferenceLayerOps
+
+    reads = []
+
+    def gather_host_rows(self, table, ids, out=None):
+        reads.append(tuple(ids.shape))
+        rows = table[ids]
+        return rows if out is None else out.copy_(rows)
+
+    monkeypatch.setattr(ReferenceLayerOps, "gather_host_rows", gather_host_rows, raising=False)
+    recorder = Recorder(monkeypatch)
+    engine = make_engine(*checkpoint, engram_placement="host", engram_prefetch=prefetch, **OPTIONS)
+    model = engine.runner.model
+    assert isinstance(model.ops, HostRowGather)
+    assert all(t.reader is model.ops and t.graph_safe for t in model.tables.values())
+    assert HOST_ENGRAM_TABLES not in model.backends()
+    assert isinstance(model.prefetcher, DeviceReadPrefetcher) if prefetch else model.prefetcher is None
+    assert greedy_tokens_and_logprobs(engine, PROMPTS, 4) == on_device
+    assert recorder.threads == [] and len(reads) >= 2 * 2 * len(model.tables)  # values and scales, per step
+    assert (recorder.num_lookups > 0) != prefetch  # prefetch: launched at the step's start, not at the layer
+    engine.shutdown()

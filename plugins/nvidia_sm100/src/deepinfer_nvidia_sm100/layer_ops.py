@@ -3,7 +3,8 @@ RMSNorm with RoPE, the compressor close.
 
 Per layer a decode step runs two mHC launches (each folds the previous block's output into the
 streams, computes the next block's mixing weights with Sinkhorn, collapses and normalises its input),
-one launch per RMSNorm (+ RoPE), and two per compressor (window close, ring write).
+one launch per RMSNorm (+ RoPE), and two per compressor (window close, ring write). Rows of tables in
+pinned host memory (V4.1's host-placed Engram) are read by a kernel (`HostRowGather`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, CompressorWeights, HyperWeights, LayerOpsSpec
-from deepinfer_nvidia_sm100 import hyper_kernels, layer_kernels, single_pass
+from deepinfer_nvidia_sm100 import host_gather_kernels, hyper_kernels, layer_kernels, single_pass
 
 
 class TritonLayerOps:
@@ -23,6 +24,9 @@ class TritonLayerOps:
 
     def map_rows(self, fn, *rows):
         return fn(*rows)
+
+    def gather_host_rows(self, table, ids, out=None):
+        return host_gather_kernels.gather_rows(table, ids, out)
 
     def hc_pre(self, streams, hc: HyperWeights, norm_weight):
         return hyper_kernels.hc_pre(streams, hc, norm_weight, self.spec, counters=self.counters)

@@ -136,15 +136,19 @@ class DeviceReadPrefetcher:
         outs = {layer: tuple(torch.empty(*hashes.shape[:1], hashes.shape[2], t.shape[1], dtype=t.dtype,
                                          device=self.device) for t in (table.weight, table.scale))
                 for layer, table in self.tables.items()}
+        # each table's ids, contiguous, also made on the step's stream; held (with the outputs) until the
+        # step's stream joins the side stream, so the allocator cannot hand their memory to later work
+        # of the step's stream while the side stream still reads or writes it
+        ids = {layer: hashes[:, self.columns[layer]].contiguous() for layer in self.tables}
         if main is None:
-            return PendingReads(self.tables, {l: (t.raw_rows(hashes[:, self.columns[l]], outs[l]), None)
+            return PendingReads(self.tables, {l: (t.raw_rows(ids[l], outs[l]), None, ids[l])
                                               for l, t in self.tables.items()})
         self.stream.wait_stream(main)  # the hash ids are written on the step's stream
         done = {}
         with torch.cuda.stream(self.stream):
             for layer, table in self.tables.items():
-                table.raw_rows(hashes[:, self.columns[layer]], outs[layer])
-                done[layer] = (outs[layer], torch.cuda.Event())
+                table.raw_rows(ids[layer], outs[layer])
+                done[layer] = (outs[layer], torch.cuda.Event(), ids[layer])
                 done[layer][1].record(self.stream)
         return PendingReads(self.tables, done)
 
@@ -153,20 +157,21 @@ class DeviceReadPrefetcher:
 
 
 class PendingReads(PendingEngram):
-    """`DeviceReadPrefetcher`'s gathers in flight: layer -> ((values, scales), the side stream's event or None)."""
+    """`DeviceReadPrefetcher`'s gathers in flight: layer -> ((values, scales), the side stream's event or
+    None, the ids it reads)."""
 
     def __init__(self, tables: dict[int, EngramTable], done: dict) -> None:
         self.tables, self.done = tables, done
 
     def rows(self, layer: int) -> torch.Tensor:
-        (values, scales), event = self.done.pop(layer)
+        (values, scales), event, _ = self.done.pop(layer)  # the ids are released once joined
         if event is not None:
             torch.cuda.current_stream(values.device).wait_event(event)
         return self.tables[layer].dequantise(values, scales)
 
     def drain(self) -> None:
         """Join the side stream for every gather not consumed (a CUDA graph's capture needs it joined)."""
-        for (values, _), event in self.done.values():
+        for (values, _), event, _ in self.done.values():
             if event is not None:
                 torch.cuda.current_stream(values.device).wait_event(event)
         self.done.clear()

@@ -224,7 +224,7 @@ def run_v41(args, header: dict) -> None:
     engram = {"engram_placement": args.engram_placement, "engram_prefetch": not args.engram_sync}
     sides = (("deepinfer-v41", v41_config(layers, args.experts, args.tiny), engram),
              ("deepinfer-v4", v4_config(layers, args.experts, args.tiny), {}))
-    if args.sides == "v41":  # `--sides v41`: V4.1 alone (placement comparisons need no peer)
+    if getattr(args, "sides", None) == "v41":  # `--sides v41`: V4.1 alone (placement comparisons need no peer)
         sides = sides[:1]
     for name, config, options in sides:
         engine, f = build_side(config, device, dtype, max(batches), args.new_tokens, args.eager, **options)

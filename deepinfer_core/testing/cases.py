@@ -53,6 +53,7 @@ class AttentionCase:
             self.metadata,
             **{name: getattr(self.metadata, name).to(device)
                for name in ("query_start_loc", "start_positions", "positions", "slots", "block_tables")},
+            **({} if self.metadata.window_starts is None else {"window_starts": self.metadata.window_starts.to(device)}),
         )
         return AttentionCase(
             q=move(self.q), kv=move(self.kv), window=move(self.window), compressed=move(self.compressed),

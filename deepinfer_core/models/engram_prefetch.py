@@ -148,8 +148,9 @@ class DeviceReadPrefetcher:
         with torch.cuda.stream(self.stream):
             for layer, table in self.tables.items():
                 table.raw_rows(ids[layer], outs[layer])
-                done[layer] = (outs[layer], torch.cuda.Event(), ids[layer])
-                done[layer][1].record(self.stream)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                done[layer] = (outs[layer], event, ids[layer])
         return PendingReads(self.tables, done)
 
     def close(self) -> None:

@@ -29,8 +29,9 @@ def _gather_rows_kernel(table_ptr, ids_ptr, out_ptr, width, BLOCK: tl.constexpr)
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`table[ids]` on `ids`' device, `table` `[rows, width]` in pinned host memory (on the CPU, under
     Triton's interpreter, any host tensor)."""
-    if table.dim() != 2 or table.device.type != "cpu":
-        raise ValueError(f"gather_rows reads a 2-D host table, got shape {tuple(table.shape)} on {table.device}")
+    if table.dim() != 2 or table.device.type != "cpu" or not table.is_contiguous():
+        raise ValueError(f"gather_rows reads a contiguous 2-D host table (a copy would move the whole table), "
+                         f"got shape {tuple(table.shape)} on {table.device}")
     if ids.device.type == "cuda" and not table.is_pinned():
         raise ValueError("gather_rows reads a table in pinned host memory (the device cannot map pageable memory)")
     if ids.dtype != torch.int64:
@@ -47,7 +48,7 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
     row_bytes = table.shape[1] * table.element_size()
     word = next(w for w in WORDS if row_bytes % w.itemsize == 0 and table.data_ptr() % w.itemsize == 0
                 and out.data_ptr() % w.itemsize == 0)
-    words = table.contiguous().view(torch.uint8).view(word)
+    words = table.view(torch.uint8).view(word)
     dst = out.view(-1, table.shape[1]).view(torch.uint8).view(word)
     width = words.shape[1]
     _gather_rows_kernel[(flat.numel(),)](words, flat, dst, width, BLOCK=min(triton.next_power_of_2(width), 1024))

@@ -13,7 +13,7 @@ Blocks are per request (block tables); slots are per running request. A layer wh
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -50,14 +50,30 @@ def bytes_per_slot(plans: list[LayerPlan], dtype: torch.dtype) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class CacheStack:
+    """The tensors of one `LayerCache` field, shape and dtype across the layers: rows of one allocation."""
+
+    name: str
+    """The `LayerCache` field."""
+    tensor: torch.Tensor
+    """`[n, *shape]`: row j is the field's tensor of the layers `layers[j]` (theirs is a view of it)."""
+    layers: list[list[int]]
+    """Per row, the layers (positions in `KVCache.layers`) whose field it is: several where layers share
+    one tensor (a `kv_source` reader holds its source's pools)."""
+
+
 class KVCache:
     """Allocates and holds every layer's cache tensors.
 
     One extra slot (`scratch_slot`) and one extra block (`scratch_block`) exist beyond what the
     scheduler hands out: padding rows of captured decode batches read and write only those.
-    The layers' tensors of one field and shape are contiguous views of one allocation (`_stacked`), so
+    The layers' tensors of one field and shape are contiguous views of one allocation (`stacks`), so
     a speculative step saves and restores a field's rows in every layer with one kernel.
     """
+
+    stacks: list[CacheStack]
+    """Every allocation: each layer's tensors are views of one stack's rows."""
 
     def __init__(self, plans: list[LayerPlan], num_blocks: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -77,7 +93,7 @@ class KVCache:
                                  dtype=dtype, device=meta)
             layers.append(replace(source, window=window, kv_tail=None, gate_tail=None, index_kv_tail=None,
                                   index_gate_tail=None))
-        self.layers = _stacked(layers, device)
+        self.layers, self.stacks = _stacked(layers, device)
 
     @staticmethod
     def _allocate(plan: LayerPlan, num_blocks: int, num_slots: int, dtype, device) -> LayerCache:
@@ -103,22 +119,26 @@ class KVCache:
         return cache
 
 
-def _stacked(layers: list[LayerCache], device: torch.device) -> list[LayerCache]:
-    """The layers' cache tensors allocated on `device`: the tensors of one field, shape and dtype are the
-    rows of one tensor, each layer's a contiguous view of it, so work on every layer's rows of a field
-    (a draft rollback's gathers) is one kernel. A tensor several layers share stays shared."""
-    stacks: dict[tuple, list[torch.Tensor]] = {}
-    for layer in layers:
+def _stacked(layers: list[LayerCache], device: torch.device) -> tuple[list[LayerCache], list[CacheStack]]:
+    """The layers' cache tensors allocated on `device`, and their stacks: the tensors of one field, shape
+    and dtype are the rows of one tensor, each layer's a contiguous view of it, so work on every layer's
+    rows of a field (a draft rollback's gathers) is one kernel. A tensor several layers share stays shared."""
+    members: dict[tuple, list[torch.Tensor]] = {}
+    holders: dict[int, list[int]] = {}  # per meta tensor, the layers that hold it
+    for i, layer in enumerate(layers):
         for f in fields(layer):
             tensor = getattr(layer, f.name)
             if tensor is None:
                 continue
-            members = stacks.setdefault((f.name, tuple(tensor.shape), tensor.dtype), [])
-            if all(tensor is not other for other in members):
-                members.append(tensor)
+            if id(tensor) not in holders:
+                members.setdefault((f.name, tuple(tensor.shape), tensor.dtype), []).append(tensor)
+            holders.setdefault(id(tensor), []).append(i)
     placed: dict[int, torch.Tensor] = {}
-    for (_, shape, dtype), members in stacks.items():
-        stack = torch.zeros(len(members), *shape, dtype=dtype, device=device)
-        placed.update({id(tensor): stack[j] for j, tensor in enumerate(members)})
-    return [replace(layer, **{f.name: placed[id(getattr(layer, f.name))] for f in fields(layer)
-                              if getattr(layer, f.name) is not None}) for layer in layers]
+    stacks = []
+    for (name, shape, dtype), tensors in members.items():
+        stack = torch.zeros(len(tensors), *shape, dtype=dtype, device=device)
+        placed.update({id(tensor): stack[j] for j, tensor in enumerate(tensors)})
+        stacks.append(CacheStack(name, stack, [holders[id(tensor)] for tensor in tensors]))
+    placed_layers = [replace(layer, **{f.name: placed[id(getattr(layer, f.name))] for f in fields(layer)
+                                       if getattr(layer, f.name) is not None}) for layer in layers]
+    return placed_layers, stacks

@@ -44,9 +44,10 @@ def test_same_shaped_tensors_of_layers_are_views_of_one_allocation():
     plans = build_layer_plan(CONFIG, torch.float32)
     cache = KVCache(plans, num_blocks=3, num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
     windows = [layer.window for layer in cache.layers]
-    stack = windows[0]._base
-    assert stack is not None and stack.shape == (len(plans), *windows[0].shape)
-    assert all(w._base is stack and w.is_contiguous() for w in windows)
+    [window_stack] = [s for s in cache.stacks if s.name == "window"]
+    stack = window_stack.tensor
+    assert stack.shape == (len(plans), *windows[0].shape) and window_stack.layers == [[i] for i in range(len(plans))]
+    assert all(w.is_contiguous() and w.data_ptr() == stack[i].data_ptr() for i, w in enumerate(windows))
     windows[1].fill_(1.0)  # each layer's rows are its own
     assert [bool(w.eq(1).all()) for w in windows] == [False, True, False, False]
     assert bool(stack[1].eq(1).all()) and not bool(stack[0].any())

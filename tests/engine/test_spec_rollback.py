@@ -4,6 +4,8 @@ values, and holds the same blocks (the rows its drafts wrote are restored bit fo
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -16,24 +18,33 @@ from deepinfer_core.engine.spec.rollback import (
     kept_blocks,
 )
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
-from tests.engine.test_spec_decode import MIXED, VOCAB, greedy_reference, make_engine  # noqa: F401 (fixture)
+from tests.engine.test_spec_decode import (  # noqa: F401 (fixture)
+    MIXED,
+    VOCAB,
+    generate,
+    greedy_reference,
+    make_engine,
+    tokens,
+)
+from tests.models import v41_helpers
 
 
 class WrongDrafter:
     """Drafts that are never the greedy token: the reference run's next tokens, shifted by one."""
 
-    def __init__(self, reference: dict[str, list[int]]) -> None:
-        self.reference = reference
+    def __init__(self, reference: dict[str, list[int]], vocab_size: int = VOCAB) -> None:
+        self.reference, self.vocab_size = reference, vocab_size
 
     def propose(self, seq, max_drafts):
         ahead = self.reference[seq.request_id][seq.num_output_tokens :][:max_drafts]
-        return [(t + 1) % VOCAB for t in ahead], None
+        return [(t + 1) % self.vocab_size for t in ahead], None
 
 
 def cache_tensors(engine) -> list[torch.Tensor]:
     seen, out = set(), []
     for layer in engine.runner.kv_cache.layers:
-        for name in ("window", "compressed", "kv_tail", "gate_tail", "index_keys", "index_kv_tail", "index_gate_tail"):
+        for name in ("window", "compressed", "kv_tail", "gate_tail", "index_keys", "index_kv_tail", "index_gate_tail",
+                     "token_ids"):
             t = getattr(layer, name)
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
@@ -70,9 +81,58 @@ def test_rejected_drafts_leave_the_cache_as_a_run_that_never_drafted(tmp_path, g
     assert spec.stats()["spec_verified_tokens"] > 0 and spec.stats()["spec_accepted_tokens"] == 0
 
 
-def test_restore_puts_back_exactly_the_rows_of_rejected_positions(tmp_path):
-    runner = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": 3}).runner
-    rollback = DraftRollback(runner.kv_cache.layers, runner.plans)
+def test_rejected_drafts_leave_a_v41_cache_token_ids_included_as_a_run_that_never_drafted(tmp_path_factory):
+    """V4.1 keeps paged token ids (Engram reads them back); under `deterministic` a step computes the same
+    values whatever its batch, so the caches (ids, rings and pools) are equal bit for bit."""
+    directory, weights = v41_helpers.tiny_checkpoint(tmp_path_factory)
+    prompts = [v41_helpers.random_prompt(n, seed=i) for i, n in enumerate([3, 9, 26])]
+    reference = tokens(generate(v41_helpers.make_engine(directory, weights, deterministic=True), prompts,
+                                max_tokens=8, temperature=0))
+    plain = v41_helpers.make_engine(directory, weights, deterministic=True)
+    # k = 1: the ratio-2 compressors' tail rings hold two positions
+    spec = v41_helpers.make_engine(directory, weights, deterministic=True,
+                                   speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    spec.speculator.drafter = WrongDrafter({key: v[0] for key, v in reference.items()}, spec.runner.config.vocab_size)
+    for engine in (plain, spec):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert any(layer.token_ids is not None for layer in spec.runner.kv_cache.layers)
+    while plain.has_unfinished_requests():
+        plain.step()
+        spec.step()
+        for a, b in zip(cache_tensors(plain), cache_tensors(spec), strict=True):
+            assert torch.equal(a, b)
+        assert_same_bookkeeping(plain, spec)
+    assert not spec.has_unfinished_requests()
+    assert spec.stats()["spec_verified_tokens"] > 0 and spec.stats()["spec_accepted_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    return make_engine(tmp_path_factory.mktemp("rollback"), {"method": "ngram", "num_speculative_tokens": 3}).runner
+
+
+def test_capture_reads_each_kv_cache_stack_with_one_gather(runner):
+    kv_cache = runner.kv_cache
+    for i, layer in enumerate(kv_cache.layers):  # the stacks hold every layer's tensor of every field
+        for f in fields(layer):
+            tensor = getattr(layer, f.name)
+            if tensor is not None:
+                [row] = [s.tensor[j] for s in kv_cache.stacks if s.name == f.name
+                         for j, holders in enumerate(s.layers) if i in holders]
+                assert tensor.data_ptr() == row.data_ptr() and tensor.shape == row.shape
+    drafts = [DraftRows(slot=0, start=14, num_drafts=3, block_table=[2])]  # 15 closes CSA and HCA windows
+    saved = runner.spec.rollback.capture(drafts)  # the runner's rollback: every field has rows to save
+    assert sorted((t.data_ptr(), t.numel()) for t, _ in saved.tensors) == sorted(
+        (s.tensor.data_ptr(), s.tensor.numel()) for s in kv_cache.stacks)
+    # a cache not built by `KVCache` (no stacks given): one gather per layer's tensor
+    alone = DraftRollback(kv_cache.layers, runner.plans).capture(drafts)
+    assert len(alone.tensors) == len(cache_tensors_of(runner)) > len(kv_cache.stacks)
+
+
+@pytest.mark.parametrize("uses_stacks", [True, False])
+def test_restore_puts_back_exactly_the_rows_of_rejected_positions(runner, uses_stacks):
+    rollback = DraftRollback(runner.kv_cache.layers, runner.plans, runner.kv_cache.stacks if uses_stacks else ())
     # positions 15 16 17 (15 closes a CSA and an HCA window) with one draft accepted; 3 4 5 (3 closes a
     # CSA window) with none: the CSA pool saves an accepted and a rejected row
     drafts = [DraftRows(slot=0, start=14, num_drafts=3, block_table=[2]), DraftRows(2, 2, 3, [5])]

@@ -31,8 +31,9 @@ class MTPDrafter:
         """`keeps_probs`: keep each rejection-eligible request's draft distributions for the next
         step's rejection sampling (`acceptance="rejection"`)."""
         self.module, self.num_drafts, self.device = module, num_drafts, device
-        self.cache = KVCache([module.plan], 1, num_slots, dtype, device).layers
-        self.rollback = DraftRollback(self.cache, [module.plan])
+        cache = KVCache([module.plan], 1, num_slots, dtype, device)
+        self.cache = cache.layers
+        self.rollback = DraftRollback(cache.layers, [module.plan], cache.stacks)
         self.first_row: dict[str, int] = {}
         """Per request, its first MTP row since admission: older ring rows belong to someone else."""
         self.keeps_probs = keeps_probs

@@ -5,26 +5,30 @@ is the cache of a run that computed only the accepted tokens.
 A verification step computes positions `start .. start + d` of a request (its last token and d drafts).
 At a draft position q it writes, per layer, the sliding-window ring row `q % window` (which held
 position `q - window`, still inside the next token's window), the compressor tail rows `q % tail_rows`,
-and, when q closes a compression window, one compressed entry and one indexer key in the paged pools.
-Those rows are exactly what `capture` gathers; `restore` puts back the ones of rejected positions.
-Rings must hold at least `d + 1` rows, so no two positions of one step share a row (checked by
-`check_ring_sizes`). Block allocation is rolled back by the scheduler and the runner
-(`kept_blocks`); the prefix cache only ever registers computed (accepted) tokens.
+when q closes a compression window, one compressed entry and one indexer key in the paged pools, and,
+in a model that keeps them (V4.1), its token id in the paged id pool (`token_ids`: a pool of one entry
+per position, so its rows are those of a rate-1 pool). Those rows are exactly what `capture` gathers;
+`restore` puts back the ones of rejected positions. Rings must hold at least `d + 1` rows, so no two
+positions of one step share a row (checked by `check_ring_sizes`). Block allocation is rolled back by
+the scheduler and the runner (`kept_blocks`); the prefix cache only ever registers computed (accepted)
+tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer_core.engine.block_manager import blocks_for
+from deepinfer_core.engine.kv_cache import CacheStack
 from deepinfer_core.engine.sampling import to_device
 from deepinfer_core.models.interface import LayerCache
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
 _SLOT_RINGS = ("window", "kv_tail", "gate_tail", "index_kv_tail", "index_gate_tail")
-_PAGED_POOLS = ("compressed", "index_keys")
+_PAGED_POOLS = ("compressed", "index_keys", "token_ids")
 
 
 class RingTooSmallError(ValueError):
@@ -36,8 +40,8 @@ def check_ring_sizes(plans: list[LayerPlan], num_speculative_tokens: int) -> Non
 
     :raises RingTooSmallError: naming the layer and the largest k it allows.
     """
-    for plan in plans:
-        rows = [plan.attention.sliding_window] + ([plan.tail_rows] if plan.has_compressor else [])
+    for plan in plans:  # a compressor without an open group (V4.1's ratio 1) keeps no tail rows
+        rows = [plan.attention.sliding_window] + ([plan.tail_rows] if plan.has_compressor and plan.tail_rows else [])
         if min(rows) < num_speculative_tokens + 1:
             raise RingTooSmallError(
                 f"layer {plan.index} keeps rings of {min(rows)} rows, fewer than the {num_speculative_tokens + 1} "
@@ -89,21 +93,17 @@ class SavedRows:
 class DraftRollback:
     """Saves and restores the cache rows that draft positions write (one object per cache)."""
 
-    def __init__(self, caches: list[LayerCache], plans: list[LayerPlan]) -> None:
-        rings: list[tuple[torch.Tensor, int]] = []  # (ring, its length)
-        pools: list[tuple[torch.Tensor, int]] = []  # (pool, compress rate)
-        seen: set[int] = set()
-        for cache, plan in zip(caches, plans, strict=True):
-            for names, found, key in ((_SLOT_RINGS, rings, None), (_PAGED_POOLS, pools, plan.compress_rate)):
-                for name in names:
-                    tensor = getattr(cache, name)
-                    if tensor is not None and id(tensor) not in seen:
-                        seen.add(id(tensor))
-                        found.append((tensor, tensor.shape[1] if key is None else key))
-        # `[n, rows, ...]` views, n layers each (slot and ring row as one dimension): writes land in the cache
-        self._slot_rings = [(stack.view(stack.shape[0], -1, *stack.shape[3:]), length)
-                            for stack, length in _stacks(rings)]
-        self._pools = _stacks(pools)
+    def __init__(self, caches: list[LayerCache], plans: list[LayerPlan], stacks: Sequence[CacheStack] = ()) -> None:
+        """`stacks`: the allocations the caches' tensors are rows of (`KVCache.stacks`), each read and
+        written with one kernel; a tensor outside them (a cache not built by `KVCache`) goes alone."""
+        self._slot_rings: list[tuple[torch.Tensor, int]] = []  # ([n, slots * length, ...] ring, its length)
+        self._pools: list[tuple[torch.Tensor, int]] = []  # ([n, rows, ...] pool, compress rate)
+        for name, tensor, plan in _saved_tensors(caches, plans, stacks):
+            if name in _SLOT_RINGS and tensor.shape[2]:  # an empty ring (no tail rows) holds nothing
+                # slot and ring row as one dimension, a view: writes land in the cache
+                self._slot_rings.append((tensor.view(tensor.shape[0], -1, *tensor.shape[3:]), tensor.shape[2]))
+            elif name in _PAGED_POOLS:
+                self._pools.append((tensor, 1 if name == "token_ids" else plan.compress_rate))
 
     def capture(self, drafts: list[DraftRows]) -> SavedRows | None:
         """Copy the rows the drafts' positions will write; call before the verification forward. The
@@ -189,21 +189,22 @@ def _pool_rows(drafts: list[DraftRows], positions: list[int], owners: list[int],
     return rows, row_offsets, row_owners
 
 
-def _stacks(tensors: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
-    """The `(tensor, key)` pairs as `([n, *shape] tensor, key)`: the layers of one allocation (`KVCache`
-    keeps a field's same-shaped tensors as rows of one tensor) with one key as that tensor, so one kernel
-    reads or writes them all; any other tensor alone (n = 1)."""
-    out, stacked = [], {}
-    for tensor, key in tensors:
-        base = tensor._base
-        if (base is not None and base.is_contiguous() and tensor.is_contiguous() and base.shape[1:] == tensor.shape
-                and (tensor.data_ptr() - base.data_ptr()) % (tensor.numel() * tensor.element_size()) == 0):
-            stacked.setdefault((id(base), key), (base, []))[1].append(tensor)
-        else:
-            out.append((tensor.unsqueeze(0), key))
-    for (_, key), (base, members) in stacked.items():
-        if len({t.data_ptr() for t in members}) == len(members) == base.shape[0]:
-            out.append((base, key))
-        else:  # only some of the allocation's layers are ours
-            out += [(t.unsqueeze(0), key) for t in members]
-    return out
+def _saved_tensors(caches: list[LayerCache], plans: list[LayerPlan],
+                   stacks: Sequence[CacheStack]) -> Iterator[tuple[str, torch.Tensor, LayerPlan]]:
+    """`(field, [n, *shape] tensor, a plan of its layers)` for every tensor of a field drafts write:
+    each stack whole (its n layers), then each tensor outside the stacks alone (n = 1), a shared one once."""
+    in_stacks = set()
+    for stack in stacks:
+        if stack.name in _SLOT_RINGS + _PAGED_POOLS:
+            in_stacks.update((stack.name, i) for row in stack.layers for i in row)
+            # a stack is one shape, so (for a pool) one compress rate: any of its layers' plans says it
+            if stack.name in _PAGED_POOLS and len({plans[i].compress_rate for row in stack.layers for i in row}) > 1:
+                raise ValueError(f"the {stack.name} stack holds layers of different compress rates")
+            yield stack.name, stack.tensor, plans[stack.layers[0][0]]
+    seen: set[int] = set()
+    for i, (cache, plan) in enumerate(zip(caches, plans, strict=True)):
+        for name in _SLOT_RINGS + _PAGED_POOLS:
+            tensor = getattr(cache, name)
+            if tensor is not None and (name, i) not in in_stacks and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield name, tensor.unsqueeze(0), plan

@@ -28,7 +28,7 @@ class SpecVerifier:
                  seed: int) -> None:
         check_ring_sizes(plans, config.num_speculative_tokens)
         self.config = config
-        self.rollback = DraftRollback(kv_cache.layers, plans)
+        self.rollback = DraftRollback(kv_cache.layers, plans, kv_cache.stacks)
         self.verifier = None
         self.generator = None
         if config.acceptance == "rejection":

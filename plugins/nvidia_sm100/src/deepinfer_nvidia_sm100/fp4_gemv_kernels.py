@@ -7,11 +7,16 @@ MMA: each program decodes its `[BLOCK_N, BLOCK_K]` weight tile once per K step, 
 loaded in, and multiplies it with each of its block's real rows in turn (a loop over the rows the block
 holds, not over `BLOCK_M`), adding along K in registers.
 
-Decoding a code `c` (e2m1: sign, 2 exponent bits, 1 mantissa bit) takes four integer operations and
-one conversion: `((c & 7) << 9) | ((c & 8) << 12)` are the bits of a float16 equal to the e2m1 value
-times 2^-14 (exponent field 0 is the subnormal `m / 2`, as in e2m1), so the e8m0 scale `s` becomes the
-factor 2^(s - 127 + 14), applied once per 32 inputs to the partial sums rather than to each weight.
-Rows' partial sums are kept in fp32; the result matches the tiled kernels up to the order of additions.
+The weights are read as 32-bit words of eight codes (input columns `8i .. 8i + 7`, low nibble
+first). One shift-and-mask over a word decodes two codes at once, one per 16-bit half: shifting the word
+left by `9 - 4j` and by `12 - 4j` and keeping bits `0x0E000E00` of the first and `0x80008000` of the
+second gives, in its low half, the float16 bits of code `j` (exponent field 0 the subnormal `m / 2`, as
+in e2m1) times 2^-14 and, in its high half, those of code `j + 4`. So eight codes cost about twelve
+integer operations and eight conversions to fp32, where a byte at a time cost about forty: the integer
+pipe, at half the rate of fp32 FMAs on Hopper, not HBM, is what bounds these kernels. The e8m0 scale `s`
+becomes the factor 2^(s - 127 + 14), applied once per 32 inputs to the partial sums rather than to each
+weight. Rows' partial sums are kept in fp32; the result matches the tiled kernels up to the order of
+additions.
 
 `fp4_dequant_kernel` writes whole experts' weights in the activations' dtype (the tiled kernels' decode,
 `moe_kernels._fp4_halves`), for steps with many rows an expert (prefill), which then run the dense
@@ -28,28 +33,41 @@ from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, store_swiglu, store_
 
 
 @triton.jit
-def _decode(code):
-    """e2m1 codes (int32, 0..15) as fp32 values times 2^-14."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _half_codes(words, j: tl.constexpr):
+    """Codes `j` and `j + 4` of each word as fp32 values times 2^-14 (see the module's docstring)."""
+    if j < 3:
+        magnitudes = words << (9 - 4 * j)
+    else:
+        magnitudes = words >> 3
+    pair = (magnitudes & 0x0E000E00) | ((words << (12 - 4 * j)) & -0x7FFF8000)  # -0x7FFF8000 is 0x80008000
+    low = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
 
 
 @triton.jit
-def _tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The even and odd input columns `[BLOCK_N, BLOCK_K // 2]` of a packed tile (times 2^-14) and its
-    scale factors `[BLOCK_N, BLOCK_K // 32]` (times 2^14)."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32) & 0xFF
-    exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
+def _tile(w_ptrs, s_ptrs, w_mask, s_mask):
+    """A packed tile `[BLOCK_N, BLOCK_K // 8]` of int32 words and its scale factors `[BLOCK_N, BLOCK_K //
+    32]` (times 2^14). The words stay packed in registers and `_row_dot` decodes them for each row: at
+    decode a block holds one or two rows, and eight times fewer registers a tile leave room to overlap
+    the next tile's loads."""
+    words = tl.load(w_ptrs, mask=w_mask, other=0)
+    exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32) & 0xFF
     factors = ((exponents + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127 + 14); s <= 240 in practice
-    return _decode(packed & 0xF), _decode(packed >> 4), factors
+    return words, factors
 
 
 @triton.jit
-def _row_dot(even, odd, factors, x_even, x_odd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`[BLOCK_N]` sums over the tile of weights times one row's inputs, each 32-input group's sum scaled
-    (scaling the tile once a K step instead measured slower on the H200)."""
-    products = even * x_even[None, :] + odd * x_odd[None, :]
-    groups = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)
+def _row_dot(words, factors, x_row, valid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`[BLOCK_N]` sums over a word tile's weights times one row's inputs (`x_row` at the tile's first
+    input, `valid` its words' mask), each 32-input group's sum scaled."""
+    x_row += 8 * tl.arange(0, BLOCK_K // 8)
+    products = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    for j in tl.static_range(4):
+        low, high = _half_codes(words, j)
+        products += low * tl.load(x_row + j, mask=valid, other=0.0).to(tl.float32)[None, :]
+        products += high * tl.load(x_row + j + 4, mask=valid, other=0.0).to(tl.float32)[None, :]
+    groups = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // 32, 4)), axis=2)
     return tl.sum(groups * factors, axis=1)
 
 
@@ -87,28 +105,26 @@ def fp4_gate_up_gemv_kernel(
     count = tl.sum((rows < num_rows).to(tl.int32), axis=0)  # an expert's rows come first in its block
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < inter
-    offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
+    offs_w, offs_s = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_w[None, :]
     gs_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_s[None, :]
     u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        h_valid = (k0 + 2 * offs_h) < hidden
-        w_mask = n_valid[:, None] & h_valid[None, :]
+        w_valid = (k0 + 8 * offs_w) < hidden
+        w_mask = n_valid[:, None] & w_valid[None, :]
         s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < hidden)[None, :]
-        g_even, g_odd, g_factors = _tile(g_ptrs, gs_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K)
-        u_even, u_odd, u_factors = _tile(u_ptrs, us_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K)
+        g_words, g_factors = _tile(g_ptrs, gs_ptrs, w_mask, s_mask)
+        u_words, u_factors = _tile(u_ptrs, us_ptrs, w_mask, s_mask)
         for r in range(count):
             token = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + r) // TOP_K
-            x_row = x_ptr + token.to(tl.int64) * stride_x + k0 + 2 * offs_h
-            x_even = tl.load(x_row, mask=h_valid, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_row + 1, mask=h_valid, other=0.0).to(tl.float32)
+            x_row = x_ptr + token.to(tl.int64) * stride_x + k0
             here = (tl.arange(0, BLOCK_M) == r)[:, None]
-            acc_g += tl.where(here, _row_dot(g_even, g_odd, g_factors, x_even, x_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
-            acc_u += tl.where(here, _row_dot(u_even, u_odd, u_factors, x_even, x_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
-        g_ptrs += BLOCK_K // 2
-        u_ptrs += BLOCK_K // 2
+            acc_g += tl.where(here, _row_dot(g_words, g_factors, x_row, w_valid, BLOCK_N, BLOCK_K)[None, :], 0.0)
+            acc_u += tl.where(here, _row_dot(u_words, u_factors, x_row, w_valid, BLOCK_N, BLOCK_K)[None, :], 0.0)
+        g_ptrs += BLOCK_K // 8
+        u_ptrs += BLOCK_K // 8
         gs_ptrs += BLOCK_K // 32
         us_ptrs += BLOCK_K // 32
     store_swiglu(acc_g, acc_u, act_ptr, offs_m, offs_n, n_valid, stride_act, swiglu_limit, HAS_LIMIT)
@@ -147,21 +163,19 @@ def fp4_down_gemv_kernel(
     count = tl.sum(row_valid.to(tl.int32), axis=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden
-    offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_h[None, :]
+    offs_w, offs_s = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_w[None, :]
     s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_s[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        h_valid = (k0 + 2 * offs_h) < inter
+        w_valid = (k0 + 8 * offs_w) < inter
         s_mask = n_valid[:, None] & ((k0 + 32 * offs_s) < inter)[None, :]
-        even, odd, factors = _tile(w_ptrs, s_ptrs, n_valid[:, None] & h_valid[None, :], s_mask, BLOCK_N, BLOCK_K)
+        words, factors = _tile(w_ptrs, s_ptrs, n_valid[:, None] & w_valid[None, :], s_mask)
         for r in range(count):
-            a_row = act_ptr + (pid_m * BLOCK_M + r).to(tl.int64) * stride_act + k0 + 2 * offs_h
-            a_even = tl.load(a_row, mask=h_valid, other=0.0).to(tl.float32)
-            a_odd = tl.load(a_row + 1, mask=h_valid, other=0.0).to(tl.float32)
+            a_row = act_ptr + (pid_m * BLOCK_M + r).to(tl.int64) * stride_act + k0
             here = (tl.arange(0, BLOCK_M) == r)[:, None]
-            acc += tl.where(here, _row_dot(even, odd, factors, a_even, a_odd, BLOCK_N, BLOCK_K)[None, :], 0.0)
-        w_ptrs += BLOCK_K // 2
+            acc += tl.where(here, _row_dot(words, factors, a_row, w_valid, BLOCK_N, BLOCK_K)[None, :], 0.0)
+        w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
     store_weighted(acc, out_ptr, rows, row_valid, row_weights_ptr, offs_n, n_valid, stride_out)
 

@@ -330,6 +330,7 @@ class TritonMoE:
         num_tokens, hidden = x.shape
         num_rows, inter = num_tokens * spec.top_k, spec.intermediate_size
         num_blocks = rows.block_expert.numel()
+        gate_up, down = gate_up.view(torch.int32), down.view(torch.int32)  # words of eight codes
         fp4_gate_up_gemv_kernel[gemv_grid(num_blocks, inter, config.block_n)](
             x, gate_up, gate_up_scale, act, rows.sorted_rows, rows.block_expert, num_rows, hidden, inter,
             float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),

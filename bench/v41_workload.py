@@ -30,6 +30,7 @@ from gpu_decode import (  # bench/ is on sys.path: gpu_decode.py runs this modul
     peak_gib,
     peak_reset,
     print_table,
+    profile_decode,
     steady_decode,
     timed,
 )
@@ -236,6 +237,8 @@ def run_v41(args, header: dict) -> None:
                           "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None}),
               flush=True)
         rows += [measure(name, engine, f, prompts[:batch], args.new_tokens) for batch in batches]
+        for batch in [int(b) for b in getattr(args, "profile", "").split(",") if b]:
+            profile_decode(engine, prompts[:batch], name)
         greedy[name] = engine_generate(engine, prompts[:1], 8)[0]
         engine.shutdown()  # stops the Engram prefetch worker of host-placed tables
         del engine, net

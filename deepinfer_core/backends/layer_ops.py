@@ -122,6 +122,12 @@ class LayerOps(GraphCapturable, Protocol):
         fixed-size row tiles, so the kernels `fn` launches never see a batch-dependent shape."""
         ...
 
+    def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T` in fp32: `x` `[T, K]` fp32, `weight` `[N, K]` of any float dtype, its values taken
+        exactly (DeepSeek-V4.1's head: bf16 weights, fp32 math). A backend may read `weight` in its own
+        dtype rather than upcast a copy of it; rows must not depend on one another (deterministic mode)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor | None = None,
                  sin: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm over the last dim of `x` `[T, ..., W]` (fp32 math, `weight` fp32 or None for unit),

@@ -26,7 +26,6 @@ from collections.abc import Collection
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
@@ -42,7 +41,7 @@ from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.models.engram import ENGRAM_TABLE_SUFFIXES, EngramHasher, EngramTable, engram_forward
 from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher, EngramPrefetcher, PendingEngram
 from deepinfer_core.models.interface import ForwardContext, LayerCache
-from deepinfer_core.models.layers import FP32, RMSNorm
+from deepinfer_core.models.layers import RMSNorm
 from deepinfer_core.models.rope import Rotary
 from deepinfer_core.models.v41_compressor import (
     batched_entry_bound,
@@ -113,7 +112,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Block(config, plan, dtype) for plan in plans)
         self.norm = RMSNorm(config.hidden_size)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=FP32)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)  # fp32 math
         if config.engram_layer_ids:
             self.register_buffer("engram_token_map", torch.zeros(config.vocab_size, dtype=torch.long))
         self.ops: LayerOps | None = None
@@ -218,7 +217,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         """The last FFN's fold, the collapse with its site's `pre`, the norm and the fp32 head (per row)."""
         streams = hyper_residual(streams, block_out, post, comb)
         hidden = self.ops.rms_norm(collapse(streams, pre), self.norm.weight)
-        return F.linear(hidden.float(), self.head.weight)
+        return self.ops.fp32_linear(hidden.float(), self.head.weight)
 
     def engram_hashes(self, ctx: ForwardContext, caches: list[LayerCache], image_mask) -> torch.Tensor:
         """`[T, engram layers, columns]` table rows. Each position's compressed id is stored in the paged

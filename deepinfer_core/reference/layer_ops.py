@@ -95,6 +95,9 @@ class ReferenceLayerOps:
     def map_rows(self, fn, *rows):
         return fn(*rows)
 
+    def fp32_linear(self, x, weight):
+        return F.linear(x.float(), weight.float())
+
     def rms_norm(self, x, weight, cos=None, sin=None):
         eps = self.spec.rms_norm_eps
         x = unweighted_rms_norm(x, eps) if weight is None else weighted_rms_norm(x, weight, eps)

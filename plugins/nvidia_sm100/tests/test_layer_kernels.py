@@ -244,3 +244,22 @@ def test_rms_norm_several_rows_per_program(kernel_device: torch.device, dtype: t
                                reference.rms_norm(x, weight, cos, sin), **TOLERANCE[dtype])
     torch.testing.assert_close(layer_kernels.rms_norm(x, None, EPS), reference.rms_norm(x, None), **TOLERANCE[dtype])
     torch.testing.assert_close(layer_kernels.rotary(x, cos, -sin), reference.rotary(x, cos, -sin), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp32_linear_matches_reference(kernel_device: torch.device, num_rows: int, dtype: torch.dtype) -> None:
+    """V4.1's head: fp32 rows times bf16 (or fp32) weights in fp32, partial tiles both ways, rows beyond one
+    program's 16; each row's result does not depend on the other rows."""
+    from deepinfer_nvidia_sm100.layer_kernels import fp32_linear
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(num_rows, 300, generator=gen)
+    weight = torch.randn(70, 300, generator=gen).to(dtype)
+    want = _reference(torch.float32).fp32_linear(x, weight)
+    got = fp32_linear(x.to(kernel_device), weight.to(kernel_device)).cpu()
+    assert got.dtype == torch.float32 and got.shape == (num_rows, 70)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    if num_rows > 1:
+        alone = fp32_linear(x[1:2].to(kernel_device), weight.to(kernel_device)).cpu()
+        assert torch.equal(alone, got[1:2])

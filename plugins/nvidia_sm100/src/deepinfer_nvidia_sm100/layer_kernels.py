@@ -423,3 +423,44 @@ def write_ring(metadata: AttentionMetadata, ring: torch.Tensor, rows: torch.Tens
         BLOCK_W=triton.next_power_of_2(rows.shape[1]),
         BLOCK_S=min(triton.next_power_of_2(max(num_seqs, 1)), 1024), num_warps=4,
     )
+
+
+@triton.jit
+def fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_x, stride_w, stride_out,
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`out[t, j] = sum_i x[t, i] * w[j, i]` in fp32, one program per (output tile, block of `BLOCK_T`
+    rows): each weight tile is read once in its own dtype, widened in registers and multiplied with each
+    real row in turn on CUDA cores (decode steps have a few rows, so tensor-core tiles would be padding).
+    A row's sum runs in the same order whatever the other rows are."""
+    pid_n, pid_t = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < n
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.minimum(num_rows - pid_t * BLOCK_T, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < k
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                    mask=n_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+        for r in range(rows):
+            x = tl.load(x_ptr + (pid_t * BLOCK_T + r).to(tl.int64) * stride_x + offs_k, mask=k_valid, other=0.0)
+            dot = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.where((tl.arange(0, BLOCK_T) == r)[:, None], dot[None, :], 0.0)
+    out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=(offs_t < num_rows)[:, None] & n_valid[None, :])
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`LayerOps.fp32_linear`: fp32 `x` `[T, K]` times `weight` `[N, K]` (any float dtype) transposed."""
+    x = x.float().contiguous()
+    weight = weight.contiguous()
+    (num_rows, k), n = x.shape, weight.shape[0]
+    out = torch.empty(num_rows, n, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return out
+    block_t, block_n, block_k = 16, 32, 256
+    grid = (triton.cdiv(n, block_n), triton.cdiv(num_rows, block_t))
+    fp32_linear_kernel[grid](x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                             BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out

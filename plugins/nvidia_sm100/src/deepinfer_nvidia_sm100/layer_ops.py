@@ -25,6 +25,9 @@ class TritonLayerOps:
     def map_rows(self, fn, *rows):
         return fn(*rows)
 
+    def fp32_linear(self, x, weight):
+        return layer_kernels.fp32_linear(x, weight)
+
     def gather_host_rows(self, table, ids, out=None):
         return host_gather_kernels.gather_rows(table, ids, out)
 

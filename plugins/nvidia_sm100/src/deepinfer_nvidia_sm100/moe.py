@@ -68,8 +68,9 @@ class GemmConfig:
 
 FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=2, kernel="gemv")
 """FP4 experts at decode sizes (at most 16 rows an expert). H200, V4-Flash sizes, both GEMMs
-(`bench/prefill_tiles.py --only fp4`, bench/RESULTS.md): 16 tokens 1.99 ms, 64 tokens 5.55 ms, against
-3.30 / 7.87 ms for the register-decoded tensor-core tiles and 0.98 / 2.30 ms for bf16 experts."""
+(`bench/prefill_tiles.py --only fp4`, bench/RESULTS.md): 16 tokens 1.22 ms, 64 tokens 3.65 ms (1.99 /
+5.55 when it decoded a byte at a time), against 3.47 / 7.75 ms for the register-decoded tensor-core tiles
+and 1.04 / 2.33 ms for bf16 experts; wider output tiles (64 or 128 columns) at 4 warps run 6-8x slower."""
 
 
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: bool = False) -> GemmConfig:

@@ -3,13 +3,13 @@
 At decode an expert sees one or two rows, so a tensor-core tile of 16 rows is mostly padding, and on
 Hopper (no FP4 MMA) each FP4 weight must be widened to bf16 and moved into the MMA's operand layout
 before it can be multiplied: that widening, not HBM, bounds the tiled kernels. These kernels skip the
-MMA: each program decodes its `[BLOCK_N, BLOCK_K]` weight tile once per K step, in the layout it was
-loaded in, and multiplies it with each of its block's real rows in turn (a loop over the rows the block
-holds, not over `BLOCK_M`), adding along K in registers.
+MMA: each program loads its `[BLOCK_N, BLOCK_K]` weight tile once per K step, packed, and for each of
+its block's real rows in turn (a loop over the rows the block holds, not over `BLOCK_M`) decodes it in
+the layout it was loaded in and multiplies, adding along K in registers.
 
 The weights are read as 32-bit words of eight codes (input columns `8i .. 8i + 7`, low nibble
 first). One shift-and-mask over a word decodes two codes at once, one per 16-bit half: shifting the word
-left by `9 - 4j` and by `12 - 4j` and keeping bits `0x0E000E00` of the first and `0x80008000` of the
+left by `9 - 4j` (right by 3 for `j = 3`) and by `12 - 4j` and keeping bits `0x0E000E00` of the first and `0x80008000` of the
 second gives, in its low half, the float16 bits of code `j` (exponent field 0 the subnormal `m / 2`, as
 in e2m1) times 2^-14 and, in its high half, those of code `j + 4`. So eight codes cost about twelve
 integer operations and eight conversions to fp32, where a byte at a time cost about forty: the integer
@@ -52,7 +52,7 @@ def _tile(w_ptrs, s_ptrs, w_mask, s_mask):
     decode a block holds one or two rows, and eight times fewer registers a tile leave room to overlap
     the next tile's loads."""
     words = tl.load(w_ptrs, mask=w_mask, other=0)
-    exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32) & 0xFF
+    exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
     factors = ((exponents + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127 + 14); s <= 240 in practice
     return words, factors
 

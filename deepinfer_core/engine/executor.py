@@ -173,6 +173,9 @@ class MultiprocExecutor:
             waiting = [rank for rank in range(self.world_size) if rank not in answers]
             remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if remaining <= 0:
+                for rank in waiting:  # a dead rank is the cause, not the silence it left behind
+                    if self._procs[rank].poll() is not None:
+                        self._fail(rank, f"exited during {what} (exit code {self._procs[rank].returncode})")
                 self._fail(waiting[0], f"sent nothing for {timeout_s:g} s during {what} "
                                        f"(worker_timeout_s); ranks still silent: {waiting}")
             ready = mp_connection.wait([self._conns[r] for r in waiting], timeout=remaining)

@@ -235,6 +235,7 @@ class TorchrunExecutor:
         self._is_shut_down = True
         try:
             dist.broadcast_object_list([None], src=0)
+            dist.barrier()  # every rank has read the stop: no transfer is in flight when the group goes
         except Exception:  # noqa: BLE001 -- a rank already gone; the others time out on their own
             logger.warning("could not tell every worker rank to stop")
         finally:
@@ -261,4 +262,5 @@ def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
         answer = host_result(result) if is_leader and result is not None else None
         dist.gather_object((error, answer, report.as_dict()), None, dst=0)  # after an error rank 0 stops everyone with `None`
     runner.close()
+    dist.barrier()  # rank 0's shutdown waits here too, so neither side tears the group down mid-transfer
     dist.destroy_process_group()

@@ -65,7 +65,8 @@ def test_worker_ranks_give_the_in_process_outputs_bit_for_bit(tmp_path, in_proce
 
 @pytest.fixture
 def two_ranks(tmp_path):
-    engine = make_engine(tmp_path, distributed_executor_backend="mp", world_size=2, worker_timeout_s=3)
+    # generous for the steps that should answer (a loaded machine is slow); the hang test shortens it
+    engine = make_engine(tmp_path, distributed_executor_backend="mp", world_size=2, worker_timeout_s=120)
     yield engine
     engine.shutdown()
 
@@ -88,6 +89,7 @@ def test_a_rank_that_dies_ends_the_engine_with_its_exit_code(two_ranks):
 
 def test_a_rank_that_hangs_times_out(two_ranks):
     two_ranks.add_request("a", prompts([20])[0], SamplingParams(max_tokens=8))
+    two_ranks.executor.timeout_s = 3
     os.kill(two_ranks.executor._procs[1].pid, signal.SIGSTOP)
     with pytest.raises(WorkerError, match=r"sent nothing for 3 s during a step .*silent: \[1\]"):
         two_ranks.step()

@@ -9,7 +9,8 @@ per request against no speculation for each k, printed beside the speed-up the m
 `(k + 1) x bytes(1-token step) / bytes((k + 1)-token step)`, counting the distinct routed experts the
 extra tokens touch; (b) an always-wrong drafter at k = 3 with the fixed and the confidence policy (its
 overhead against no speculation); (c) the n-gram drafter on a repetitive agent-like trace (prompts
-that quote a tool output back, greedy outputs that loop): acceptance length and speed-up.
+that quote a tool output back, greedy outputs that loop) with the fixed and the confidence policy:
+acceptance length, speed-up, and how many steps stayed overlapped (left in flight) and were probes.
 Every run also checks that its tokens equal those of no speculation; where they do not, it reports the
 first divergence (request, step) and the reference's logprob gap there between its token and the
 speculative run's (bf16: a (k + 1)-token verify step is not bitwise the 1-token decode computation, so
@@ -17,7 +18,8 @@ near-ties may flip; a large gap is a bug). Decode steps and verify steps whose r
 same number of drafts replay CUDA graphs unless `--eager`. `--deterministic` runs both engines in
 deterministic mode, where a verify step computes bitwise what decode steps would, so the oracle's
 acceptance stays 1. `--tiny` runs a small config on the CPU
-(checks the script). One JSON line per measurement.
+(checks the script; overlapped decode is on there too, so the n-gram case's step counts are those of
+the GPU). One JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -161,6 +163,9 @@ def agent_trace(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 def run_ngram(args, plain, spec, vocab) -> None:
+    """The n-gram drafter on the agent trace, with the fixed policy (every step waits for its tokens to
+    look drafts up) and the confidence policy (a request drafts only while its estimates say it pays, so
+    other steps stay overlapped; probes look again now and then)."""
     from deepinfer_core.engine.spec.proposer import NgramDrafter
 
     for batch in args.batches:
@@ -168,17 +173,22 @@ def run_ngram(args, plain, spec, vocab) -> None:
         if args.warmup:
             generate(plain, prompts, args.new_tokens)
         reference, base_s = generate(plain, prompts, args.new_tokens)
-        set_spec(spec, 3, "fixed", NgramDrafter(1, 4))
-        if args.warmup:
-            generate(spec, prompts, args.new_tokens)
-        before = spec.stats()
-        out, seconds = generate(spec, prompts, args.new_tokens)
-        after = spec.stats()
-        steps = after["spec_verify_steps"] - before["spec_verify_steps"]
-        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-        report({"case": "ngram_agent_trace", "batch": batch, "k": 3, "speedup": round(base_s / seconds, 3),
-                "mean_acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
-                **compare(plain, prompts, reference, out)})
+        for policy in ("fixed", "confidence"):
+            set_spec(spec, 3, policy, NgramDrafter(1, 4), args.verify_cost, args.sync_cost)
+            if args.warmup:
+                generate(spec, prompts, args.new_tokens)
+            before = spec.stats()
+            out, seconds = generate(spec, prompts, args.new_tokens)
+            after = spec.stats()
+            delta = {key: after[f"spec_{key}"] - before[f"spec_{key}"]
+                     for key in ("verify_steps", "accepted_tokens", "overlapped_steps", "probe_steps")}
+            steps = delta["verify_steps"]
+            report({"case": "ngram_agent_trace", "policy": policy, "batch": batch, "k": 3,
+                    "speedup": round(base_s / seconds, 3),
+                    "mean_acceptance_length": round((delta["accepted_tokens"] + steps) / steps, 3) if steps else None,
+                    "request_verify_steps": steps, "overlapped_steps": delta["overlapped_steps"],
+                    "probe_steps": delta["probe_steps"], "decode_steps_without_spec": args.new_tokens - 1,
+                    **compare(plain, prompts, reference, out)})
 
 
 def main() -> None:
@@ -221,7 +231,7 @@ def main() -> None:
     # the extra new tokens leave room for k drafts past the last one
     new = args.new_tokens + max(args.ks)
     plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
-                                  graph_sizes=args.batches, deterministic=args.deterministic)
+                                  async_scheduling=True, graph_sizes=args.batches, deterministic=args.deterministic)
     spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager, args.batches,
                              args.deterministic)
     vocab = config.vocab_size
@@ -238,7 +248,8 @@ def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, ea
     graphs captured for `graph_sizes` (None: the engine's ladder)."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
     return workload.build_engine(config, model, device, dtype, max_batch, new_tokens, enforce_eager=eager,
-                                 speculative_config=spec, graph_sizes=graph_sizes, deterministic=deterministic)
+                                 async_scheduling=True, speculative_config=spec, graph_sizes=graph_sizes,
+                                 deterministic=deterministic)
 
 
 if __name__ == "__main__":

@@ -319,7 +319,7 @@ class Engine:
                 if not seq.is_finished:
                     seq.append_token(PENDING_TOKEN)
             if self.speculator is not None:
-                self.speculator.record(plan, None)
+                self.speculator.record(plan, None, is_overlapped=True)
             self._in_flight = launched
             return outputs
         self.scheduler.postprocess(plan)
@@ -554,13 +554,14 @@ class Engine:
             "num_loading": sum(seq.is_loading for seq in self.scheduler.waiting),
             **{f"prefix_cache_hit_tokens_{tier}": n for tier, n in self.block_manager.hit_tokens.items()},
             **(self.prefix_tiers.stats() if self.prefix_tiers is not None else {}),
-            **(_spec_stats(self.speculator.totals) if self.speculator is not None else {}),
+            **(_spec_stats(self.speculator) if self.speculator is not None else {}),
             **parallel_stats(self.executor),
         }
 
 
-def _spec_stats(totals: SpecDecodeMetrics) -> dict:
+def _spec_stats(speculator: Speculator) -> dict:
     """The engine's speculative decoding counters, for `stats()` and `/metrics`."""
+    totals = speculator.totals
     return {
         "spec_drafted_tokens": totals.num_drafted_tokens,
         "spec_verified_tokens": totals.num_verified_tokens,
@@ -568,6 +569,8 @@ def _spec_stats(totals: SpecDecodeMetrics) -> dict:
         "spec_verify_steps": totals.num_verify_steps,
         "spec_mean_acceptance_length": totals.mean_acceptance_length,
         "spec_acceptance_histogram": list(totals.acceptance_histogram),
+        "spec_overlapped_steps": speculator.num_overlapped_steps,
+        "spec_probe_steps": speculator.num_probe_steps,
     }
 
 

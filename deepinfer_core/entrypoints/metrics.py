@@ -177,6 +177,10 @@ _SPEC_COUNTERS = (
     ("spec_decode_num_verified_tokens_total", "spec_verified_tokens", "Draft tokens sent to the target to verify."),
     ("spec_decode_num_accepted_tokens_total", "spec_accepted_tokens", "Verified draft tokens the target accepted."),
     ("spec_decode_num_verify_steps_total", "spec_verify_steps", "Request steps that verified at least one draft."),
+    ("spec_decode_num_overlapped_steps_total", "spec_overlapped_steps",
+     "Steps left in flight (overlapped decode) because no request was expected to draft in the next."),
+    ("spec_decode_num_probe_steps_total", "spec_probe_steps",
+     "Steps that verified drafts of a request that had stopped drafting, to see whether acceptance came back."),
 )
 
 
@@ -186,6 +190,8 @@ def _spec_decode_lines(stats: dict[str, Any]) -> list[str]:
         return []
     lines = []
     for name, key, text in _SPEC_COUNTERS:
+        if key not in stats:
+            continue
         lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {stats[key]}"]
     name = f"{PREFIX}_spec_decode_mean_acceptance_length"
     lines += [f"# HELP {name} Tokens emitted per verify step (accepted drafts + 1).", f"# TYPE {name} gauge",

@@ -9,7 +9,10 @@ def test_spec_decode_tiny_reports_every_case_with_unchanged_tokens():
     rows = run_script("bench/spec_decode.py", "--tiny", "--layers", "2", "--batches", "1", "--ks", "2",
                       "--new-tokens", "4", "--profile", "1")
     cases = [row["case"] for row in rows if "case" in row]
-    assert cases == ["none", "oracle", "always_wrong", "always_wrong", "ngram_agent_trace"]
+    assert cases == ["none", "oracle", "always_wrong", "always_wrong", "ngram_agent_trace", "ngram_agent_trace"]
+    ngram = [row for row in rows if row.get("case") == "ngram_agent_trace"]
+    assert [row["policy"] for row in ngram] == ["fixed", "confidence"]
+    assert ngram[0]["overlapped_steps"] == 0  # fixed k: every step waits for its tokens to look drafts up
     assert all(row["tokens_equal"] for row in rows if "tokens_equal" in row)
     assert [row["profile"] for row in rows if "profile" in row] == ["none", "oracle_k3"]
     oracle = [row for row in rows if row.get("case") == "oracle"]

@@ -214,3 +214,70 @@ def test_overlap_never_displaces_drafts_that_pay(tmp_path, greedy_reference):
     # 10 tokens: the prefill's, two steps of four, and the last one, which may not carry drafts: only
     # that step (one, of all three requests) was left in flight
     assert overlapped == [3] and stats["spec_verify_steps"] == 6
+
+
+class PhasedDrafter(ScriptedDrafter):
+    """Always wrong for a request's first `switch` output tokens, always right afterwards."""
+
+    def __init__(self, reference: dict[str, list[int]], switch: int) -> None:
+        super().__init__(reference, 0)
+        self.switch = switch
+
+    def propose(self, seq, max_drafts):
+        future = self.reference[seq.request_id][seq.num_output_tokens :][:max_drafts]
+        offset = 1 if seq.num_output_tokens < self.switch else 0
+        return [(t + offset) % VOCAB for t in future], None
+
+
+def record_steps(engine) -> list[tuple[bool, list[int], list[int] | None]]:
+    """A list that gains, per step, whether it was left in flight, its drafts per request and their
+    accepted counts (None: nothing verified)."""
+    steps, record = [], engine.speculator.record
+
+    def recorded(plan, num_accepted, is_overlapped=False):
+        steps.append((is_overlapped, [r.num_draft_tokens for r in plan.requests], num_accepted))
+        return record(plan, num_accepted, is_overlapped)
+
+    engine.speculator.record = recorded
+    return steps
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.8, "top_k": 50, "seed": 3}])
+def test_gated_drafting_returns_to_overlap_and_resumes_when_acceptance_comes_back(tmp_path, params):
+    """Drafts always rejected for the first 10 tokens, then always right: the confidence policy stops
+    drafting (decode steps are left in flight again), a probe finds the drafts accepted again and drafting
+    resumes; the tokens are those of no speculation throughout."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    reference = tokens(generate(make_engine(tmp_path / "a"), MIXED, max_tokens=48, **params))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_length_policy": "confidence"}
+    engine = make_engine(tmp_path / "b", spec, async_scheduling=True)
+    engine.speculator.drafter = PhasedDrafter({k: v[0] for k, v in reference.items()}, 10)
+    engine.speculator.drafter.has_confidences = False
+    steps = record_steps(engine)
+    assert tokens(generate(engine, MIXED, max_tokens=48, **params)) == reference
+    rejected = [i for i, (_, drafts, accepted) in enumerate(steps) if any(drafts) and not any(accepted)]
+    overlapped = [i for i, (is_overlapped, _, _) in enumerate(steps) if is_overlapped]
+    resumed = [i for i, (_, drafts, accepted) in enumerate(steps) if any(drafts) and any(accepted)]
+    assert rejected and overlapped and resumed
+    assert max(rejected) < min(overlapped) < min(resumed)  # stopped drafting, then came back to it
+    assert len(overlapped) >= 8 and len(resumed) >= 3
+    stats = engine.stats()
+    assert stats["spec_overlapped_steps"] == len(overlapped) and stats["spec_probe_steps"] >= 1
+    assert engine.block_manager.num_free_blocks == engine.executor.info.num_blocks
+
+
+def test_ngram_drafter_keeps_overlapped_decode_where_it_finds_little(tmp_path):
+    """The real n-gram drafter under the confidence policy: most decode steps stay overlapped (its lookups
+    rarely pay), the probes still verify what it finds, and the output is that of no speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_length_policy": "confidence"}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    reference = tokens(generate(make_engine(tmp_path / "a"), MIXED, max_tokens=48, temperature=0))
+    engine = make_engine(tmp_path / "b", spec, async_scheduling=True)
+    steps = record_steps(engine)
+    assert tokens(generate(engine, MIXED, max_tokens=48, temperature=0)) == reference
+    stats = engine.stats()
+    assert stats["spec_overlapped_steps"] > len(steps) / 2
+    assert stats["spec_probe_steps"] >= 1 and stats["spec_verified_tokens"] > 0
+    fixed = make_engine(tmp_path / "b", {**spec, "draft_length_policy": "fixed"}, async_scheduling=True)
+    assert tokens(generate(fixed, MIXED, max_tokens=48, temperature=0)) == reference
+    assert fixed.stats()["spec_overlapped_steps"] == 0  # fixed k: every step waits for its tokens

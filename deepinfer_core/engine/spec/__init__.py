@@ -4,6 +4,8 @@
 - `ngram`: prompt-lookup drafting over a request's prompt and output.
 - `mtp_drafter`: drafting with the checkpoint's MTP layer (`deepinfer_core.models.mtp`), on the model side.
 - `policy`: how many drafts each request sends to the target this step (fixed k, or confidence-scheduled).
+- `gate`: per request, online acceptance estimates and when to probe a request that stopped drafting
+  (the confidence policy decides from them, before a step's tokens are read, whether the next drafts).
 - `proposer`: the engine's side (drafts per sequence for the scheduler, acceptance statistics, metrics).
 - `verify`: the runner's side of a verification step (logits rows, the seeded-draw acceptance rule,
   rejection sampling through the `VerifyBackend`); `runner_side` wires it (and the rollback) into the runner.

@@ -1,10 +1,11 @@
 """The engine's side of speculative decoding: per step, which drafts each decoding sequence verifies
 (`Speculator.choose_drafts`, the scheduler's callback), and what came of them (`Speculator.record`:
-online acceptance estimates and `SpecDecodeMetrics`).
+online acceptance estimates, `gate.py`, and `SpecDecodeMetrics`).
 
 A drafter is any object with `propose(seq, max_drafts) -> (drafts, confidences)`: `confidences` are
 its per-draft probabilities of surviving (None: it has none, and the request's own acceptance history
-estimates them). The n-gram drafter lives here; the MTP drafter's proposals come back from the runner
+estimates them, and under the confidence policy decide before its last token is read whether the
+request drafts at all: `Speculator.allows_overlap`). The n-gram drafter lives here; the MTP drafter's proposals come back from the runner
 with each step's result and are read from the sequence (`Sequence.draft_token_ids`).
 """
 
@@ -16,12 +17,10 @@ from typing import Protocol
 from deepinfer_core.engine.plan import PENDING_TOKEN, StepPlan
 from deepinfer_core.engine.sequence import Sequence
 from deepinfer_core.engine.spec.config import SpeculativeConfig
+from deepinfer_core.engine.spec.gate import DraftEstimate
 from deepinfer_core.engine.spec.ngram import propose_ngram
 from deepinfer_core.engine.spec.policy import confidence_draft_lengths, fixed_draft_lengths
 from deepinfer_core.outputs import SpecDecodeMetrics
-
-_HISTORY_DECAY = 0.9
-"""Weight of a request's older verify steps in its acceptance estimate, per step."""
 
 
 class Drafter(Protocol):
@@ -39,7 +38,7 @@ class NgramDrafter:
     min_n: int
     max_n: int
     has_confidences = False
-    """It proposes no confidences: the request's history stands for them (`Speculator.allows_overlap`)."""
+    """It proposes no confidences: the request's estimates stand for them (`Speculator.is_gated`)."""
 
     def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
         return propose_ngram(seq.token_ids, max_drafts, self.min_n, self.max_n), None
@@ -53,17 +52,6 @@ class StoredDrafter:
         return list(drafts[:max_drafts]), list(confidences[:max_drafts]) if confidences else None
 
 
-@dataclass
-class _History:
-    accepted: float = 0.0
-    tested: float = 0.0
-
-    @property
-    def confidence(self) -> float:
-        """Laplace-smoothed chance a draft survives given the ones before it did."""
-        return (self.accepted + 1.0) / (self.tested + 2.0)
-
-
 class Speculator:
     """Chooses each step's drafts and keeps their statistics; one per engine."""
 
@@ -72,9 +60,14 @@ class Speculator:
         self.drafter = drafter
         """Replaceable (tests and benches plug in oracle or adversarial drafters)."""
         self.totals = SpecDecodeMetrics()
+        self.num_overlapped_steps = 0
+        """Steps left in flight (overlapped decode) while speculating: no request drafted in them."""
+        self.num_probe_steps = 0
+        """Steps that verified a request's drafts as a probe (`gate.DraftEstimate.is_probe_due`)."""
         self._metrics: dict[str, SpecDecodeMetrics] = {}
-        self._history: dict[str, _History] = {}
-        self._proposed: dict[str, int] = {}
+        self._estimates: dict[str, DraftEstimate] = {}
+        self._asked: dict[str, tuple[int | None, bool]] = {}
+        """Per sequence scheduled this step: drafts proposed (None: not asked) and whether it probes."""
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> Speculator:
@@ -85,11 +78,18 @@ class Speculator:
     def track(self, seq_id: str, metrics: SpecDecodeMetrics) -> None:
         """Count `seq_id`'s drafts into `metrics` (its request's, shared by its completions)."""
         self._metrics[seq_id] = metrics
-        self._history[seq_id] = _History()
+        self._estimates[seq_id] = DraftEstimate()
 
     def forget(self, seq_id: str) -> None:
-        for table in (self._metrics, self._history, self._proposed):
+        for table in (self._metrics, self._estimates, self._asked):
             table.pop(seq_id, None)
+
+    @property
+    def is_gated(self) -> bool:
+        """Whether requests draft only while their estimates say it pays, probed now and then (`gate.py`):
+        the confidence policy over a drafter that needs the last token on the host and has no
+        confidences of its own (`has_confidences = False`)."""
+        return self.config.draft_length_policy == "confidence" and not getattr(self.drafter, "has_confidences", True)
 
     def max_drafts(self, seq: Sequence) -> int:
         """Drafts worth verifying for `seq`: none while its sampling reads its history (penalties) or
@@ -106,58 +106,81 @@ class Speculator:
             limit = min(limit, max_tokens - seq.num_output_tokens - 1)
         return max(0, limit)
 
+    def _estimate(self, seq: Sequence) -> DraftEstimate:
+        return self._estimates.get(seq.request_id) or DraftEstimate()
+
     def choose_drafts(self, seqs: list[Sequence], budget: int) -> list[tuple[int, ...]]:
         """The scheduler's callback: per decoding sequence, the drafts it verifies this step."""
-        proposals, confidences = [], []
+        proposals, confidences, probes = [], [], []
+        is_gated = self.is_gated
         for seq in seqs:
             limit = self.max_drafts(seq)
             drafts, confidence = self.drafter.propose(seq, limit) if limit else ([], None)
             drafts = list(drafts[:limit])
+            estimate = self._estimate(seq)
             if confidence is None:
-                history = self._history.get(seq.request_id) or _History()
-                confidence = [history.confidence] * len(drafts)
+                confidence = [estimate.confidence] * len(drafts)
+            is_probe = bool(limit) and is_gated and estimate.is_probe_due
             proposals.append(drafts)
             confidences.append(list(confidence[: len(drafts)]))
-            self._proposed[seq.request_id] = len(drafts)
-        if self.config.draft_length_policy == "confidence":
-            lengths = confidence_draft_lengths(confidences, budget, self.config.verify_cost_per_token,
-                                               self.config.sync_cost)
-        else:
-            lengths = fixed_draft_lengths([len(p) for p in proposals], budget)
+            probes.append(is_probe)
+            self._asked[seq.request_id] = (len(drafts) if limit else None, is_probe)
+        lengths = self._draft_lengths(proposals, confidences, probes, budget)
         return [tuple(p[:n]) for p, n in zip(proposals, lengths, strict=True)]
+
+    def _draft_lengths(self, proposals: list[list[int]], confidences: list[list[float]], probes: list[bool],
+                       budget: int) -> list[int]:
+        """The policy's choice. A probing request verifies every draft it was proposed; the others are
+        chosen by confidence, without the round trip's cost when a probe pays for it anyway."""
+        config = self.config
+        if config.draft_length_policy != "confidence":
+            return fixed_draft_lengths([len(p) for p in proposals], budget)
+        forced = fixed_draft_lengths([len(p) if probe else 0 for p, probe in zip(proposals, probes, strict=True)],
+                                     budget)
+        chosen = confidence_draft_lengths(
+            [[] if probe else c for c, probe in zip(confidences, probes, strict=True)], budget - sum(forced),
+            config.verify_cost_per_token, 0.0 if any(probes) else config.sync_cost)
+        return [f or c for f, c in zip(forced, chosen, strict=True)]
 
     def allows_overlap(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of `seqs` may launch before the host reads this step's tokens
         (overlapped decode): only when it would verify no draft whatever the drafter proposed. That is
-        known without the tokens for the confidence policy over a drafter without confidences of its own
-        (`has_confidences = False`): the requests' acceptance histories decide, and here they say no."""
-        if self.config.draft_length_policy != "confidence" or getattr(self.drafter, "has_confidences", True):
+        known without the tokens only when the requests are gated (`is_gated`): their estimates
+        (`DraftEstimate.expected_confidences`) say no draft pays for the wait, and no probe is due."""
+        if not self.is_gated:
             return False
         confidences = []
         for seq in seqs:
-            history = self._history.get(seq.request_id) or _History()
-            confidences.append([history.confidence] * self._draft_limit(seq))
+            limit = self._draft_limit(seq) if seq.takes_drafts else 0
+            estimate = self._estimate(seq)
+            if limit and estimate.is_probe_due:
+                return False
+            confidences.append(estimate.expected_confidences(limit))
         budget = sum(map(len, confidences))  # the policy's choice only shrinks with a smaller budget
         config = self.config
         return not any(confidence_draft_lengths(confidences, budget, config.verify_cost_per_token, config.sync_cost))
 
-    def record(self, plan: StepPlan, num_accepted: list[int] | None) -> None:
-        """After a step: update each decoding request's acceptance estimate and metrics."""
+    def record(self, plan: StepPlan, num_accepted: list[int] | None, is_overlapped: bool = False) -> None:
+        """After a step: update each decoding request's estimates and metrics. `is_overlapped`: the step
+        was left in flight (its tokens are read with the next)."""
         accepted_of = {}
         if num_accepted is not None:
             sampled = [r for r in plan.requests if r.is_sampled]
             accepted_of = {r.request_id: a for r, a in zip(sampled, num_accepted, strict=True)}
+        has_probe = False
         for request in plan.requests:
-            proposed = self._proposed.pop(request.request_id, None)
-            if proposed is None:
+            asked = self._asked.pop(request.request_id, None)
+            if asked is None:
                 continue
+            proposed, is_probe = asked
             d = request.num_draft_tokens
             accepted = accepted_of.get(request.request_id) if d else None
-            if accepted is not None:
-                history = self._history.get(request.request_id)
-                if history is not None:
-                    history.accepted = history.accepted * _HISTORY_DECAY + accepted
-                    history.tested = history.tested * _HISTORY_DECAY + accepted + (1 if accepted < d else 0)
+            estimate = self._estimates.get(request.request_id)
+            if estimate is not None:
+                estimate.record(proposed, d, accepted, is_probe)
+            has_probe |= is_probe
             for metrics in (self._metrics.get(request.request_id), self.totals):
                 if metrics is not None:
-                    metrics.record(proposed, d, accepted)
+                    metrics.record(proposed or 0, d, accepted)
+        self.num_overlapped_steps += is_overlapped
+        self.num_probe_steps += has_probe

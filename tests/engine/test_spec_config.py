@@ -30,7 +30,7 @@ def test_llm_rejects_a_bad_speculative_config_before_loading():
         LLM(str(embedded_tiny_model_dir()), speculative_config={"method": "mtp", "num_speculative_tokens": -1})
     config = EngineConfig(model=str(embedded_tiny_model_dir()), speculative_config={"method": "mtp",
                                                                                      "num_speculative_tokens": 1})
-    assert config.speculative_config.method == "mtp" and config.speculative_config.draft_length_policy == "fixed"
+    assert config.speculative_config.method == "mtp" and config.speculative_config.draft_length_policy == "confidence"
 
 
 def test_metrics_report_drafts_acceptance_and_its_histogram():

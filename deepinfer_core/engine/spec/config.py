@@ -26,11 +26,12 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: PositiveInt = Field(1, description="ngram: shortest suffix n-gram matched.")
     prompt_lookup_max: PositiveInt = Field(3, description="ngram: longest suffix n-gram matched (tried first).")
     draft_length_policy: Literal["fixed", "confidence"] = Field(
-        "fixed",
-        description='"fixed": verify every proposed draft (up to k); "confidence": per request, verify '
+        "confidence",
+        description='"confidence" (default): per request, verify '
         "only drafts whose estimated survival pays for their verification cost (`policy.py`); with the "
         "n-gram drafter a request whose drafts have not been paying does not wait for its last token, so "
-        "decode stays overlapped, and is probed now and then in case acceptance came back (`gate.py`).")
+        "decode stays overlapped, and is probed now and then in case acceptance came back (`gate.py`); '
+        '"fixed": verify every proposed draft (up to k), for comparison.")
     verify_cost_per_token: float = Field(
         0.02, gt=0, le=1,
         description="confidence policy: the time one extra verified token adds to a step, relative to the "

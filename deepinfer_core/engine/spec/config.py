@@ -30,8 +30,8 @@ class SpeculativeConfig(BaseModel):
         description='"confidence" (default): per request, verify '
         "only drafts whose estimated survival pays for their verification cost (`policy.py`); with the "
         "n-gram drafter a request whose drafts have not been paying does not wait for its last token, so "
-        "decode stays overlapped, and is probed now and then in case acceptance came back (`gate.py`); '
-        '"fixed": verify every proposed draft (up to k), for comparison.")
+        "decode stays overlapped, and is probed now and then in case acceptance came back (`gate.py`); "
+        '"fixed": verify every proposed draft (up to k), for comparison.')
     verify_cost_per_token: float = Field(
         0.02, gt=0, le=1,
         description="confidence policy: the time one extra verified token adds to a step, relative to the "

@@ -126,7 +126,8 @@ def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str
         model=str(model_dir), dtype="float32", device=device, max_num_seqs=batch,
         max_num_batched_tokens=max(batch * PROMPT_LEN, 2048), max_model_len=max_len,
         num_kv_blocks=batch * blocks_per_seq, enforce_eager=mode == "eager",
-        speculative_config={"method": "ngram", "num_speculative_tokens": spec} if spec else None,
+        speculative_config={"method": "ngram", "num_speculative_tokens": spec, "draft_length_policy": "fixed"}
+        if spec else None,
     ))
     if spec:
         engine.speculator.drafter = RepeatDrafter()

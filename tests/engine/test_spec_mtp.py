@@ -19,6 +19,8 @@ WEIGHTS = random_state_dict(CONFIG, seed=5, mtp_layers=1)  # the target's weight
 
 
 def make_engine(tmp_path, spec=None, weights=WEIGHTS, **options) -> Engine:
+    if spec is not None:  # these tests check the verification machinery: verify every draft
+        spec = {"draft_length_policy": "fixed", **spec}
     write_config(tmp_path, CONFIG)
     options = {"max_num_seqs": 4, "num_kv_blocks": 24, **options}
     return Engine(EngineConfig(model=str(tmp_path), dtype="float32", speculative_config=spec, **options),

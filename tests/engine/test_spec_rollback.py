@@ -91,7 +91,8 @@ def test_rejected_drafts_leave_a_v41_cache_token_ids_included_as_a_run_that_neve
     plain = v41_helpers.make_engine(directory, weights, deterministic=True)
     # k = 1: the ratio-2 compressors' tail rings hold two positions
     spec = v41_helpers.make_engine(directory, weights, deterministic=True,
-                                   speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+                                   speculative_config={"method": "ngram", "num_speculative_tokens": 1,
+                                                       "draft_length_policy": "fixed"})
     spec.speculator.drafter = WrongDrafter({key: v[0] for key, v in reference.items()}, spec.runner.config.vocab_size)
     for engine in (plain, spec):
         for i, prompt in enumerate(prompts):

@@ -22,6 +22,8 @@ K = 4
 
 
 def make_engine(spec: dict | None) -> Engine:
+    if spec is not None:  # these tests check the verification machinery: verify every draft
+        spec = {"draft_length_policy": "fixed", **spec}
     return LLM(str(embedded_tiny_model_dir()), max_model_len=256, max_num_seqs=16, num_kv_blocks=40, device="cpu",
                async_scheduling=False, speculative_config=spec).engine
 

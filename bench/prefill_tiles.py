@@ -10,14 +10,10 @@ Times, with `triton.testing.do_bench`, each candidate tiling of
   ("gemv"), the tensor-core tiles decoded in registers ("tile") and the experts dequantised to bf16 before
   the dense tiles ("dequant"), with several tilings, beside the bf16 experts; each row gives the touched experts' FP4 bytes (their
   bytes a second are the decode figure of merit);
-- the FP8 projections (`fp8`: V4-Flash's FP8 shapes, 128x128 float32 and 32x32 ue8m0 scale tiles) at
-  decode and prefill token counts: the tiles `pick_tiles` chooses, then the same tiles with the other
-  launch plan (one fused launch against separate quantisation, GEMM and split-K sum); the two give the
-  same bits, so `max_diff_vs_first` must read 0;
 and prints one JSON line per candidate with its time and its largest difference from the first one.
 `bench/RESULTS.md` records what the H200 gave and which tiles the plugin keeps.
 
-    python bench/prefill_tiles.py [--only attention,hyper,moe,fp4,fp8] [--tiny]
+    python bench/prefill_tiles.py [--only attention,hyper,moe,fp4] [--tiny]
 
 `--tiny` is the smoke mode the test suite runs: tiny sizes, the first two candidates of each sweep, one
 untimed-quality run each (wall clock, not `do_bench`); without a CUDA device the kernels run in Triton's
@@ -56,11 +52,6 @@ class Sizes:
     top_k: int = 6
     moe_tokens: tuple[int, ...] = (2048, 8192)
     fp4_tokens: tuple[int, ...] = (1, 16, 64, 2048)
-    fp8_shapes: tuple[tuple[str, int, int, int], ...] = (
-        ("q_a", 4096, 1024, 1), ("q_b", 1024, 32768, 1), ("kv", 4096, 512, 1), ("o_a", 4096, 8192, 8),
-        ("o_b", 8192, 4096, 1), ("shared_down", 2048, 4096, 1))
-    """FP8 projections (name, inputs of a group, outputs, groups)."""
-    fp8_tokens: tuple[int, ...] = (1, 16, 64, 2048)
     num_variants: int | None = None
     """Candidates per sweep (None: all)."""
 
@@ -68,8 +59,7 @@ class Sizes:
 V4_FLASH = Sizes()
 TINY = Sizes(heads=16, head_dim=64, window=16, hca_rate=8, index_heads=4, index_head_dim=32, index_topk=8,
              prompts=(32, 32), hidden=128, hyper_tokens=(8,), moe_intermediate=64, experts=8, top_k=2,
-             moe_tokens=(16,), fp4_tokens=(2,), fp8_shapes=(("q_a", 128, 64, 1),), fp8_tokens=(2,),
-             num_variants=2)
+             moe_tokens=(16,), fp4_tokens=(2,), num_variants=2)
 
 ATTENTION_TILES = [(16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1),
                    (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1)]
@@ -260,35 +250,9 @@ def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
                       touched_experts=touched, fp4_gb_touched=round(touched * fp4_bytes / 1e9, 4))
 
 
-def sweep_fp8(device: torch.device, sizes: Sizes) -> None:
-    from deepinfer_nvidia_sm100.linear import GemmTiles, TritonFP8Linear, pick_tiles
-
-    from deepinfer_core.backends.linear import LinearSpec
-    from deepinfer_core.models import quant
-
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    gen = torch.Generator(device=device).manual_seed(0)
-    for name, width, out, groups in sizes.fp8_shapes:
-        for block, scale_format in (((128, 128), "float32"), ((32, 32), "ue8m0")):
-            spec = LinearSpec(width, out, groups, block=block, scale_format=scale_format)
-            linear = TritonFP8Linear(spec, num_sms)
-            dense = torch.randn(out, width, device=device, generator=gen) * 0.02
-            weight, scale = quant.quantize_fp8(dense, block)
-            for num_tokens in sizes.fp8_tokens:
-                x = torch.randn(num_tokens, width * groups, device=device, dtype=torch.bfloat16, generator=gen)
-                picked = dataclasses.asdict(pick_tiles(num_tokens, spec, num_sms))
-                variants = [picked, {**picked, "fused": not picked["fused"]}]
-
-                def run(tiles, x=x, linear=linear, weight=weight, scale=scale):
-                    return linear.forward(x, weight, scale, GemmTiles(**tiles))
-
-                time_variants("fp8_linear", variants, run, sizes, case=name, block=f"{block[0]}x{block[1]}",
-                              tokens=num_tokens, weight_mb=round(weight.numel() / 1e6, 2))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="attention,hyper,moe,fp4,fp8", help="comma-separated sweeps to run")
+    parser.add_argument("--only", default="attention,hyper,moe,fp4", help="comma-separated sweeps to run")
     parser.add_argument("--tiny", action="store_true", help="smoke mode: tiny sizes, two candidates a sweep")
     args = parser.parse_args()
     sizes = TINY if args.tiny else V4_FLASH
@@ -302,7 +266,7 @@ def main() -> None:
     else:
         sys.exit("bench/prefill_tiles.py times GPU kernels: it needs a CUDA device and deepinfer-nvidia-sm100 "
                  "(--tiny runs the sweeps in Triton's interpreter on the CPU)")
-    sweeps = {"attention": sweep_attention, "hyper": sweep_hyper, "moe": sweep_moe, "fp4": sweep_fp4, "fp8": sweep_fp8}
+    sweeps = {"attention": sweep_attention, "hyper": sweep_hyper, "moe": sweep_moe, "fp4": sweep_fp4}
     for name in args.only.split(","):
         if name not in sweeps:
             sys.exit(f"--only: unknown sweep {name!r}; choose from {', '.join(sweeps)}")

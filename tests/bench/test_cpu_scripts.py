@@ -49,9 +49,8 @@ def test_prefill_tiles_tiny_runs_every_sweep():
     for r in rows:
         counts[r["kernel"], r.get("case")] += 1
     assert counts == {("attention", "hca"): 2, ("attention", "csa"): 2, ("hc_post_pre", None): 2,
-                      ("moe_experts", None): 2, ("fp4_experts", None): 2, ("fp8_linear", "q_a"): 4}
+                      ("moe_experts", None): 2, ("fp4_experts", None): 2}
     assert all(r["ms"] > 0 for r in rows)
-    assert all(r["max_diff_vs_first"] == 0 for r in rows if r["kernel"] == "fp8_linear")  # fused or not: same bits
 
 
 def test_prefix_cache_store_runs_the_agent_trace_across_a_restart(tmp_path):

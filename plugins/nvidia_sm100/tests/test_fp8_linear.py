@@ -159,43 +159,6 @@ def test_conformance_bf16_on_gpu(cuda_device, block, num_tokens):
     conformance.check_linear(TritonFP8Linear(spec, sms), cuda_device, num_tokens_list=(num_tokens,))
 
 
-@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
-@pytest.mark.parametrize("num_tokens", [1, 16, 64])
-def test_fused_launch_equals_separate_launches_on_gpu(cuda_device, block, num_tokens):
-    """bf16 at V4-like sizes with the picked decode tiles (split-K over the device's SMs)."""
-    from deepinfer_nvidia_sm100.linear import TritonFP8Linear, pick_tiles
-
-    spec = LinearSpec(in_features=4096, out_features=1024, block=block,
-                      scale_format="ue8m0" if block == (32, 32) else "float32")
-    linear = TritonFP8Linear(spec, torch.cuda.get_device_properties(cuda_device).multi_processor_count)
-    x, weight, scale = (t.to(cuda_device) for t in random_case(spec, num_tokens, torch.bfloat16, seed=6))
-    tiles = pick_tiles(num_tokens, spec, linear.num_sms)
-    assert tiles.fused and tiles.split_k > 1
-    fused = linear.forward(x, weight, scale)
-    separate = linear.forward(x, weight, scale, dataclasses.replace(tiles, fused=False))
-    assert torch.equal(fused.view(torch.int16), separate.view(torch.int16))
-    assert all(not counters.any() for counters in linear.counters.values())
-
-
-def test_fused_launch_replays_in_a_cuda_graph(cuda_device):
-    """A captured decode projection replays with new activations as it runs eagerly: the split-K counters
-    are zero at every replay's start."""
-    from deepinfer_nvidia_sm100.linear import TritonFP8Linear
-
-    spec = LinearSpec(in_features=4096, out_features=1024, block=(32, 32), scale_format="ue8m0")
-    linear = TritonFP8Linear(spec, torch.cuda.get_device_properties(cuda_device).multi_processor_count)
-    x, weight, scale = (t.to(cuda_device) for t in random_case(spec, 4, torch.bfloat16, seed=7))
-    linear.forward(x, weight, scale)  # warm-up: compiles, allocates the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear.forward(x, weight, scale)
-    for seed in (8, 9, 10):
-        x.copy_(random_case(spec, 4, torch.bfloat16, seed=seed)[0])
-        graph.replay()
-        assert torch.equal(out.view(torch.int16), linear.forward(x, weight, scale).view(torch.int16))
-    assert all(not counters.any() for counters in linear.counters.values())
-
-
 def test_tiles_split_k_for_few_tokens_only():
     from deepinfer_nvidia_sm100.linear import pick_tiles
 

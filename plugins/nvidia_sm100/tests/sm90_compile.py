@@ -1,8 +1,7 @@
 """Compile every kernel a tiny model's forward launches for an H100/H200 (sm_90), on a machine without one
-(and the FP4 experts' prefill kernels and the FP8 projections' prefill and split-K launches, which tiny
-forwards do not reach).
+(and the FP4 experts' prefill kernels, which tiny forwards do not reach).
 
-    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det|v41-det|fp4-prefill|fp8-tiles ...]
+    python plugins/nvidia_sm100/tests/sm90_compile.py [v4|v4-quant|v41|v4-det|v41-det|fp4-prefill ...]
 
 Triton's interpreter (how the kernel tests run off the GPU) executes a kernel's Python, not its
 compilation: code the compiler rejects (a `str` constexpr in an `if`, an unsupported dtype in a dot, a
@@ -17,7 +16,6 @@ prints one JSON line per model with the kernels compiled and exits non-zero on t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -124,6 +122,8 @@ def forward(family: str, directory: str) -> dict:
 
 def fp4_prefill() -> dict:
     """The FP4 experts at prefill sizes (64 rows an expert) through each kernel that serves them."""
+    import dataclasses
+
     from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
 
     from deepinfer_core.backends import MoESpec
@@ -142,35 +142,12 @@ def fp4_prefill() -> dict:
     return {"model": "fp4-prefill", "backends": ["TritonMoE"]}
 
 
-def fp8_tiles() -> dict:
-    """The FP8 projections (bf16 activations, 128x128 and 32x32 tiles) through every launch plan: the
-    prefill tiles, and the decode tiles in one fused launch and in separate ones, each with split-K."""
-    from deepinfer_nvidia_sm100.linear import TritonFP8Linear, pick_tiles
-
-    from deepinfer_core.backends import LinearSpec
-
-    for block, scale_format in (((128, 128), "float32"), ((32, 32), "ue8m0")):
-        spec = LinearSpec(in_features=1024, out_features=256, block=block, scale_format=scale_format)
-        linear = TritonFP8Linear(spec, num_sms=132)
-        weight = torch.zeros(spec.out_features, spec.in_features, dtype=torch.float8_e4m3fn)
-        scale = torch.ones(spec.scale_shape)
-        for num_tokens in (1, 16, 128):
-            x = torch.zeros(num_tokens, spec.in_features, dtype=torch.bfloat16)
-            tiles = pick_tiles(num_tokens, spec, 132)
-            linear.forward(x, weight, scale, tiles)
-            if tiles.split_k > 1:
-                linear.forward(x, weight, scale, dataclasses.replace(tiles, fused=False))
-    return {"model": "fp8-tiles", "backends": ["TritonFP8Linear"]}
-
-
 def main(families: list[str]) -> None:
     install()
     for family in families:
         COMPILED.clear()
         if family == "fp4-prefill":
             row = fp4_prefill()
-        elif family == "fp8-tiles":
-            row = fp8_tiles()
         else:
             with tempfile.TemporaryDirectory() as directory:
                 row = forward(family, directory)
@@ -179,4 +156,4 @@ def main(families: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["v4", "v4-quant", "v41", "v4-det", "v41-det", "fp4-prefill", "fp8-tiles"])
+    main(sys.argv[1:] or ["v4", "v4-quant", "v41", "v4-det", "v41-det", "fp4-prefill"])

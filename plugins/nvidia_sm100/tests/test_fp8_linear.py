@@ -1,15 +1,12 @@
-"""The FP8 projection kernels: activation quantisation, the block-scaled GEMMs, and their conformance.
+"""The FP8 projection kernels: activation quantisation, the block-scaled GEMM, and its conformance.
 
 Runs on a suitable GPU, else on the CPU through Triton's interpreter (see conftest.py). Exact checks use
 values whose every product and partial sum is exact in fp32 (small integers, power-of-two scales), so
 they hold whatever order the dot adds in; random values are checked against the reference within the
-FP8 format's tolerance (`conformance.check_linear`), and the fused decode launch against the separate
-launches bit for bit.
+FP8 format's tolerance (`conformance.check_linear`).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -20,7 +17,6 @@ from deepinfer_core.testing import conformance
 
 V4 = LinearSpec(in_features=256, out_features=96, block=(128, 128), dtype=torch.float32)
 V41 = LinearSpec(in_features=96, out_features=80, block=(32, 32), scale_format="ue8m0", dtype=torch.float32)
-V41_WIDE = LinearSpec(in_features=288, out_features=80, block=(32, 32), scale_format="ue8m0", dtype=torch.float32)
 GROUPED = LinearSpec(in_features=128, out_features=64, groups=2, block=(32, 32), scale_format="ue8m0",
                      dtype=torch.float32)
 
@@ -65,12 +61,11 @@ def exact_case(spec: LinearSpec, num_tokens: int, seed: int):
 @pytest.mark.parametrize("spec", [V4, V41, GROUPED], ids=["v4-128x128", "v41-32x32", "grouped"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 70])
 @pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-def test_gemm_is_exact_on_exact_values(kernel_device, spec, num_tokens, split_k, fused):
+def test_gemm_is_exact_on_exact_values(kernel_device, spec, num_tokens, split_k):
     from deepinfer_nvidia_sm100.linear import GemmTiles
 
     x, weight, scale = exact_case(spec, num_tokens, seed=num_tokens)
-    tiles = GemmTiles(block_m=16, block_n=32, block_k=min(128, spec.block[1]), split_k=split_k, fused=fused)
+    tiles = GemmTiles(block_m=16, block_n=32, block_k=min(128, spec.block[1]), split_k=split_k)
     shaped = x if spec.groups == 1 else x.view(num_tokens, spec.groups, spec.in_features)
     got = backend(spec).forward(shaped.to(kernel_device), weight.to(kernel_device), scale.to(kernel_device), tiles)
     dense = quant.dequantize_fp8(weight, scale, spec.block)
@@ -80,65 +75,6 @@ def test_gemm_is_exact_on_exact_values(kernel_device, spec, num_tokens, split_k,
         want = torch.cat([x[:, g * spec.in_features:(g + 1) * spec.in_features]
                           @ dense[g * 32:(g + 1) * 32].T for g in range(spec.groups)], dim=1)
     assert torch.equal(got.cpu(), want)
-
-
-def random_case(spec: LinearSpec, num_tokens: int, dtype: torch.dtype, seed: int):
-    """Activations over 12 binades (their groups' scales and e4m3 steps all differ) and a random weight in
-    FP8 with its block scales."""
-    gen = torch.Generator().manual_seed(seed)
-    width = spec.in_features * spec.groups
-    x = torch.randn(num_tokens, width, generator=gen) * torch.exp2(
-        torch.randint(-8, 4, (num_tokens, width), generator=gen).float())
-    weight, scale = quant.quantize_fp8(torch.randn(spec.out_features, spec.in_features, generator=gen) / 16,
-                                       spec.block)
-    return x.to(dtype), weight, scale
-
-
-@pytest.mark.parametrize("spec", [V4, V41, GROUPED, V41_WIDE], ids=["v4-128x128", "v41-32x32", "grouped", "v41-wide"])
-@pytest.mark.parametrize("num_tokens", [1, 5, 70])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_fused_launch_equals_separate_launches(kernel_device, spec, num_tokens, split_k):
-    """Quantising in the GEMM's prologue and adding the K slices in its epilogue gives the separate
-    launches' bits, with K slices starting inside a 128-group (32-wide steps, 3 splits), an input width not a multiple of 128 and a partial row
-    tile (5 and 70 rows at 16 a tile); the tile counters are zero after the call."""
-    from deepinfer_nvidia_sm100.linear import GemmTiles
-
-    linear = backend(spec)
-    x, weight, scale = (t.to(kernel_device) for t in random_case(spec, num_tokens, torch.float32, seed=split_k))
-    tiles = GemmTiles(block_m=16, block_n=32, block_k=min(128, spec.block[1]), split_k=split_k)
-    separate = linear.forward(x, weight, scale, tiles)
-    fused = linear.forward(x, weight, scale, dataclasses.replace(tiles, fused=True))
-    assert torch.equal(fused.view(torch.int32), separate.view(torch.int32))
-    assert all(not counters.any() for counters in linear.counters.values())
-    assert bool(linear.counters) == (split_k > 1)
-
-
-def test_fused_launch_equals_separate_launches_in_bf16(kernel_device):
-    from deepinfer_nvidia_sm100.linear import GemmTiles
-
-    spec = dataclasses.replace(V41_WIDE, dtype=torch.bfloat16)
-    linear = backend(spec)
-    x, weight, scale = (t.to(kernel_device) for t in random_case(spec, 3, torch.bfloat16, seed=4))
-    tiles = GemmTiles(block_m=16, block_n=32, block_k=32, split_k=4)
-    separate = linear.forward(x, weight, scale, tiles)
-    fused = linear.forward(x, weight, scale, dataclasses.replace(tiles, fused=True))
-    assert torch.equal(fused.view(torch.int16), separate.view(torch.int16))
-
-
-def test_fused_split_k_is_deterministic_and_reuses_its_counters(kernel_device):
-    """Calls of the same shape give the same bits and share one counter buffer, zero after every call
-    (what a replayed CUDA graph needs)."""
-    from deepinfer_nvidia_sm100.linear import GemmTiles
-
-    linear = backend(V41_WIDE)
-    x, weight, scale = (t.to(kernel_device) for t in random_case(V41_WIDE, 5, torch.float32, seed=5))
-    tiles = GemmTiles(block_m=16, block_n=32, block_k=32, split_k=4, fused=True)
-    first = linear.forward(x, weight, scale, tiles)
-    (counters,) = linear.counters.values()
-    for _ in range(2):
-        assert torch.equal(linear.forward(x, weight, scale, tiles).view(torch.int32), first.view(torch.int32))
-    assert list(linear.counters.values()) == [counters]
-    assert counters.numel() == 3 and not counters.any()  # 80 outputs at 32 a tile, one row tile
 
 
 @pytest.mark.parametrize("spec", [V4, V41, GROUPED], ids=["v4-128x128", "v41-32x32", "grouped"])
@@ -164,10 +100,8 @@ def test_tiles_split_k_for_few_tokens_only():
 
     spec = LinearSpec(in_features=4096, out_features=1024, block=(128, 128))
     decode, prefill = pick_tiles(1, spec, 132), pick_tiles(512, spec, 132)
-    assert decode.split_k > 1 and decode.block_m == 16 and decode.fused
+    assert decode.split_k > 1 and decode.block_m == 16
     assert prefill.split_k == 1 and (prefill.block_m, prefill.block_n, prefill.block_k) == (128, 128, 128)
-    assert not prefill.fused
-    assert pick_tiles(64, spec, 132).fused and not pick_tiles(65, spec, 132).fused
     assert pick_tiles(1, LinearSpec(in_features=4096, out_features=1024, block=(32, 32)), 132).block_k == 32
 
 

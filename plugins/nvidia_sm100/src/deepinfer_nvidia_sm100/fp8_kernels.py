@@ -1,31 +1,20 @@
-"""Triton kernels of the FP8 projections: per-token-group activation quantisation and block-scaled GEMMs.
+"""Triton kernels of the FP8 projections: per-token-group activation quantisation and a block-scaled GEMM.
 
-Activations `x[M, K]` are quantised to float8_e4m3fn `q` with one float32 scale per token and `GROUP`
-(128) inputs, `x ~= q * scale`: `scale = amax / 448` (a power of two, rounded up, with UE8M0),
-`q = round_to_nearest_even(x / scale)` with saturation (`_act_scale`, `_act_quantise`). The rounding to
-the e4m3 grid is done on the float32 bits before the cast, so the cast itself is exact on every backend
-(Triton's interpreter rounds some values wrongly when it converts), which makes the result equal to
-torch's cast of the same values.
+`act_quant_kernel` turns activations `x[M, K]` into float8_e4m3fn `q` and one float32 scale per token and
+`GROUP` (128) inputs, `x ~= q * scale`: `scale = amax / 448` (a power of two, rounded up, with UE8M0),
+`q = round_to_nearest_even(x / scale)` with saturation. The rounding to the e4m3 grid is done on the
+float32 bits before the cast, so the cast itself is exact on every backend (Triton's interpreter rounds
+some values wrongly when it converts), which makes the result equal to torch's cast of the same values.
 
-Both GEMMs compute `out[M, N] = (q * xs) @ (w * ws).T` on tiles of `[BLOCK_M, BLOCK_K] x [BLOCK_K,
-BLOCK_N]`: both operands stay float8 in the `tl.dot` (wgmma on Hopper), and each K step's fp32 partial
-product is multiplied by the activation scales of its rows and the weight scales of its columns before it
-is added to the fp32 accumulator. `BLOCK_K` divides both the activation group and the weight tile's
-columns (128 for V4's 128x128 tiles, 32 for V4.1's 32x32), so one scale covers a step. `G > 1` runs a
-block-diagonal (grouped) projection: group g reads inputs `g * K ...` and writes outputs `g * N ...`
-(rows of the weight). `SPLIT_K > 1` (small batches: more programs than output tiles) has each program add
-up a slice of K (`_k_steps`), and the slices are added in split order (deterministic).
-
-- Prefill, three launches at most: `act_quant_kernel` writes `q` and the scales once, `fp8_gemm_kernel`
-  reads them (each activation tile serves every column tile's program), and with `SPLIT_K > 1` each
-  program stores its partial into `partial[split]` for `split_k_sum_kernel` to add up and cast.
-- Decode, one launch: `fp8_gemm_decode_kernel` reads the activations themselves and quantises each
-  `[BLOCK_M, BLOCK_K]` tile in registers before its `tl.dot`, with the scale of its whole 128-group (with
-  `BLOCK_K < GROUP`, the group is loaded once more at its first step to find its amax). With `SPLIT_K > 1`
-  each program stores its partial, then counts itself in at its output tile's counter (an acq_rel
-  atomic); the last of the tile's programs to arrive adds the partials in split order, writes the output
-  and sets the counter back to 0, so the counters are all zero between launches (and graph replays).
-  Its bits equal the prefill path's on the same tiles: same quantisation code, same dots, same sums.
+`fp8_gemm_kernel` computes `out[M, N] = (q * xs) @ (w * ws).T` on tiles of `[BLOCK_M, BLOCK_K] x
+[BLOCK_K, BLOCK_N]`: both operands stay float8 in the `tl.dot` (wgmma on Hopper), and each K step's
+fp32 partial product is multiplied by the activation scales of its rows and the weight scales of its
+columns before it is added to the fp32 accumulator. `BLOCK_K` divides both the activation group and the
+weight tile's columns (128 for V4's 128x128 tiles, 32 for V4.1's 32x32), so one scale covers a step.
+`G > 1` runs a block-diagonal (grouped) projection: group g reads inputs `g * K ...` and writes outputs
+`g * N ...` (rows of the weight). `SPLIT_K > 1` (small batches: more programs than output tiles) has
+each program add up a slice of K and store its partial into `partial[split]`; `split_k_sum_kernel`
+adds the slices in order (deterministic) and casts.
 """
 
 from __future__ import annotations
@@ -58,29 +47,6 @@ def _pow2_ceil(s):
 
 
 @triton.jit
-def _act_scale(amax, UE8M0: tl.constexpr):
-    """The quantisation scale of a group whose largest magnitude is `amax`."""
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-30), 448.0)  # IEEE division (plain `/` is approximate on the GPU)
-    if UE8M0:
-        scale = _pow2_ceil(scale)
-    return scale
-
-
-@triton.jit
-def _act_quantise(x, scale):
-    """`x / scale` saturated and rounded to e4m3 (as float32 values, so the cast to float8 is exact)."""
-    return _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0))
-
-
-@triton.jit
-def _k_steps(K, split, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The `[first, last)` K steps of `split`."""
-    num_steps = tl.cdiv(K, BLOCK_K)
-    steps_per_split = tl.cdiv(num_steps, SPLIT_K)
-    return split * steps_per_split, tl.minimum((split + 1) * steps_per_split, num_steps)
-
-
-@triton.jit
 def act_quant_kernel(
     x_ptr,
     q_ptr,
@@ -97,8 +63,12 @@ def act_quant_kernel(
     offs = group * GROUP + tl.arange(0, GROUP)
     valid = offs < K
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=0.0).to(tl.float32)
-    scale = _act_scale(tl.max(tl.abs(x), axis=0), UE8M0)
-    q = _act_quantise(x, scale)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
+    scale = tl.math.div_rn(amax, 448.0)  # IEEE division (plain `/` is approximate on the GPU)
+    if UE8M0:
+        scale = _pow2_ceil(scale)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    q = _round_to_e4m3(v)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=valid)
     tl.store(s_ptr + row.to(tl.int64) * stride_s + group, scale)
 
@@ -137,7 +107,9 @@ def fp8_gemm_kernel(
     m_valid, n_valid = offs_m < M, offs_n < N
     rows_w = g * N + offs_n  # rows of the whole weight, and columns of the whole output
     offs_k = tl.arange(0, BLOCK_K)
-    first, last = _k_steps(K, split, SPLIT_K, BLOCK_K)
+    num_steps = tl.cdiv(K, BLOCK_K)
+    steps_per_split = tl.cdiv(num_steps, SPLIT_K)
+    first, last = split * steps_per_split, tl.minimum((split + 1) * steps_per_split, num_steps)
     q_rows = q_ptr + offs_m[:, None].to(tl.int64) * stride_q + g * K
     w_rows = w_ptr + rows_w[:, None].to(tl.int64) * stride_w
     xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xs + (g * K) // GROUP
@@ -165,93 +137,3 @@ def split_k_sum_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK
     for split in tl.static_range(SPLIT_K):
         total += tl.load(partial_ptr + split * numel + offs, mask=valid, other=0.0)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=valid)
-
-
-@triton.jit
-def _group_scales(x_rows, m_valid, k_group, K, GROUP: tl.constexpr, UE8M0: tl.constexpr):
-    """The activation scales of the rows' 128-group starting at input `k_group`."""
-    offs = k_group + tl.arange(0, GROUP)
-    x = tl.load(x_rows + offs[None, :], mask=m_valid[:, None] & (offs < K)[None, :], other=0.0)
-    return _act_scale(tl.max(tl.abs(x.to(tl.float32)), axis=1), UE8M0)
-
-
-@triton.jit
-def _store_or_reduce(acc, out_ptr, partial_ptr, counter_ptr, tile, split, stride_partial, offs, mask,
-                     SPLIT_K: tl.constexpr):
-    """Write `acc` to the output (one split), or store it as `split`'s partial and, in the last of the
-    tile's programs to arrive, add the partials in split order into the output and reset the counter."""
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(partial_ptr + split * stride_partial + offs, acc, mask=mask)
-        # every thread's partial is stored before one thread's release (the atomic's release is cumulative
-        # over what the barrier made it observe), as in CUTLASS's split-K semaphore
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # .cg: from L2, never a line this SM cached before
-                total += tl.load(partial_ptr + s * stride_partial + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(counter_ptr + tile, 0)
-
-
-@triton.jit
-def fp8_gemm_decode_kernel(
-    x_ptr,
-    w_ptr,
-    ws_ptr,
-    out_ptr,
-    partial_ptr,
-    counter_ptr,
-    M,
-    N,
-    K,
-    stride_x,
-    stride_w,
-    stride_ws,
-    stride_out,
-    stride_partial,
-    G: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    GROUP: tl.constexpr,
-    UE8M0: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """`fp8_gemm_kernel`'s product with `x` quantised in registers and the K slices added in the same
-    launch: `out` (`[M, G * N]`, contiguous), `partial` (`[SPLIT_K, M, G * N]` float32) and `counter`
-    (one int32 per output tile, zero) as the module's docstring says."""
-    pid_n, pid_m, pid_gs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g, split = pid_gs // SPLIT_K, pid_gs % SPLIT_K
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_valid, n_valid = offs_m < M, offs_n < N
-    rows_w = g * N + offs_n
-    offs_k = tl.arange(0, BLOCK_K)
-    first, last = _k_steps(K, split, SPLIT_K, BLOCK_K)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + g * K
-    w_rows = w_ptr + rows_w[:, None].to(tl.int64) * stride_w
-    ws_rows = ws_ptr + (rows_w // BLOCK_ROWS).to(tl.int64) * stride_ws
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    xs = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for step in range(first, last):
-        k0 = step * BLOCK_K
-        k_valid = (k0 + offs_k) < K
-        x = tl.load(x_rows + k0 + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        x = x.to(tl.float32)
-        if BLOCK_K == GROUP:
-            xs = _act_scale(tl.max(tl.abs(x), axis=1), UE8M0)
-        elif (step == first) | (k0 % GROUP == 0):  # a new group: its scale needs all of its inputs
-            xs = _group_scales(x_rows, m_valid, k0 - k0 % GROUP, K, GROUP, UE8M0)
-        q = _act_quantise(x, xs[:, None]).to(w_ptr.dtype.element_ty)
-        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        ws = tl.load(ws_rows + k0 // BLOCK_COLS, mask=n_valid, other=0.0)
-        acc += tl.dot(q, tl.trans(w)) * xs[:, None] * ws[None, :]
-    tile = (g * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
-    offs = offs_m[:, None].to(tl.int64) * stride_out + rows_w[None, :]
-    _store_or_reduce(acc, out_ptr, partial_ptr, counter_ptr, tile, split, stride_partial, offs,
-                     m_valid[:, None] & n_valid[None, :], SPLIT_K)

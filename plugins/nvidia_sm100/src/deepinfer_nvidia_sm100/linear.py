@@ -1,18 +1,13 @@
 """FP8 projections on NVIDIA GPUs: activations quantised per token and 128 inputs, a block-scaled FP8 GEMM.
 
-No launch reads a value back, so decode captures in CUDA graphs. Decode (at most `DECODE_TOKENS` tokens)
-is one launch, `fp8_gemm_decode_kernel`: it quantises the activations in registers before each float8
-`tl.dot` and, with split-K (few tokens: more programs than output tiles, so the weight streams from every
-SM), the last program of each output tile adds the K slices in a fixed order and casts. Prefill is two:
+A call is two launches (three with split-K), none reading a value back, so decode captures in CUDA graphs:
 
 1. `act_quant_kernel`: `x` to float8_e4m3fn with one float32 scale per token and 128 inputs (a power of
    two when the checkpoint's scales are "ue8m0", as DeepSeek's kernels do);
 2. `fp8_gemm_kernel`: float8 x float8 `tl.dot` (wgmma on Hopper) with fp32 accumulation, each K step
-   scaled by its rows' activation scales and its columns' weight-tile scales (with split-K, asked for by
-   `tiles` only, `split_k_sum_kernel` adds the slices).
-
-Both give the same bits on the same tiles (`fp8_kernels`' docstring says why), so `GemmTiles.fused`
-picks a launch plan, never a result.
+   scaled by its rows' activation scales and its columns' weight-tile scales;
+3. with split-K (few tokens: more programs than output tiles, so the weight streams from every SM),
+   `split_k_sum_kernel` adds the K slices in a fixed order and casts.
 """
 
 from __future__ import annotations
@@ -26,15 +21,12 @@ from deepinfer_core.backends.linear import LinearSpec
 from deepinfer_nvidia_sm100.fp8_kernels import (
     ACT_GROUP,
     act_quant_kernel,
-    fp8_gemm_decode_kernel,
     fp8_gemm_kernel,
     split_k_sum_kernel,
 )
 from deepinfer_nvidia_sm100.platform import linear_problem
 
 MAX_SPLIT_K = 16
-DECODE_TOKENS = 64
-"""Up to this many tokens a call is memory-bound: decode tiles, one fused launch."""
 
 
 @dataclass(frozen=True)
@@ -47,20 +39,15 @@ class GemmTiles:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    fused: bool = False
-    """One launch: activations quantised in the GEMM's prologue, split-K slices added in its epilogue
-    (`fp8_gemm_decode_kernel`); else the quantiser, the GEMM and a split-K sum, each its own launch."""
 
 
 def pick_tiles(num_tokens: int, spec: LinearSpec, num_sms: int) -> GemmTiles:
-    """Prefill (> `DECODE_TOKENS` tokens): 128x128 tiles (K steps of the weight tile's columns, at most
-    128), activations quantised once by their own launch, since each of their tiles is read by every
-    column tile's program (quantising in the GEMM would redo it `out_features / 128` times). Decode
-    (memory-bound, bound by launches at batch 1): 16-64 rows a tile (all of them: one row tile), 64
-    columns, K split until about two programs an SM stream the weight, all in one fused launch."""
+    """Prefill: 128x128 tiles (K steps of the weight tile's columns, at most 128). Decode (<= 64 tokens,
+    memory-bound): 16-64 rows a tile, 64 columns, and K split until about two programs an SM stream
+    the weight."""
     block_k = min(ACT_GROUP, spec.block[1])
     out_per_group = spec.out_features // spec.groups
-    if num_tokens > DECODE_TOKENS:
+    if num_tokens > 64:
         return GemmTiles(128, 128, block_k, num_warps=8, num_stages=3)
     block_m = max(16, triton.next_power_of_2(num_tokens))
     tiles = triton.cdiv(out_per_group, 64) * spec.groups * triton.cdiv(num_tokens, block_m)
@@ -68,28 +55,20 @@ def pick_tiles(num_tokens: int, spec: LinearSpec, num_sms: int) -> GemmTiles:
     split_k = 1
     while split_k < MAX_SPLIT_K and tiles * split_k < 2 * num_sms and steps // (2 * split_k) >= 4:
         split_k *= 2
-    return GemmTiles(block_m, 64, block_k, split_k=split_k, num_warps=4, num_stages=4, fused=True)
+    return GemmTiles(block_m, 64, block_k, split_k=split_k, num_warps=4, num_stages=4)
 
 
 class TritonFP8Linear:
-    """`LinearBackend` for FP8 block-scaled projections on CUDA devices of compute capability >= 9.0.
-
-    One backend serves every projection of its spec, launch after launch on the model's stream; its
-    split-K counters are shared by those launches, so two of them must not run at once on two streams."""
+    """`LinearBackend` for FP8 block-scaled projections on CUDA devices of compute capability >= 9.0."""
 
     supports_cuda_graphs = True
-    """Buffers and launches are sized from shapes alone; nothing is read back. The split-K tile counters
-    are allocated (zeroed) once per device and tile count, at the first call of a shape (the warm-up
-    before a capture), and are zero again at the end of every launch, so a replayed graph finds them as
-    the capture did; they are never freed, so a captured address stays valid."""
+    """Buffers and launches are sized from shapes alone; nothing is read back."""
 
     def __init__(self, spec: LinearSpec, num_sms: int = 132) -> None:
         problem = linear_problem(spec)
         if problem is not None:
             raise ValueError(problem)
         self.spec, self.num_sms = spec, num_sms
-        self.counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-        """Per (device, output tiles of a launch): one int32 split-K counter a tile, zero between launches."""
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x[M, K]` as float8_e4m3fn values and `[M, ceil(K / 128)]` float32 scales."""
@@ -111,57 +90,18 @@ class TritonFP8Linear:
         if weight.stride(-1) != 1 or scale.stride(-1) != 1:
             raise ValueError("FP8 weights and scales must be contiguous in their last dimension")
         num_tokens = x.shape[0]
-        x = x.reshape(num_tokens, -1).contiguous()
+        q, x_scales = self.quantize(x.reshape(num_tokens, -1).contiguous())
         tiles = tiles or pick_tiles(num_tokens, spec, self.num_sms)
         out = torch.empty(num_tokens, spec.out_features, dtype=x.dtype, device=x.device)
         if num_tokens == 0:
             return out
-        if tiles.fused:
-            self._gemm_fused(x, weight, scale, tiles, out)
-        else:
-            self._gemm_two_pass(x, weight, scale, tiles, out)
-        return out
-
-    def _grid(self, num_tokens: int, tiles: GemmTiles) -> tuple[int, int, int]:
-        per_group = self.spec.out_features // self.spec.groups
-        return (triton.cdiv(per_group, tiles.block_n), triton.cdiv(num_tokens, tiles.block_m),
-                self.spec.groups * tiles.split_k)
-
-    def _tile_counters(self, device: torch.device, num_tiles: int) -> torch.Tensor:
-        counters = self.counters.get((device, num_tiles))
-        if counters is None:
-            counters = self.counters[device, num_tiles] = torch.zeros(num_tiles, dtype=torch.int32, device=device)
-        return counters
-
-    def _gemm_fused(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tiles: GemmTiles,
-                    out: torch.Tensor) -> None:
-        """One launch of `fp8_gemm_decode_kernel` into `out`. The partials are a plain `torch.empty` (the
-        caching allocator's, or a graph pool's, block: no kernel, nothing zeroed, and not pinned for
-        every decode shape); the counters are the backend's."""
-        spec, num_tokens = self.spec, x.shape[0]
-        grid = self._grid(num_tokens, tiles)
-        if tiles.split_k > 1:
-            partial = torch.empty(tiles.split_k, *out.shape, dtype=torch.float32, device=x.device)
-            counters = self._tile_counters(x.device, grid[0] * grid[1] * spec.groups)
-        else:
-            partial = counters = out  # not read with one split
-        fp8_gemm_decode_kernel[grid](
-            x, weight, scale, out, partial, counters, num_tokens, spec.out_features // spec.groups,
-            spec.in_features, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.numel(),
-            G=spec.groups, SPLIT_K=tiles.split_k, GROUP=ACT_GROUP, UE8M0=spec.scale_format == "ue8m0",
-            BLOCK_ROWS=spec.block[0], BLOCK_COLS=spec.block[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )
-
-    def _gemm_two_pass(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tiles: GemmTiles,
-                       out: torch.Tensor) -> None:
-        """`act_quant_kernel`, `fp8_gemm_kernel`, and with split-K `split_k_sum_kernel`, into `out`."""
-        spec, num_tokens = self.spec, x.shape[0]
-        q, x_scales = self.quantize(x)
         target = out if tiles.split_k == 1 else torch.empty(
-            tiles.split_k, *out.shape, dtype=torch.float32, device=x.device)
-        fp8_gemm_kernel[self._grid(num_tokens, tiles)](
-            q, x_scales, weight, scale, target, num_tokens, spec.out_features // spec.groups, spec.in_features,
+            tiles.split_k, num_tokens, spec.out_features, dtype=torch.float32, device=x.device)
+        per_group = spec.out_features // spec.groups
+        grid = (triton.cdiv(per_group, tiles.block_n), triton.cdiv(num_tokens, tiles.block_m),
+                spec.groups * tiles.split_k)
+        fp8_gemm_kernel[grid](
+            q, x_scales, weight, scale, target, num_tokens, per_group, spec.in_features,
             q.stride(0), x_scales.stride(0), weight.stride(0), scale.stride(0),
             target.stride(0) if tiles.split_k > 1 else 0, target.stride(-2),
             G=spec.groups, SPLIT_K=tiles.split_k, GROUP=ACT_GROUP, BLOCK_ROWS=spec.block[0],
@@ -171,3 +111,4 @@ class TritonFP8Linear:
         if tiles.split_k > 1:
             numel = out.numel()
             split_k_sum_kernel[(triton.cdiv(numel, 1024),)](target, out, numel, SPLIT_K=tiles.split_k, BLOCK=1024)
+        return out

@@ -263,6 +263,8 @@ def test_gated_drafting_returns_to_overlap_and_resumes_when_acceptance_comes_bac
     assert rejected and overlapped and resumed
     assert max(rejected) < min(overlapped) < min(resumed)  # stopped drafting, then came back to it
     assert len(overlapped) >= 8 and len(resumed) >= 3
+    probe = next(i for i in range(min(overlapped), len(steps)) if any(steps[i][1]))
+    assert max(steps[probe][1]) == 1  # a probe verifies one draft a request, not k
     stats = engine.stats()
     assert stats["spec_overlapped_steps"] == len(overlapped) and stats["spec_probe_steps"] >= 1
     assert engine.block_manager.num_free_blocks == engine.executor.info.num_blocks

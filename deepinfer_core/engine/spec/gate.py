@@ -12,8 +12,8 @@ policy that wait is paid only while drafting is expected to pay for it (`Specula
 
 A request whose estimates say no stays on the overlapped path. So that acceptance can come back (an
 agent starts quoting a tool output), the request is probed: once `probe_interval` steps passed without
-its drafts being verified, the next step waits for its token and verifies whatever the drafter
-proposes. A probe with nothing accepted doubles the interval (up to `MAX_PROBE_INTERVAL`); an accepted
+its drafts being verified, the next step waits for its token and verifies the first draft the
+drafter proposes. A probe with nothing accepted doubles the interval (up to `MAX_PROBE_INTERVAL`); an accepted
 draft resets it. A batch's requests decode through the same steps, so their probes tend to fall on the
 same steps and share one wait.
 

@@ -130,12 +130,14 @@ class Speculator:
 
     def _draft_lengths(self, proposals: list[list[int]], confidences: list[list[float]], probes: list[bool],
                        budget: int) -> list[int]:
-        """The policy's choice. A probing request verifies every draft it was proposed; the others are
-        chosen by confidence, without the round trip's cost when a probe pays for it anyway."""
+        """The policy's choice. A probing request verifies its first draft (enough to tell whether
+        acceptance came back; an accepted one lets the estimates choose more drafts from the next step,
+        while a batch of failing probes costs one token a request, not k); the others are chosen by
+        confidence, without the round trip's cost when a probe pays for it anyway."""
         config = self.config
         if config.draft_length_policy != "confidence":
             return fixed_draft_lengths([len(p) for p in proposals], budget)
-        forced = fixed_draft_lengths([len(p) if probe else 0 for p, probe in zip(proposals, probes, strict=True)],
+        forced = fixed_draft_lengths([min(len(p), 1) if probe else 0 for p, probe in zip(proposals, probes, strict=True)],
                                      budget)
         chosen = confidence_draft_lengths(
             [[] if probe else c for c, probe in zip(confidences, probes, strict=True)], budget - sum(forced),

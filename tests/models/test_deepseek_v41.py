@@ -4,6 +4,8 @@ shot, a batch == each alone, reuse layers get their sources' tensors, reindex pi
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +57,68 @@ def test_a_batch_equals_each_request_alone(checkpoint, one_shot):
         assert (mine - alone).abs().max().item() < 1e-4
 
 
+def rms_norm_by_hand(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * weight
+
+
+def rope_by_hand(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing pairs (2i, 2i + 1) of `x` by `angle` `[rope_dim // 2]` (interleaved, as released)."""
+    head, rope = x[: -2 * len(angle)], x[-2 * len(angle) :]
+    even, odd = rope[0::2], rope[1::2]
+    rotated = torch.stack((even * angle.cos() - odd * angle.sin(), odd * angle.cos() + even * angle.sin()), -1)
+    return torch.cat((head, rotated.flatten()))
+
+
+@pytest.mark.parametrize("layer, ratio", [(2, 2), (5, 1)])  # a ratio-2 source with a gate, the ratio-1 one
+@torch.no_grad()
+def test_compressed_entries_and_index_keys_are_the_spec_computed_by_hand(checkpoint, layer, ratio):
+    """research-v41.md §4.3: group g pools its tokens' fp32 `wkv` rows with a per-channel softmax over
+    `wgate` (ratio 2; ratio 1 is the projection), RMSNorms them into the latent, stores RoPE(latent) at
+    position g * ratio and the index key RoPE(k_norm(wk latent)) at the same position; an open group
+    waits in the tail ring, unwritten."""
+    runner = make_runner(*checkpoint)
+    model, inputs = runner.model, {}
+    real = model.attention
+
+    def record(i, x, *rest):
+        inputs[i] = x.clone()
+        return real(i, x, *rest)
+
+    model.attention = record
+    prompt, block = random_prompt(7, seed=4), 2
+    all_position_logprobs(runner, [FakeSeq(prompt, slot=1, block_table=[block])], [7])
+    weights, cache, eps = model.layers[layer].attn, runner.kv_cache.layers[layer], model.config.rms_norm_eps
+    compressor, indexer = weights.compressor, weights.indexer
+    x = inputs[layer].float()
+    kv = x @ compressor.wkv.weight.float().T
+    # inverse frequencies of the compressed rope (its YaRN tables are checked in test_v41_plan)
+    inv_freq = model.rotary["compress"].inv_freq.float()
+    scaling = model.rotary["compress"].scaling
+    assert scaling == 1.0  # the reference does not scale cos / sin
+    first = block * (128 // ratio)
+    for g in range(7 // ratio):
+        rows = slice(g * ratio, (g + 1) * ratio)
+        if ratio == 2:
+            gate = x[rows] @ compressor.wgate.weight.float().T
+            pooled = (gate.softmax(dim=0) * kv[rows]).sum(dim=0)
+        else:
+            pooled = kv[g]
+        latent = rms_norm_by_hand(pooled, compressor.norm.weight.float(), eps)
+        angle = g * ratio * inv_freq  # the group's first token
+        entry = rope_by_hand(latent, angle)
+        key = rope_by_hand(rms_norm_by_hand(latent @ indexer.wk.weight.float().T, indexer.k_norm.weight.float(), eps),
+                           angle)
+        assert torch.allclose(cache.compressed[first + g].float(), entry, atol=1e-5), g
+        assert torch.allclose(cache.index_keys[first + g].float(), key, atol=1e-5), g
+        assert not torch.allclose(entry, rope_by_hand(latent, (g * ratio + 1) * inv_freq), atol=1e-3)
+    if ratio == 2:  # token 6 opens group 3: not written, its fp32 rows in the tail at 6 % 2
+        assert cache.compressed[first + 3].abs().sum() == 0
+        assert torch.allclose(cache.kv_tail[1, 0].float(), kv[6], atol=1e-5)
+        assert torch.allclose(cache.gate_tail[1, 0], x[6] @ compressor.wgate.weight.float().T, atol=1e-5)
+    else:
+        assert cache.kv_tail.shape[1] == 0  # ratio 1 never has an open group: no tail rows
+
+
 class Recorder:
     """Wraps an attention backend; keeps what each call received."""
 
@@ -70,8 +134,24 @@ class Recorder:
         return self.backend.indexer_topk(*args)
 
 
-def test_reuse_layers_receive_their_sources_entries_and_picks_unchanged(checkpoint, monkeypatch):
-    runner = make_runner(*checkpoint)
+def with_text_config(checkpoint, directory: Path, **text) -> tuple[Path, dict]:
+    """The checkpoint's files under `directory` (links) with `text` changed in its config.json."""
+    source, weights = checkpoint
+    directory.mkdir()
+    for path in source.iterdir():
+        if path.name != "config.json":
+            (directory / path.name).symlink_to(path)
+    config = json.loads((source / "config.json").read_text())
+    config["text_config"] |= text
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, weights
+
+
+# the tiny model's 3 candidate blocks of 2 entries are fewer than its 8 picks; the release keeps 2,048
+# blocks of 8 for 512 picks: there every pick of a reindex layer lies within its candidates
+@pytest.mark.parametrize("regime", [{}, {"candidate_topk_blocks": 5, "index_topk": 4}], ids=["tiny", "release"])
+def test_reuse_layers_receive_their_sources_entries_and_picks_unchanged(checkpoint, monkeypatch, tmp_path, regime):
+    runner = make_runner(*with_text_config(checkpoint, tmp_path / "model", **regime))
     model = runner.model
     calls: list = []
     model.attention_backends = [Recorder(b, calls) for b in model.attention_backends]
@@ -97,7 +177,7 @@ def test_reuse_layers_receive_their_sources_entries_and_picks_unchanged(checkpoi
     assert {i for i, *_ in selections} == {5, 7}  # the candidate source and its reindex layer
     (_, _, masks, positions), = [s for s in selections if s[0] == 7]
     picks = {i: p for i, p, *_ in selections}[7]
-    k = plans[7].attention.index_topk
+    k, within, filtered = plans[7].attention.index_topk, 0, 0
     for t, position in enumerate(positions.tolist()):
         visible = position + 1  # ratio 1
         chosen = [e for e in picks[t].tolist() if e >= 0]
@@ -105,6 +185,12 @@ def test_reuse_layers_receive_their_sources_entries_and_picks_unchanged(checkpoi
         candidates = set(torch.nonzero(masks[0][t][:visible]).flatten().tolist())
         assert len(set(chosen) & candidates) == min(k, len(candidates))  # every candidate first
         assert len(chosen) == min(k, visible)
+        if len(candidates) >= k:
+            assert set(chosen) <= candidates
+            within += 1
+            filtered += len(candidates) < visible
+    # the tiny regime never has k candidates; in the release's, most positions pick among filtered ones
+    assert (within, filtered) == (0, 0) if not regime else within > 30 and filtered > 20
 
 
 def test_the_comb_columns_sum_to_one(checkpoint):

@@ -22,7 +22,10 @@ WEIGHTS = random_state_dict(CONFIG, seed=5, mtp_layers=1)  # the target's weight
 
 
 def make_engine(tmp_path, spec=None, weights=WEIGHTS, **options) -> Engine:
+    """An engine on `WEIGHTS`; with `spec`, every MTP draft is verified unless it names its policy (the
+    random MTP layer's drafts are too unlikely for the confidence policy, the default, to verify any)."""
     write_config(tmp_path, CONFIG)
+    spec = {"draft_length_policy": "fixed", **spec} if spec is not None else None
     options = {"max_num_seqs": 4, "num_kv_blocks": 24, **options}
     return Engine(EngineConfig(model=str(tmp_path), dtype="float32", speculative_config=spec, **options),
                   weights=weights)

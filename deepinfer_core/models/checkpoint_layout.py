@@ -11,8 +11,13 @@ This module only adds what the modules cannot say: how each tensor is stored on 
 - "official": DeepSeek's release layout (`embed.weight`, `layers.N.attn.wq_a.weight`,
   `layers.N.ffn.experts.E.w1.weight`, ...), mapped by `_TOP_LEVEL` and `_PER_LAYER` below. Per-expert
   `w1` (gate) and `w3` (up) merge into `experts.gate_up_proj[E, 2I, H]` = cat(w1, w3) per expert, and
-  `w2` stacks into `experts.down_proj[E, H, I]`. Multi-token-prediction tensors (`mtp.*`) are not used.
+  `w2` stacks into `experts.down_proj[E, H, I]`.
 - "transformers": what transformers >= 5 `save_pretrained` writes (official names under `model.`).
+
+The multi-token-prediction layer (`mtp.<i>.*`, `deepinfer_core.models.mtp`) is not part of the model's
+plans (`source_plans` leaves it out; `IGNORED_PREFIXES`): `mtp_source_plans` maps it the same way, its
+decoder-layer tensors by `_PER_LAYER` / `_EXPERTS` under `mtp.<i>.` and its own by `_MTP_OWN`, stored
+(and quantised) like the layers'.
 
 Storage dtypes (safetensors header names), checked for every tensor by `SourcePlan.stored_dtypes`:
 floating tensors in the checkpoint's float dtype (config.json's `torch_dtype` / `dtype`) or F32; integer
@@ -123,6 +128,16 @@ _PER_LAYER = {  # model.layers.N.<key> -> layers.N.<value>
 }
 _EXPERTS = {"mlp.experts.gate_up_proj": ("w1", "w3"), "mlp.experts.down_proj": ("w2",)}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_MTP_OWN = {  # the MTP layer's own tensors: mtp.<i>.<key> -> mtp.<i>.<value> (official)
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "norm.weight": "norm.weight",
+    "hc_head.hc_fn": "hc_head_fn",
+    "hc_head.hc_base": "hc_head_base",
+    "hc_head.hc_scale": "hc_head_scale",
+}
 
 
 # transformers >= 5 `save_pretrained` writes official names under `model.`, except these spellings
@@ -133,14 +148,15 @@ _TRANSFORMERS_SAVED = {
     "hc_head_base": "model.hc_head.hc_base",
     "hc_head_scale": "model.hc_head.hc_scale",
 }
-_TRANSFORMERS_SAVED_KV_NORM = re.compile(r"(layers\.\d+\.attn\.)kv_norm\.weight")
+_TRANSFORMERS_SAVED_KV_NORM = re.compile(r"((?:layers|mtp)\.\d+\.attn\.)kv_norm\.weight")
 LAYOUTS = ("hf", "official", "transformers")
-_LAYOUT_PATTERNS = {  # a name that only this layout has
+_LAYOUT_PATTERNS = {  # a name that only this layout has (of the layers, or of an MTP layer)
     "hf": re.compile(
-        r"model\.layers\.\d+\.(self_attn|mlp|attn_hc|ffn_hc|input_layernorm|post_attention_layernorm)\.|lm_head\."
+        r"(model\.layers|mtp)\.\d+\.(self_attn|mlp|attn_hc|ffn_hc|input_layernorm|post_attention_layernorm)\."
+        r"|lm_head\."
     ),
-    "official": re.compile(r"layers\.\d+\.|embed\.weight$"),
-    "transformers": re.compile(r"model\.layers\.\d+\.(attn\.|ffn\.|hc_attn_|hc_ffn_)"),
+    "official": re.compile(r"layers\.\d+\.|mtp\.\d+\.(attn|ffn)\.|embed\.weight$"),
+    "transformers": re.compile(r"model\.(layers|mtp)\.\d+\.(attn\.|ffn\.|hc_attn_|hc_ffn_)"),
 }
 
 
@@ -193,13 +209,33 @@ def source_plans(config: ModelConfig, layout: str) -> dict[str, SourcePlan]:
     transformers >= 5 `save_pretrained` writes: the official names under `model.`, with a few spellings
     of its own; see `_TRANSFORMERS_SAVED`).
     """
+    # at a half-precision compute dtype, the tensors that follow it are the ones a checkpoint may quantise
+    return _plans(tensor_schema(meta_model(config, torch.bfloat16)), layout, _official_plan, "")
+
+
+def mtp_source_plans(config: ModelConfig, layout: str, num_layers: int) -> dict[str, SourcePlan]:
+    """For every tensor of the checkpoint's `num_layers` MTP layers, the on-disk tensors it is stored as
+    in `layout`, keyed by the `MultiTokenPredictor`'s own names (`0.self_attn.q_a_proj.weight`; on disk
+    `mtp.0.self_attn.q_a_proj.weight`, `mtp.0.attn.wq_a.weight`, `model.mtp.0.attn.wq_a.weight`).
+
+    Quantised storage is allowed as for the layers (`_quantised`): FP8 for any 2-D weight that follows
+    the compute dtype, packed FP4 also for the routed experts."""
+    from deepinfer_core.models.mtp import MTP_PREFIX, MultiTokenPredictor
+
+    with torch.device("meta"):
+        schema = tensor_schema(MultiTokenPredictor(config, torch.bfloat16, num_layers))
+    return _plans(schema, layout, _official_mtp_plan, MTP_PREFIX)
+
+
+def _plans(schema: dict[str, TensorSpec], layout: str, official_plan, hf_prefix: str) -> dict[str, SourcePlan]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    # at a half-precision compute dtype, the tensors that follow it are the ones a checkpoint may quantise
-    schema = tensor_schema(meta_model(config, torch.bfloat16))
     plans = {}
     for name, spec in schema.items():
-        plan = SourcePlan(name, (name,), spec.shape) if layout == "hf" else _official_plan(name, spec.shape)
+        if layout == "hf":
+            plan = SourcePlan(name, (hf_prefix + name,), spec.shape)
+        else:
+            plan = official_plan(name, spec.shape)
         if layout == "transformers":
             plan = replace(plan, sources=tuple(map(_saved_by_transformers, plan.sources)))
         is_integer = not spec.dtype.is_floating_point
@@ -210,18 +246,29 @@ def source_plans(config: ModelConfig, layout: str) -> dict[str, SourcePlan]:
 def _quantised(name: str, spec: TensorSpec) -> tuple[str, ...]:
     if spec.dtype != torch.bfloat16 or len(spec.shape) < 2:
         return ()
-    key = _LAYER_NAME.fullmatch(name)
-    return ("fp8", "fp4") if key is not None and key.group(2) in _EXPERTS else ("fp8",)
+    return ("fp8", "fp4") if name.endswith(tuple(_EXPERTS)) else ("fp8",)  # a layer's routed experts
 
 
 def _official_plan(name: str, shape: tuple[int, ...]) -> SourcePlan:
     if name in _TOP_LEVEL:
         return SourcePlan(name, (_TOP_LEVEL[name],), shape)
     layer, key = _LAYER_NAME.fullmatch(name).groups()
+    return _layer_plan(name, f"layers.{layer}.", key, shape)
+
+
+def _official_mtp_plan(name: str, shape: tuple[int, ...]) -> SourcePlan:
+    layer, key = name.split(".", 1)
+    if key in _MTP_OWN:
+        return SourcePlan(name, (f"mtp.{layer}.{_MTP_OWN[key]}",), shape)
+    return _layer_plan(name, f"mtp.{layer}.", key, shape)
+
+
+def _layer_plan(name: str, prefix: str, key: str, shape: tuple[int, ...]) -> SourcePlan:
+    """The plan of decoder-layer tensor `key` stored under the official `prefix` (`layers.N.`, `mtp.N.`)."""
     if key not in _EXPERTS:
-        return SourcePlan(name, (f"layers.{layer}.{_PER_LAYER[key]}",), shape)
+        return SourcePlan(name, (prefix + _PER_LAYER[key],), shape)
     parts = _EXPERTS[key]
-    sources = tuple(f"layers.{layer}.ffn.experts.{e}.{p}.weight" for p in parts for e in range(shape[0]))
+    sources = tuple(f"{prefix}ffn.experts.{e}.{p}.weight" for p in parts for e in range(shape[0]))
     join = "stack_pairs" if len(parts) == 2 else "stack"
     return SourcePlan(name, sources, (shape[1] // len(parts), shape[2]), join)
 
@@ -232,10 +279,20 @@ def _saved_by_transformers(official: str) -> str:
     return "model." + _TRANSFORMERS_SAVED_KV_NORM.sub(r"\1norm.weight", official)
 
 
+def embedding_source(layout: str) -> str:
+    """The on-disk name of the token embedding in `layout` (never quantised: its dtype is the checkpoint's)."""
+    if layout == "hf":
+        return "model.embed_tokens.weight"
+    official = _TOP_LEVEL["model.embed_tokens.weight"]
+    return _saved_by_transformers(official) if layout == "transformers" else official
+
+
 def detect_layout(names: list[str] | dict) -> str:
     """Tell the layout from tensor names: internal `model.layers.N.self_attn...` ("hf"), DeepSeek's
-    `layers.N.attn...` ("official") or transformers' saved `model.layers.N.attn...` ("transformers")."""
-    used = [n for n in names if not n.startswith(IGNORED_PREFIXES)]
+    `layers.N.attn...` ("official") or transformers' saved `model.layers.N.attn...` ("transformers"); from
+    the MTP layer's names (`mtp.N.self_attn...`, `mtp.N.attn...`, `model.mtp.N.attn...`) only when there
+    are no others (a file of the MTP layer beside weights given in memory)."""
+    used = [n for n in names if not n.startswith(IGNORED_PREFIXES)] or list(names)
     found = {layout: any(pattern.match(n) for n in used) for layout, pattern in _LAYOUT_PATTERNS.items()}
     layouts = [layout for layout, is_found in found.items() if is_found]
     if len(layouts) != 1:

@@ -15,7 +15,10 @@ target's at j, with the draft it just proposed as token j + 1. Its attention is 
 with its own per-request ring (`deepinfer_core.engine.spec.mtp_drafter` owns that cache).
 
 Internal parameter names are the target's decoder-layer names under `mtp.<i>.` plus the MTP's own
-(`mtp.0.enorm.weight`, `mtp.0.e_proj.weight`, `mtp.0.hc_head.hc_fn`, `mtp.0.norm.weight`, ...).
+(`mtp.0.enorm.weight`, `mtp.0.e_proj.weight`, `mtp.0.hc_head.hc_fn`, `mtp.0.norm.weight`, ...). The
+layer holds its weights as the target holds its layers' (`build_mtp`): packed FP4 routed experts
+(`layers.FP4Experts`) and FP8 projections (`layers.FP8Linear`) where the target keeps those, dense
+elsewhere.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.config import CheckpointError
+from deepinfer_core.models import weight_formats
+from deepinfer_core.models.checkpoint_layout import tensor_schema
 from deepinfer_core.models.deepseek_v4 import DecoderLayer
 from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
 from deepinfer_core.models.layers import HyperHead, RMSNorm
+from deepinfer_core.models.weights import match_param_dtypes
 from deepinfer_core.reference.layer_ops import hyper_residual
 
 MTP_PREFIX = "mtp."
@@ -60,10 +66,11 @@ class MTPLayer(DecoderLayer):
 
 
 class MultiTokenPredictor(nn.ModuleList):
-    """The checkpoint's MTP layers (`mtp.<i>`); draft number `depth` uses layer `depth % len(self)`."""
+    """The checkpoint's MTP layers (`mtp.<i>`); draft number `depth` uses layer `depth % len(self)`.
+    `expert_format`: how the routed experts are held ("dense", or "fp4": packed, `MoESpec.expert_format`)."""
 
-    def __init__(self, config, dtype: torch.dtype, num_layers: int = 1) -> None:
-        self.plan = mtp_layer_plan(config, dtype)
+    def __init__(self, config, dtype: torch.dtype, num_layers: int = 1, expert_format: str = "dense") -> None:
+        self.plan = weight_formats.with_expert_format([mtp_layer_plan(config, dtype)], expert_format)[0]
         super().__init__(MTPLayer(config, self.plan, dtype) for _ in range(num_layers))
 
     def bind(self, target, attention, moe, ops, device: torch.device) -> None:
@@ -97,7 +104,8 @@ class MultiTokenPredictor(nn.ModuleList):
         embed, lm_head = self.shared
         embedded = ops.rms_norm(embed(input_ids), layer.enorm.weight)
         h = ops.rms_norm(prev_streams.reshape(-1, width), layer.hnorm.weight).view_as(prev_streams)
-        streams = (layer.h_proj(h) + layer.e_proj(embedded)[:, None]).contiguous()
+        # projections take [tokens, in] (an FP8 GEMM backend reads no other shape)
+        streams = (layer.h_proj(h.reshape(-1, width)).view_as(h) + layer.e_proj(embedded)[:, None]).contiguous()
         post, comb, x = ops.hc_pre(streams, attn_hc, layer.input_layernorm.weight)
         out = layer.self_attn(x, ctx, cache, self.attention, ops)
         streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, ffn_hc,
@@ -116,29 +124,35 @@ def split_mtp_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch
 
 
 def build_mtp(config, dtype: torch.dtype, weights: dict[str, torch.Tensor], device: torch.device,
-              source: str) -> MultiTokenPredictor:
-    """The MTP module of `config` loaded from `weights` (internal names without `mtp.`).
+              source: str, *, keep_fp4: bool = False, keep_fp8: bool = False) -> MultiTokenPredictor:
+    """The MTP module of `config` loaded from `weights` (internal names without `mtp.`), holding them as
+    the target holds its layers': with `keep_fp4`, packed FP4 experts (an `experts.*_scale` beside them)
+    stay packed, and with `keep_fp8`, FP8 projections (a `<name>_scale` beside the `<name>` weight) stay
+    FP8 (`FP8Linear`, bound to a `LinearBackend` by the caller); otherwise they are dequantised to `dtype`.
 
     :raises MTPWeightsMissingError: `weights` holds no MTP tensor.
     :raises CheckpointError: missing, unexpected or misshaped tensors, named.
     """
-    num_layers = len({name.split(".", 1)[0] for name in weights})
     if not weights:
         raise MTPWeightsMissingError(
             f"speculative_config method 'mtp' needs the checkpoint's multi-token-prediction weights (mtp.0.*), "
             f"but {source} has none (num_nextn_predict_layers={config.num_nextn_predict_layers}); use method "
             "'ngram', or a checkpoint that ships its MTP layer")
+    num_layers = len({name.split(".", 1)[0] for name in weights})
+    fmt = "fp4" if keep_fp4 and weight_formats.has_packed_experts(weights) else "dense"
+    weights = weight_formats.prepare_weights(weights, fmt, dtype, keep_fp8=keep_fp8,
+                                             block=weight_formats.fp8_layout(config)[0])
     with torch.device("meta"):
-        module = MultiTokenPredictor(config, dtype, num_layers)
-    expected = module.state_dict()
+        module = MultiTokenPredictor(config, dtype, num_layers, fmt)
+    weight_formats.hold_fp8_linears(module, weights, config, dtype)
+    expected = tensor_schema(module)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    misshaped = sorted(n for n in set(expected) & set(weights) if tuple(weights[n].shape) != tuple(expected[n].shape))
+    misshaped = sorted(n for n in set(expected) & set(weights) if tuple(weights[n].shape) != expected[n].shape)
     if missing or unexpected or misshaped:
         raise CheckpointError(f"MTP weights of {source} do not fit the model: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}, misshaped {misshaped[:5]} (names under 'mtp.')")
-    loaded = {n: weights[n].to(device=device, dtype=expected[n].dtype) for n in expected}
-    module.load_state_dict(loaded, strict=True, assign=True)
+    module.load_state_dict(match_param_dtypes(weights, expected, device), strict=True, assign=True)
     return module.eval()
 
 

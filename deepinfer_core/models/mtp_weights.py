@@ -1,4 +1,4 @@
-"""Reading the MTP layer's tensors (`mtp.*`) from a checkpoint, in any of the three layouts.
+"""Reading the MTP layer's tensors (`mtp.*`) from a checkpoint, in any of the three layouts, quantised or not.
 
 - "hf" (internal names): `mtp.0.self_attn.q_a_proj.weight`, `mtp.0.enorm.weight`, ...
 - "official" (DeepSeek's release): the per-layer names of `checkpoint_layout` under `mtp.0.`
@@ -6,79 +6,64 @@
   `mtp.0.hnorm.weight`, `mtp.0.e_proj.weight`, `mtp.0.h_proj.weight`, `mtp.0.hc_head_fn` / `_base` /
   `_scale` and `mtp.0.norm.weight`;
 - "transformers": the official names under `model.` (its `kv_norm` spelled `norm`, as for the layers).
-Quantised MTP tensors (FP8 / FP4) are not read yet: a clear `NotImplementedError` names them.
+
+The names come from `checkpoint_layout.mtp_source_plans` and the tensors are read by the model's own
+reader (`weights.read_plans`), so the MTP layer's tensors are checked, dequantised or kept exactly as
+the layers' are: FP8 e4m3 with block scales (`.scale` / `_scale_inv`, float32 or UE8M0) and packed FP4
+routed experts with per-32 scales (`quantization_config.expert_dtype == "fp4"`). With `keep_fp4` the
+experts stay packed and with `keep_fp8` the projections stored as FP8 stay FP8 (`<name>_scale` beside
+them), as the target's do under `quantized_weights="native"`; everything else quantised is dequantised
+to the dtype its module declares.
 """
 
 from __future__ import annotations
 
 import re
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
-from deepinfer_core.config import CheckpointError
-from deepinfer_core.models import checkpoint_layout as layout
-from deepinfer_core.models.checkpoint_files import checkpoint_files, open_safetensors
+from deepinfer_core.config import ModelConfig
+from deepinfer_core.models.checkpoint_files import checkpoint_files
+from deepinfer_core.models.checkpoint_layout import detect_layout, mtp_source_plans, tensor_schema
+from deepinfer_core.models.mtp import MultiTokenPredictor
+from deepinfer_core.models.weight_formats import fp8_projection_names
+from deepinfer_core.models.weights import read_plans
 
-_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "e_proj.weight": "e_proj.weight",
-            "h_proj.weight": "h_proj.weight", "norm.weight": "norm.weight", "hc_head_fn": "hc_head.hc_fn",
-            "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
-"""Official MTP-only names (after `mtp.<i>.`) -> internal."""
-_OFFICIAL_TO_INTERNAL = {official: internal for internal, official in layout._PER_LAYER.items()}
-_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
-_NAME = re.compile(r"(?:model\.)?mtp\.(\d+)\.(.+)")
+_MTP_NAME = re.compile(r"(?:model\.)?mtp\.(\d+)\..+")
 
 
-def read_mtp_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every `mtp.*` tensor of the checkpoint, by its on-disk name (empty when it has none, or no
-    safetensors file at all)."""
-    if not any(Path(model_dir).glob("*.safetensors")) and not any(Path(model_dir).glob("*.safetensors.index.json")):
+def num_mtp_layers(names) -> int:
+    """How many MTP layers the checkpoint tensor `names` hold (the highest `mtp.<i>.` plus one; 0: none)."""
+    indices = [int(match.group(1)) for name in names if (match := _MTP_NAME.fullmatch(name)) is not None]
+    return max(indices) + 1 if indices else 0
+
+
+def load_mtp_weights(
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", *, keep_fp4: bool = False, keep_fp8: bool = False,
+    progress: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's MTP tensors in the `MultiTokenPredictor`'s names (`0.self_attn.q_a_proj.weight`,
+    no `mtp.` prefix) on `device`; empty when it has none, or no safetensors file at all.
+
+    `keep_fp4`: routed experts stored as packed FP4 stay packed (`<name>_scale` the e8m0 scales);
+    `keep_fp8`: projections stored as block-scaled FP8 stay so (`<name>_scale` float32), as
+    `weights.load_weights` returns them for the model's layers.
+
+    :raises CheckpointError: missing, unexpected, misshaped or mistyped MTP tensors or scales (named),
+        or tensors holding NaN / Inf.
+    """
+    model_dir = Path(model_dir)
+    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.safetensors.index.json")):
         return {}
     files = checkpoint_files(model_dir)
-    names = [n for n in files if n.startswith(("mtp.", "model.mtp."))]
-    tensors = {}
-    with ExitStack() as stack:
-        handles = {}
-        for name in names:
-            path = files[name]
-            if path not in handles:
-                handles[path] = open_safetensors(path, stack)
-            tensors[name] = handles[path].get_tensor(name)
-    return tensors
-
-
-def to_internal(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """On-disk MTP tensors -> internal names without the `mtp.` prefix (`0.self_attn.q_a_proj.weight`).
-
-    :raises NotImplementedError: quantised tensors (named).
-    :raises CheckpointError: a name none of the layouts has.
-    """
-    quantised = sorted(n for n, t in tensors.items() if not t.dtype.is_floating_point or t.element_size() == 1)
-    if quantised:
-        raise NotImplementedError(f"quantised MTP tensors ({quantised[:3]}): load a checkpoint whose mtp.* "
-                                  "weights are stored in a float dtype")
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        match = _NAME.fullmatch(name)
-        if match is None:
-            raise CheckpointError(f"unexpected MTP tensor name {name!r}")
-        index, key = match.groups()
-        key = re.sub(r"^attn\.norm\.weight$", "attn.kv_norm.weight", key) if name.startswith("model.") else key
-        if (expert := _EXPERT.fullmatch(key)) is not None:
-            experts.setdefault((index, expert.group(2)), {})[int(expert.group(1))] = tensor
-        elif key in _MTP_OWN:
-            out[f"{index}.{_MTP_OWN[key]}"] = tensor
-        elif key in _OFFICIAL_TO_INTERNAL:
-            out[f"{index}.{_OFFICIAL_TO_INTERNAL[key]}"] = tensor
-        else:
-            out[f"{index}.{key}"] = tensor  # already an internal name ("hf" layout)
-    for (index, part), by_expert in experts.items():
-        experts[(index, part)] = torch.stack([by_expert[e] for e in sorted(by_expert)])
-    for index in {i for i, _ in experts}:
-        if (index, "w1") in experts:
-            out[f"{index}.mlp.experts.gate_up_proj"] = torch.cat([experts[(index, "w1")], experts[(index, "w3")]], 1)
-        if (index, "w2") in experts:
-            out[f"{index}.mlp.experts.down_proj"] = experts[(index, "w2")]
-    return out
+    num_layers = num_mtp_layers(files)
+    if not num_layers:
+        return {}
+    layout = detect_layout(list(files))
+    with torch.device("meta"):
+        module = MultiTokenPredictor(config, dtype, num_layers)
+    keep = fp8_projection_names(module) if keep_fp8 else frozenset()
+    return read_plans(model_dir, files, layout, mtp_source_plans(config, layout, num_layers), config,
+                      tensor_schema(module), device, progress, keep_fp4=keep_fp4, keep_fp8=keep, is_mtp=True)

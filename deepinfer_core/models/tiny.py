@@ -7,7 +7,7 @@ is given; the tests and benches build their checkpoints with the same functions 
 - `tiny_config(preset, **overrides)`: a small config.json dictionary (presets in `PRESETS`).
 - `random_state_dict(config)`: deterministic random weights for every tensor in `expected_tensors`.
 - `write_checkpoint(dir, config_dict, ...)`: safetensors in any layout, optionally FP8 / FP8+FP4
-  quantised the way DeepSeek ships them, single file or sharded with an index.
+  quantised the way DeepSeek ships them (an MTP layer's `mtp.*` tensors too), single file or sharded.
 - `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache;
   `embedded_model_dir("v41")` the DeepSeek-V4.1 one (`deepinfer_core.models.v41_tiny`).
 """
@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,12 @@ from safetensors.torch import save_file
 
 from deepinfer_core.config import CSA, HCA, SLIDING, ModelConfig
 from deepinfer_core.models import quant
-from deepinfer_core.models.checkpoint_layout import expected_tensors, is_integer_tensor, source_plans
+from deepinfer_core.models.checkpoint_layout import (
+    expected_tensors,
+    is_integer_tensor,
+    mtp_source_plans,
+    source_plans,
+)
 
 _BASE: dict[str, Any] = {
     "model_type": "deepseek_v4",
@@ -98,6 +104,7 @@ _FP8_SUFFIXES = (
     "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_proj.weight",
     "self_attn.o_a_proj.weight", "self_attn.o_b_proj.weight", "compressor.indexer.q_b_proj.weight",
     "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight",
+    "e_proj.weight", "h_proj.weight",  # the MTP layer's input projections
 )  # fmt: skip
 _EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 TINY_MODEL_VERSION = "1"
@@ -161,8 +168,10 @@ def write_checkpoint(
 ) -> Path:
     """Write config.json and safetensors weights; returns the directory.
 
-    `state_dict` (internal names; random from `seed` if None) is cast to `dtype`, renamed to `layout`
-    ("hf", "official" or "transformers", see `source_plans`) and, with `quant`, quantised: "fp8" puts the dense attention / shared-expert
+    `state_dict` (internal names; random from `seed` if None; `mtp.<i>.*` tensors, as
+    `random_state_dict(..., mtp_layers=n)` adds, are written too, and set `num_nextn_predict_layers`) is
+    cast to `dtype`, renamed to `layout` ("hf", "official" or "transformers", see `source_plans` and
+    `mtp_source_plans`) and, with `quant`, quantised: "fp8" puts the dense attention / shared-expert
     weights and the routed experts in FP8 e4m3 with float32 128x128 block scales (like Flash-Base);
     "fp8+fp4" uses power-of-two (ue8m0) FP8 scales and packed FP4 experts (like the instruct release).
     Scales are named `<name>.scale` in the official layout and `<name>_scale_inv` in the others.
@@ -176,11 +185,15 @@ def write_checkpoint(
     config = ModelConfig.from_dict(config_dict)
     state_dict = state_dict if state_dict is not None else random_state_dict(config, seed)
     expected = expected_tensors(config)
+    num_mtp_layers = len({name.split(".")[1] for name in state_dict if name.startswith("mtp.")})
+    if num_mtp_layers:
+        config_dict["num_nextn_predict_layers"] = num_mtp_layers
+        expected |= {f"mtp.{name}": () for name in mtp_source_plans(config, "hf", num_mtp_layers)}
     if set(state_dict) != set(expected):
         raise ValueError(
             f"state_dict names differ from expected_tensors: {sorted(set(state_dict) ^ set(expected))}"
         )
-    tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype, tuple(fp8_block))
+    tensors = _on_disk_tensors(config, state_dict, layout, quant, dtype, tuple(fp8_block), num_mtp_layers)
     if quant is not None:
         config_dict["quantization_config"] = {
             "quant_method": "fp8",
@@ -198,10 +211,15 @@ def write_checkpoint(
     return directory
 
 
-def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype, fp8_block) -> dict[str, torch.Tensor]:
+def _on_disk_tensors(config, state_dict, layout, quant_mode, dtype, fp8_block,
+                     num_mtp_layers: int) -> dict[str, torch.Tensor]:
     tensors = {}
     fp8_scale_dtype = torch.float8_e8m0fnu if quant_mode == "fp8+fp4" else torch.float32
-    for plan in source_plans(config, layout).values():
+    plans = list(source_plans(config, layout).values())
+    if num_mtp_layers:  # their targets are the MTP module's names, `mtp.` stripped
+        plans += [replace(plan, target=f"mtp.{plan.target}")
+                  for plan in mtp_source_plans(config, layout, num_mtp_layers).values()]
+    for plan in plans:
         full = state_dict[plan.target]
         full = full if is_integer_tensor(plan.target) else full.to(dtype)
         for source, tensor in zip(plan.sources, plan.split(full), strict=True):

@@ -41,7 +41,7 @@ def expert_format(model_config: ModelConfig, engine_config: EngineConfig,
     """The routed experts' in-memory format, "fp4" (packed) or "dense", for a model loaded from the
     checkpoint (`weights` None) or given `weights`."""
     native = engine_config.quantized_weights == "native"
-    packed = model_config.expert_dtype == "fp4" if weights is None else _has_packed_experts(weights)
+    packed = model_config.expert_dtype == "fp4" if weights is None else has_packed_experts(weights)
     fmt = "fp4" if native and packed else "dense"
     quantised = model_config.quantization_config is not None
     if native and quantised:
@@ -72,7 +72,8 @@ def check_quantization(quantization: str | None, model_config: ModelConfig) -> N
                               f"its block-FP8 method ('fp8') are implemented")
 
 
-def _has_packed_experts(weights: dict[str, torch.Tensor]) -> bool:
+def has_packed_experts(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether `weights` (internal names) hold packed FP4 experts (their `experts.*_scale` beside them)."""
     return any(name.endswith(_SCALED_EXPERTS) for name in weights)
 
 
@@ -81,7 +82,7 @@ def prepare_weights(weights: dict[str, torch.Tensor], fmt: str, dtype: torch.dty
     """Given weights in the form the model of format `fmt` holds: packed experts dequantised to `dtype`
     for a dense model, and FP8 projections (`<name>.weight_scale` beside them, tiles of `block`) unless
     `keep_fp8` (a dense model's weights pass through)."""
-    if fmt != "fp4" and _has_packed_experts(weights):
+    if fmt != "fp4" and has_packed_experts(weights):
         dense = {name: t for name, t in weights.items() if not name.endswith(_SCALED_EXPERTS)}
         for name in dense:
             if f"{name}_scale".endswith(_SCALED_EXPERTS) and f"{name}_scale" in weights:

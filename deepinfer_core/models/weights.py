@@ -7,7 +7,8 @@ tensor to the dtype its module declares, and checks that every floating tensor i
 tensors are recognised by dtype: float8_e4m3fn with a block scale (`<name>.scale` or
 `<name>.weight_scale_inv`), and, for routed experts when `quantization_config.expert_dtype == "fp4"`,
 int8/uint8 packed e2m1 with per-32 scales (`quant.py`). Every failure is a `CheckpointError` naming
-the file or the tensors.
+the file or the tensors. The model's loader leaves the MTP layer's `mtp.*` tensors alone; `read_plans`
+reads them the same way from `checkpoint_layout.mtp_source_plans` (`mtp_weights.load_mtp_weights`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from deepinfer_core.models.checkpoint_layout import (
     SourcePlan,
     TensorSpec,
     detect_layout,
+    embedding_source,
     expected_tensors,
     meta_model,
     source_plans,
@@ -160,7 +162,6 @@ def _read_checkpoint(
     shards: dict[str, tensor_parallel.Shard] | None = None,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
-    shards = shards or {}
     layout = detect_layout(list(files))
     plans = source_plans(config, layout)
     if set(plans) != set(schema):  # the model asked for is not the model of `config`
@@ -169,14 +170,34 @@ def _read_checkpoint(
         )
     if config.tie_word_embeddings and plans["lm_head.weight"].sources[0] not in files:
         plans["lm_head.weight"] = plans["model.embed_tokens.weight"]
+    return read_plans(model_dir, files, layout, plans, config, schema, device, progress, keep_fp4=keep_fp4,
+                      keep_fp8=keep_fp8, local_experts=local_experts, shards=shards)
+
+
+def read_plans(
+    model_dir: Path, files: dict[str, Path], layout: str, plans: dict[str, SourcePlan], config: ModelConfig,
+    schema: dict[str, TensorSpec], device, progress: bool | None, *,
+    keep_fp4: bool = False,
+    keep_fp8: frozenset[str] = frozenset(),
+    local_experts: Callable[[int], list[int]] | None = None,
+    shards: dict[str, tensor_parallel.Shard] | None = None,
+    is_mtp: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Read the tensors of `plans` (internal name -> how it is stored) from the checkpoint `files`
+    (`checkpoint_files`) of `layout` (`detect_layout`), each checked first and built as `load_weights` describes (dequantised, or kept
+    packed / FP8 under `keep_fp4` / `keep_fp8`) in its `schema` dtype on `device`. `is_mtp`: the plans
+    are the MTP layer's (`checkpoint_layout.mtp_source_plans`), and the checkpoint's other `mtp.*`
+    tensors, not the model's, are the unexpected ones."""
+    shards = shards or {}
     if progress is None:
         progress = sum(path.stat().st_size for path in set(files.values())) > _AUTO_PROGRESS_BYTES
     with ExitStack() as stack:
         reader = SafetensorsReader(files, stack)
-        _Check(plans, reader, config).raise_if_any(model_dir, layout)
+        _Check(plans, reader, config, embedding_source(layout), is_mtp).raise_if_any(model_dir, layout)
         finite = _FiniteCheck()
         weights = {}
-        for name, plan in tqdm(plans.items(), desc="Loading weights", unit="tensor", disable=not progress):
+        desc = "Loading MTP weights" if is_mtp else "Loading weights"
+        for name, plan in tqdm(plans.items(), desc=desc, unit="tensor", disable=not progress):
             shard = shards.get(name)
             plan, keep_rows = _local_plan(plan, local_experts)
             if keep_fp4 and "fp4" in plan.quantised:
@@ -222,24 +243,24 @@ _EXPERT_TARGET = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\w+")
 class _Check:
     """Checks every source tensor's presence, header dtype and shape (and its scale's) before any is read."""
 
-    def __init__(self, plans: dict[str, SourcePlan], reader: SafetensorsReader, config: ModelConfig) -> None:
-        self.reader, self.config = reader, config
+    def __init__(self, plans: dict[str, SourcePlan], reader: SafetensorsReader, config: ModelConfig,
+                 embedding: str, is_mtp: bool = False) -> None:
+        self.reader, self.config, self.is_mtp = reader, config, is_mtp
         self.missing: list[str] = []
         self.misshaped: list[str] = []
         self.mistyped: list[str] = []
         self.consumed: set[str] = set()
-        self.float_dtype, self.float_origin = self._float_dtype(plans)
+        self.float_dtype, self.float_origin = self._float_dtype(embedding)
         for plan in plans.values():
             for source in plan.sources:
                 self._check_source(plan, source)
 
-    def _float_dtype(self, plans: dict[str, SourcePlan]) -> tuple[str | None, str]:
+    def _float_dtype(self, embedding: str) -> tuple[str | None, str]:
         """The checkpoint's float storage dtype and where it was read: config.json's declared dtype, else
-        the embedding's (never quantised)."""
+        the embedding's (`embedding`, its on-disk name; never quantised)."""
         declared = _CONFIG_FLOAT_DTYPES.get(self.config.checkpoint_dtype or "")
         if declared is not None:
             return declared, f"config.json's dtype {self.config.checkpoint_dtype!r}"
-        embedding = plans["model.embed_tokens.weight"].sources[0]
         stored = self.reader.dtype(embedding) if embedding in self.reader.names else None
         return (stored, f"the dtype of {embedding}") if stored in FLOAT_DTYPES else (None, "")
 
@@ -292,8 +313,8 @@ class _Check:
         }
 
     def raise_if_any(self, model_dir: Path, layout: str) -> None:
-        unexpected = sorted(
-            n for n in self.reader.names - self.consumed if not n.startswith(IGNORED_PREFIXES)
+        unexpected = sorted(  # the model's reader leaves the MTP layer's tensors to the MTP's, and back
+            n for n in self.reader.names - self.consumed if n.startswith(IGNORED_PREFIXES) == self.is_mtp
         )
         _raise_problems(
             f"checkpoint {model_dir} does not match config.json", self.missing,

@@ -1,17 +1,20 @@
 """The MTP drafter: the checkpoint's `mtp.*` layer drafts, output identical to no speculation (greedy
-and seeded, every k, batches, preemption, prefix hits), its weights read in every layout, and a clear
-error without them."""
+and seeded, every k, batches, preemption, prefix hits), on a quantised official checkpoint too (its MTP
+layer held as the target's layers are), and a clear error without its weights or with a bad scale.
+Reading the weights in every layout: tests/models/test_mtp_weights.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from deepinfer_core.config import EngineConfig
+from deepinfer_core.config import CheckpointError, EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.models import quant
+from deepinfer_core.models.layers import FP4Experts, FP8Linear
 from deepinfer_core.models.mtp import MTPWeightsMissingError
-from deepinfer_core.models.mtp_weights import to_internal
+from deepinfer_core.models.tiny import write_checkpoint
 from tests.engine.test_spec_decode import CONFIG, MIXED, generate, tokens
 from tests.oracle import random_state_dict, write_config
 
@@ -19,9 +22,10 @@ WEIGHTS = random_state_dict(CONFIG, seed=5, mtp_layers=1)  # the target's weight
 
 
 def make_engine(tmp_path, spec=None, weights=WEIGHTS, **options) -> Engine:
-    if spec is not None:  # these tests check the verification machinery: verify every draft
-        spec = {"draft_length_policy": "fixed", **spec}
+    """An engine on `WEIGHTS`; with `spec`, every MTP draft is verified unless it names its policy (the
+    random MTP layer's drafts are too unlikely for the confidence policy, the default, to verify any)."""
     write_config(tmp_path, CONFIG)
+    spec = {"draft_length_policy": "fixed", **spec} if spec is not None else None
     options = {"max_num_seqs": 4, "num_kv_blocks": 24, **options}
     return Engine(EngineConfig(model=str(tmp_path), dtype="float32", speculative_config=spec, **options),
                   weights=weights)
@@ -61,45 +65,67 @@ def test_mtp_without_mtp_weights_is_a_clear_error(tmp_path):
         make_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": 1}, weights=target_only)
 
 
-def official_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The MTP tensors as DeepSeek's release names them (per-expert w1/w2/w3, attn.*, hc_head_fn, ...)."""
-    from deepinfer_core.models.checkpoint_layout import _PER_LAYER
-
-    own = {"hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
-    out = {}
-    for name, tensor in weights.items():
-        key = name.removeprefix("mtp.0.")
-        if key == "mlp.experts.gate_up_proj":
-            w1, w3 = tensor.chunk(2, dim=1)
-            out |= {f"mtp.0.ffn.experts.{e}.w1.weight": w1[e] for e in range(len(w1))}
-            out |= {f"mtp.0.ffn.experts.{e}.w3.weight": w3[e] for e in range(len(w3))}
-        elif key == "mlp.experts.down_proj":
-            out |= {f"mtp.0.ffn.experts.{e}.w2.weight": tensor[e] for e in range(len(tensor))}
-        else:
-            out[f"mtp.0.{_PER_LAYER.get(key, own.get(key, key))}"] = tensor
-    return out
-
-
-def test_mtp_weights_read_in_the_official_and_transformers_layouts(tmp_path):
-    internal = {n: t for n, t in WEIGHTS.items() if n.startswith("mtp.")}
-    official = official_names(internal)
-    assert set(official) != set(internal)
-    expected = {n.removeprefix("mtp."): t for n, t in internal.items()}
-    for names in (official, {"model." + n.replace("attn.kv_norm.", "attn.norm."): t for n, t in official.items()},
-                  internal):
-        loaded = to_internal(names)
-        assert loaded.keys() == expected.keys()
-        assert all(torch.equal(loaded[n], expected[n]) for n in expected)
-
-
 def test_mtp_weights_load_from_the_checkpoint_directory(tmp_path, reference):
+    """The target's weights in memory, the MTP layer's only in the directory (official names)."""
     target_only = {n: t for n, t in WEIGHTS.items() if not n.startswith("mtp.")}
-    official = official_names({n: t for n, t in WEIGHTS.items() if n.startswith("mtp.")})
-    save_file({n: t.contiguous() for n, t in official.items()}, str(tmp_path / "mtp.safetensors"))
+    written = write_checkpoint(tmp_path / "written", CONFIG, WEIGHTS, layout="official")
+    mtp_only = {n: t for n, t in load_file(written / "model.safetensors").items() if n.startswith("mtp.")}
+    assert "mtp.0.ffn.experts.0.w1.weight" in mtp_only and "mtp.0.hc_head_fn" in mtp_only
+    save_file(mtp_only, str(tmp_path / "mtp.safetensors"))
     engine = make_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": 2}, weights=target_only)
     layer = engine.runner.mtp.module[0]
     torch.testing.assert_close(layer.e_proj.weight, WEIGHTS["mtp.0.e_proj.weight"], rtol=0, atol=0)
     assert tokens(generate(engine, MIXED[:1], temperature=0))["0"] == reference["0"]
+
+
+@pytest.fixture(scope="module")
+def quantised_dir(tmp_path_factory):
+    """DeepSeek's release layout and storage: FP8 projections with UE8M0 block scales and packed FP4
+    routed experts, the MTP layer's (`mtp.0.*`) included."""
+    return write_checkpoint(tmp_path_factory.mktemp("fp8_fp4"), CONFIG, WEIGHTS, layout="official", quant="fp8+fp4")
+
+
+def checkpoint_engine(model_dir, spec=None, **options) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", speculative_config=spec, max_num_seqs=4,
+                               num_kv_blocks=24, **options))
+
+
+@pytest.mark.parametrize("quantized_weights", ["native", "dequantize"])
+def test_mtp_on_a_quantised_official_checkpoint(quantised_dir, quantized_weights):
+    """The MTP layer loads from FP8 / FP4 tensors, holds them as the target holds its layers', and greedy
+    output with MTP drafting equals greedy output without speculation."""
+    expected = tokens(generate(checkpoint_engine(quantised_dir, quantized_weights=quantized_weights), MIXED,
+                               temperature=0))
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "draft_length_policy": "fixed"}  # every draft verified
+    engine = checkpoint_engine(quantised_dir, spec, quantized_weights=quantized_weights)
+    assert tokens(generate(engine, MIXED, temperature=0)) == expected
+    stats = engine.stats()
+    assert stats["spec_verified_tokens"] > stats["spec_verify_steps"] > 0  # k drafts a step, less near the end
+    layer, target = engine.runner.mtp.module[0], engine.runner.model.model.layers[0]
+    is_native = quantized_weights == "native"
+    assert isinstance(layer.mlp.experts, FP4Experts) is isinstance(target.mlp.experts, FP4Experts) is is_native
+    for name in ("self_attn.q_a_proj", "self_attn.o_b_proj", "mlp.shared_experts.down_proj"):
+        assert isinstance(layer.get_submodule(name), FP8Linear) is isinstance(target.get_submodule(name), FP8Linear)
+    assert isinstance(layer.e_proj, FP8Linear) is isinstance(layer.h_proj, FP8Linear) is is_native
+    on_disk = load_file(quantised_dir / "model.safetensors")
+    down = torch.stack([on_disk[f"mtp.0.ffn.experts.{e}.w2.weight"] for e in range(CONFIG["n_routed_experts"])])
+    down_scale = torch.stack([on_disk[f"mtp.0.ffn.experts.{e}.w2.scale"] for e in range(CONFIG["n_routed_experts"])])
+    e_proj, e_scale = on_disk["mtp.0.e_proj.weight"], on_disk["mtp.0.e_proj.scale"]
+    if is_native:  # the bytes written
+        assert torch.equal(layer.mlp.experts.down_proj, down) and torch.equal(layer.e_proj.weight_scale, e_scale.float())
+        assert torch.equal(layer.e_proj.weight.view(torch.uint8), e_proj.view(torch.uint8))
+    else:  # their dequantised values
+        assert torch.equal(layer.mlp.experts.down_proj, quant.dequantize_fp4(down, down_scale))
+        assert torch.equal(layer.e_proj.weight, quant.dequantize_fp8(e_proj, e_scale, (128, 128)))
+
+
+def test_a_misshaped_mtp_scale_is_a_clear_error(tmp_path):
+    model_dir = write_checkpoint(tmp_path, CONFIG, WEIGHTS, layout="official", quant="fp8+fp4")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["mtp.0.attn.wq_a.scale"] = tensors["mtp.0.attn.wq_a.scale"].repeat(2, 1)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"mtp\.0\.attn\.wq_a\.scale has shape \[2, 1\], expected \[1, 1\]"):
+        checkpoint_engine(model_dir, {"method": "mtp", "num_speculative_tokens": 1})
 
 
 def test_rejection_sampling_uses_the_mtp_layers_draft_distributions(tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from deepinfer_core import plugins
+from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.backends.verify import VerifySpec
 from deepinfer_core.engine.plan import StepPlan, StepResult
 from deepinfer_core.engine.spec import verify
@@ -19,6 +20,7 @@ from deepinfer_core.engine.spec.rollback import (
     check_ring_sizes,
     kept_blocks,
 )
+from deepinfer_core.models import weight_formats
 
 
 class SpecVerifier:
@@ -87,25 +89,32 @@ def _keep_nonfinite(sampled: torch.Tensor, merged: torch.Tensor) -> torch.Tensor
 
 def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     """The runner's MTP drafter when `speculative_config.method == "mtp"` (else None): the checkpoint's
-    `mtp.*` layer (from `weights`, internal names without `mtp.`, or read from the checkpoint), bound
-    to backends of its own plan and to the target's embedding, LM head and layer ops.
+    `mtp.*` layer (from `weights`, internal names without `mtp.`, or read from the checkpoint), held in
+    the target's formats (packed FP4 experts and FP8 projections where the target keeps them), bound to
+    backends of its own plan and to the target's embedding, LM head and layer ops.
 
     :raises MTPWeightsMissingError: the checkpoint has no MTP weights.
     """
     from deepinfer_core.engine.spec.mtp_drafter import MTPDrafter
     from deepinfer_core.models.mtp import build_mtp
-    from deepinfer_core.models.mtp_weights import read_mtp_tensors, to_internal
+    from deepinfer_core.models.mtp_weights import load_mtp_weights
 
     config = getattr(runner.engine_config, "speculative_config", None)
     if config is None or config.method != "mtp":
         return None
+    keep_fp4 = runner.plans[0].moe.expert_format == "fp4"
+    keep_fp8 = runner.engine_config.quantized_weights == "native"
     source = "the in-memory weights" if weights else runner.engine_config.model
     if not weights:  # none given with in-memory weights either: the checkpoint directory may hold them
-        weights = to_internal(read_mtp_tensors(runner.engine_config.model))
-    module = build_mtp(runner.config, runner.dtype, weights, runner.device, source)
+        weights = load_mtp_weights(runner.engine_config.model, runner.config, runner.dtype, runner.device,
+                                   keep_fp4=keep_fp4, keep_fp8=keep_fp8)
+    module = build_mtp(runner.config, runner.dtype, weights, runner.device, source, keep_fp4=keep_fp4,
+                       keep_fp8=keep_fp8)
     check_ring_sizes([module.plan], config.num_speculative_tokens)
     attention = plugins.make_attention(module.plan.attention, runner.device)
     moe = plugins.make_moe(module.plan.moe, runner.device)
+    check_expert_format(moe, module.plan.moe)
+    weight_formats.bind_linears(module, plugins.make_linear, runner.device)
     module.bind(runner.model, attention, moe, runner.model.ops, runner.device)
     runner.model.keeps_final_streams = True
     return MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens,

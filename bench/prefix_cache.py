@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.threads = args.threads or 1
     if args.sessions < 1 or args.turns < 1:
         parser.error("--sessions and --turns must be >= 1")
+    unknown = [mode for mode in args.modes if mode not in agent_trace.MODES]
+    if unknown or not args.modes:
+        parser.error(f"--modes: unknown {unknown}, choose from {','.join(agent_trace.MODES)}")
     return args
 
 

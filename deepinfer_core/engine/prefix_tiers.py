@@ -48,6 +48,8 @@ _MAX_TOUCHED = 1 << 16
 MAX_UNCLAIMED_STATES = 32
 """Exported request states kept for `pop_state` (a prefill route that never asked for its own: the oldest go)."""
 _READY = "ready"
+MAX_LOAD_ROUNDS = 2
+"""Store reads a request may add, before admission, for blocks evicted while its first read ran."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class PrefixTiers:
         self.num_loaded = {"host": 0, "store": 0, "remote": 0}
         self.load_seconds_total = self.load_seconds_max = 0.0
         self.num_store_loads = 0
+        self.num_store_rereads = 0
         self._gc_interval_s, self._last_gc = gc_interval_s, time.monotonic()
         self._writer = self._loader = None
         if store is not None:
@@ -113,10 +116,10 @@ class PrefixTiers:
         """A block missing on the device, from the request's staged store reads or the host tier:
         `(tier, bytes)`, or None."""
         staged = self._staged.get(request_id)
-        entry = staged.pop(ref.key, None) if staged else None
+        entry = staged.get(ref.key) if staged else None
         if entry is not None and entry[0] == ref:
-            if self.host is not None:
-                self.host.put(ref.key, ref.parent, ref.tokens, entry[1])
+            # kept staged: `finish_match` moves it to the host tier, where putting it now could evict the
+            # request's next blocks before they are taken
             return self._staged_tier.get(request_id, "store"), entry[1]
         data = self.host.get(ref.key, ref.parent, ref.tokens) if self.host is not None else None
         return None if data is None else ("host", data)
@@ -230,20 +233,35 @@ class PrefixTiers:
             if kv_source is not None and self.importer is not None and (
                     first is not None or kv_source.get("first_token") is not None):
                 self._staged_tier[request_id] = "remote"
-                self._loads[request_id] = (self._loader.submit(self.importer.fetch, kv_source, chain), time.monotonic())
+                self._loads[request_id] = (self._loader.submit(self.importer.fetch, kv_source, chain),
+                                           time.monotonic(), 0)
                 return False
             if first is None or self.store is None or not self.store.contains(chain[first].key):  # nothing to read
                 self._loads[request_id] = _READY
                 return True
-            self._loads[request_id] = (self._loader.submit(self._fetch, chain[first:]), time.monotonic())
+            self._loads[request_id] = (self._loader.submit(self._fetch, chain[first:]), time.monotonic(), 0)
             return False
         if state is _READY:
             return True
-        future, started = state
+        future, started, rounds = state
         if not future.done():
             return False
+        staged = self._staged.setdefault(request_id, {})
+        staged.update(self._fetched(request_id, future))
+        if self._staged_tier.get(request_id) != "remote" and rounds < MAX_LOAD_ROUNDS:
+            # while the read ran, other requests' work may have evicted blocks the first lookup found on
+            # the device or in the host tier: read those again, or the prefix would stop at the hole
+            def here(ref: BlockRef) -> bool:
+                return ref.key in staged or device_has(ref.key) or (self.host is not None and ref.key in self.host)
+
+            chain = refs()
+            hole = next((i for i, ref in enumerate(chain) if not here(ref)), None)
+            if hole is not None and self.store.contains(chain[hole].key):
+                missing = [ref for ref in chain[hole:] if not here(ref)]
+                self._loads[request_id] = (self._loader.submit(self._fetch, missing), started, rounds + 1)
+                self.num_store_rereads += 1
+                return False
         self._loads[request_id] = _READY
-        self._staged[request_id] = self._fetched(request_id, future)
         elapsed = time.monotonic() - started  # how long the request waited "loading"
         self.load_seconds_total += elapsed
         self.load_seconds_max = max(self.load_seconds_max, elapsed)
@@ -278,7 +296,7 @@ class PrefixTiers:
         return blocks, None
 
     def finish_match(self, request_id: str) -> None:
-        """After a prefix match: staged blocks it did not take go to the host tier."""
+        """After a prefix match: the staged blocks (taken or not) go to the host tier."""
         staged = self._staged.pop(request_id, None)
         self._staged_tier.pop(request_id, None)
         if staged and self.host is not None:
@@ -378,6 +396,7 @@ class PrefixTiers:
                        prefix_store_corrupt_blocks=sum(s.num_corrupt.values()),
                        prefix_store_load_seconds_total=self.load_seconds_total,
                        prefix_store_load_seconds_max=self.load_seconds_max, prefix_store_loads=self.num_store_loads,
+                       prefix_store_rereads=self.num_store_rereads,
                        **{f"prefix_store_corrupt_{reason}": n for reason, n in s.num_corrupt.items()})
         return out
 

@@ -62,3 +62,25 @@ def test_prefix_cache_store_runs_the_agent_trace_across_a_restart(tmp_path):
     assert rows["restart"]["hit_rate_store"] > 0 and rows["restart"]["second_half_store_hit_rate"] > 0
     for row in rows.values():
         assert {"hit_rate_device", "hit_rate_host", "prefill_vs_off", "effective_prefill_vs_off"} <= set(row)
+        assert 0 < row["ceiling_hit_rate"] < 1 and row["hit_rate"] <= row["ceiling_hit_rate"]
+    assert rows["restart"]["second_half_hit_rate"] <= rows["restart"]["second_half_ceiling_hit_rate"]
+
+
+def test_agent_trace_ceiling_counts_full_blocks_seen_before():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import agent_trace
+
+    trace = agent_trace.AgentTrace(system=[5] * 300, tools=[[[6] * 100, [7] * 50], [[8] * 10, [9] * 200]],
+                                   answer_tokens=[[20, 20], [20, 20]], orders=[[1, 0], [0, 1]])
+    answers = [[[1] * 20, [1] * 20], [[1] * 20, [1] * 20]]
+    # session 1 comes first (nothing cached); session 0's first turn finds the system prompt (2 blocks);
+    # second turns find the previous prompt + answer: 420 tokens (3 blocks), 330 tokens (2 blocks)
+    assert agent_trace.ceiling_tokens(trace, answers, range(2)) == 256 + 384 + 256
+    assert agent_trace.ceiling_tokens(trace, answers, range(1, 2)) == 384 + 256
+    import prefix_cache
+
+    assert prefix_cache.parse_args(["--store", "x", "--modes", "off,restart"]).modes == ["off", "restart"]
+    with pytest.raises(SystemExit):
+        prefix_cache.parse_args(["--store", "x", "--modes", "off,bogus"])

@@ -244,3 +244,36 @@ def test_backends_are_opened_by_path_or_by_a_registered_scheme(tmp_path):
     assert bytes(store.get(key, parent, tokens)) == payload
     with pytest.raises(ValueError, match="no prefix store backend for '3fs'"):
         open_backend("3fs://cluster/kv", {"mem": Memory})
+
+
+def test_blocks_evicted_while_a_store_read_runs_are_read_again(tmp_path):
+    """A request's first lookup found blocks 0 and 1 in host memory and read 2 and 3 from the store; block 0
+    left host memory meanwhile (other requests' saves). Admission must not stop the prefix at that hole."""
+    import torch
+
+    from deepinfer_core.engine.host_cache import HostCache
+    from deepinfer_core.engine.prefix_tiers import BlockRef, PrefixTiers
+
+    store, chain, parent = make_store(tmp_path), [], FINGERPRINT
+    for i in range(4):
+        key, parent_key, tokens, payload = block(i, parent)
+        store.put(key, parent_key, tokens, payload, "chat")
+        chain.append(BlockRef(key, parent_key, tuple(tokens)))
+        parent = key
+    host = HostCache(2 * 1000, 1000, pin=False)  # two blocks
+    tiers = PrefixTiers(host, store)
+    for ref in chain[:2]:
+        host.put(ref.key, ref.parent, ref.tokens, torch.full((1000,), 9, dtype=torch.uint8))
+    assert not tiers.is_ready("r", lambda: chain, lambda key: False)  # reads blocks 2 and 3
+    tiers.wait_loading(10)
+    _, other_parent, other_tokens, _ = block(50)
+    host.put(b"x" * 32, other_parent, tuple(other_tokens), torch.zeros(1000, dtype=torch.uint8))  # evicts block 0
+    assert chain[0].key not in host and chain[1].key in host
+    assert not tiers.is_ready("r", lambda: chain, lambda key: False)  # block 0 is read again
+    tiers.wait_loading(10)
+    assert tiers.is_ready("r", lambda: chain, lambda key: False)
+    tiers_of = [tiers.take("r", ref) for ref in chain]
+    assert [t[0] for t in tiers_of] == ["store", "host", "store", "store"]
+    assert bytes(tiers_of[0][1].numpy()) == block(0)[3]
+    assert tiers.stats()["prefix_store_rereads"] == 1 and tiers.stats()["prefix_store_loads"] == 1
+    tiers.close()

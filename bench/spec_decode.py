@@ -110,6 +110,14 @@ def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02, sy
     speculator.drafter = drafter
 
 
+SPEC_COUNTERS = ("verify_steps", "verified_tokens", "accepted_tokens", "overlapped_steps", "probe_steps")
+
+
+def spec_counts(before: dict, after: dict) -> dict:
+    """The engine's speculative counters over one run (`stats()` taken before and after)."""
+    return {key: after[f"spec_{key}"] - before[f"spec_{key}"] for key in SPEC_COUNTERS}
+
+
 def report(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
@@ -143,12 +151,16 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
         set_spec(spec, 3, policy, ReplayDrafter(continuations, 1, vocab), args.verify_cost, args.sync_cost)
         if args.warmup:
             generate(spec, prompts, new)
+        before = spec.stats()
         out, seconds = generate(spec, prompts, new)
+        counts = spec_counts(before, spec.stats())
         speed = batch * (new - 1) / seconds
         report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
                 "sync_cost": args.sync_cost,
                 "batch": batch, "k": 3, "decode_tok_s": round(speed, 1),
-                "slowdown": round(1 - speed / base, 3), **compare(plain, prompts, reference, out)})
+                "slowdown": round(1 - speed / base, 3), "request_verify_steps": counts["verify_steps"],
+                "verified_tokens": counts["verified_tokens"], "overlapped_steps": counts["overlapped_steps"],
+                "probe_steps": counts["probe_steps"], **compare(plain, prompts, reference, out)})
 
 
 def agent_trace(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -179,9 +191,7 @@ def run_ngram(args, plain, spec, vocab) -> None:
                 generate(spec, prompts, args.new_tokens)
             before = spec.stats()
             out, seconds = generate(spec, prompts, args.new_tokens)
-            after = spec.stats()
-            delta = {key: after[f"spec_{key}"] - before[f"spec_{key}"]
-                     for key in ("verify_steps", "accepted_tokens", "overlapped_steps", "probe_steps")}
+            delta = spec_counts(before, spec.stats())
             steps = delta["verify_steps"]
             report({"case": "ngram_agent_trace", "policy": policy, "batch": batch, "k": 3,
                     "speedup": round(base_s / seconds, 3),

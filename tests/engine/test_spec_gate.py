@@ -50,3 +50,42 @@ def test_probes_fall_due_after_idle_steps_and_back_off_while_they_fail():
     assert estimate.probe_interval == MAX_PROBE_INTERVAL
     estimate.record(3, 3, 1)  # an accepted draft: probing is frequent again
     assert estimate.probe_interval == PROBE_INTERVAL and estimate.num_idle_steps == 0
+
+
+def test_a_request_half_way_to_its_probe_may_join_another_ones():
+    estimate = DraftEstimate()
+    for _ in range(PROBE_INTERVAL // 2 - 1):
+        estimate.record(None, 0, None)
+    assert not estimate.may_join_probe
+    estimate.record(None, 0, None)
+    assert estimate.may_join_probe and not estimate.is_probe_due
+
+
+class _AlwaysProposes:
+    has_confidences = False  # gated: the requests' estimates decide
+
+    def propose(self, seq, max_drafts):
+        return [7] * max_drafts, None
+
+
+def test_a_probe_step_takes_the_requests_half_way_to_theirs_and_no_others():
+    """Requests that started decoding on different steps: when one falls due, those at least half way
+    probe with it (one wait for all), the one that just started does not, and nothing probes before."""
+    from deepinfer_core.engine.sequence import Sequence
+    from deepinfer_core.engine.spec.config import SpeculativeConfig
+    from deepinfer_core.engine.spec.proposer import Speculator
+    from deepinfer_core.outputs import SpecDecodeMetrics
+    from deepinfer_core.sampling_params import SamplingParams
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    speculator = Speculator(config, _AlwaysProposes())
+    seqs = [Sequence(f"r{i}", [1, 2, 3, 4], SamplingParams(max_tokens=64)) for i in range(3)]
+    for seq, idle in zip(seqs, (PROBE_INTERVAL - 1, PROBE_INTERVAL // 2, 1), strict=True):
+        seq.append_token(5)
+        speculator.track(seq.request_id, SpecDecodeMetrics())
+        estimate = speculator._estimates[seq.request_id]
+        estimate.tested, estimate.num_idle_steps = 20.0, idle  # its drafts have been failing
+    assert speculator.choose_drafts(seqs, budget=64) == [(), (), ()]  # none due: gated, nothing verified
+    speculator._asked.clear()
+    speculator._estimates["r0"].num_idle_steps = PROBE_INTERVAL
+    assert speculator.choose_drafts(seqs, budget=64) == [(7,), (7,), ()]

@@ -14,8 +14,9 @@ A request whose estimates say no stays on the overlapped path. So that acceptanc
 agent starts quoting a tool output), the request is probed: once `probe_interval` steps passed without
 its drafts being verified, the next step waits for its token and verifies the first draft the
 drafter proposes. A probe with nothing accepted doubles the interval (up to `MAX_PROBE_INTERVAL`); an accepted
-draft resets it. A batch's requests decode through the same steps, so their probes tend to fall on the
-same steps and share one wait.
+draft resets it. A step that probes one request waits anyway, so every request at least half way to its
+own probe joins it (`may_join_probe`): a batch whose requests started decoding on different steps (a
+prefill split over several steps) then probes on one step, not on one step per start.
 
 None of this changes a token: a draft is accepted exactly when it equals the target's own draw
 (`verify.py`), so it only decides which steps wait and which drafts are verified.
@@ -63,6 +64,12 @@ class DraftEstimate:
     def is_probe_due(self) -> bool:
         """Whether the request has gone `probe_interval` steps without its drafts verified."""
         return self.num_idle_steps >= self.probe_interval
+
+    @property
+    def may_join_probe(self) -> bool:
+        """Whether the request is at least half way to its next probe: it probes in a step that probes
+        another request anyway (that step waits for its tokens whatever this request does)."""
+        return 2 * self.num_idle_steps >= self.probe_interval
 
     def expected_confidences(self, num_drafts: int) -> list[float]:
         """Per-draft survival (given the earlier drafts survived) as seen before the drafter is asked."""

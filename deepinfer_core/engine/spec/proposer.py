@@ -113,14 +113,16 @@ class Speculator:
         """The scheduler's callback: per decoding sequence, the drafts it verifies this step."""
         proposals, confidences, probes = [], [], []
         is_gated = self.is_gated
-        for seq in seqs:
-            limit = self.max_drafts(seq)
+        limits = [self.max_drafts(seq) for seq in seqs]
+        estimates = [self._estimate(seq) for seq in seqs]
+        # a step that probes waits for its tokens: requests half way to their own probe join it
+        probing = is_gated and any(limit and e.is_probe_due for limit, e in zip(limits, estimates, strict=True))
+        for seq, limit, estimate in zip(seqs, limits, estimates, strict=True):
             drafts, confidence = self.drafter.propose(seq, limit) if limit else ([], None)
             drafts = list(drafts[:limit])
-            estimate = self._estimate(seq)
             if confidence is None:
                 confidence = [estimate.confidence] * len(drafts)
-            is_probe = bool(limit) and is_gated and estimate.is_probe_due
+            is_probe = bool(limit) and probing and estimate.may_join_probe
             proposals.append(drafts)
             confidences.append(list(confidence[: len(drafts)]))
             probes.append(is_probe)

@@ -47,7 +47,7 @@ WORKLOADS = {
 COUNTERS = ("prefix_cache_hit_tokens", "num_prefill_tokens", *(f"prefix_cache_hit_tokens_{t}" for t in TIERS),
             "prefix_store_bytes_read", "prefix_store_bytes_written", "host_cache_bytes_out",
             "prefix_store_load_seconds_total", "prefix_store_loads", "prefix_store_corrupt_blocks",
-            "host_cache_evictions")
+            "host_cache_evictions", "prefix_cache_replay_tokens")
 
 
 @dataclass
@@ -78,6 +78,9 @@ def add_arguments(parser) -> None:
     group.add_argument("--deterministic", action="store_true",
                        help="deterministic mode: a cached run's answers then equal the cache-off run's bit for bit "
                             "on a GPU too (default mode's kernels change their reduction order with the batch)")
+    group.add_argument("--swa-replay", choices=["exact", "bounded"], default=None,
+                       help="how a hit rebuilds the windows (default: the model's, exact for V4); bounded "
+                            "recomputes one window a hit, not num_layers of them, and changes V4's answers")
     group.add_argument("--model", default=None, help="checkpoint directory (default: a random model of --workload)")
     group.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
                        help="the random model: tiny (the CPU workload, hidden 128) or wide (hidden 1024, 16 "
@@ -223,11 +226,13 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
                "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks,
                # decode batches never exceed the concurrency: capture only those (each mode builds an engine)
-               "cuda_graph_sizes": tuple(range(1, args.concurrency + 1)), "deterministic": args.deterministic}
+               "cuda_graph_sizes": tuple(range(1, args.concurrency + 1)), "deterministic": args.deterministic,
+               **({"swa_replay": args.swa_replay} if args.swa_replay else {})}
     print(json.dumps({"bench": "prefix_cache_agent", "commit": git_commit(), "sessions": args.agent_sessions,
                       "turns": args.agent_turns, "scale": args.scale, "system_tokens": len(trace.system),
                       "longest_history": longest, "device_blocks": device_blocks, "block_bytes": block_bytes,
                       "trace_blocks": trace_blocks, "host_gib": round(host_gib, 6), "device": args.device,
+                      "swa_replay": args.swa_replay or "model default",
                       "workload": args.model or args.workload}), flush=True)
     if args.device != "cpu":  # a short trace first: the kernels of every path compile outside the timings
         short = argparse.Namespace(**{**vars(args), "agent_turns": min(4, args.agent_turns)})

@@ -89,3 +89,24 @@ def test_a_probe_step_takes_the_requests_half_way_to_theirs_and_no_others():
     speculator._asked.clear()
     speculator._estimates["r0"].num_idle_steps = PROBE_INTERVAL
     assert speculator.choose_drafts(seqs, budget=64) == [(7,), (7,), ()]
+
+
+def test_a_new_requests_estimates_start_from_every_requests_recent_record():
+    """A drafter that has been failing is not verified for a new request's first step (the default
+    costs, one request), one that has been right is, and with no record a new request starts even."""
+    from deepinfer_core.engine.spec.config import SpeculativeConfig
+    from deepinfer_core.engine.spec.policy import confidence_draft_lengths
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert DraftEstimate.seeded(DraftEstimate()).confidence == 0.5
+    failing, right = DraftEstimate(), DraftEstimate()
+    for _ in range(30):
+        failing.record(3, 3, 0)
+        right.record(3, 3, 3)
+    chosen = {}
+    for name, population in (("failing", failing), ("right", right), ("none", DraftEstimate())):
+        estimate = DraftEstimate.seeded(population)
+        chosen[name] = confidence_draft_lengths([estimate.expected_confidences(3)], 3,
+                                                config.verify_cost_per_token, config.sync_cost)[0]
+    assert chosen["failing"] == 0 and chosen["right"] == 3 and chosen["none"] > 0
+    assert DraftEstimate.seeded(failing).confidence < 0.2 and DraftEstimate.seeded(right).confidence > 0.8

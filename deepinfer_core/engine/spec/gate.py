@@ -10,6 +10,10 @@ policy that wait is paid only while drafting is expected to pay for it (`Specula
 - `proposal_rate`: the chance the drafter proposes anything when asked (prompt lookup often finds no
   match). Before the token is known, the first draft's survival is `proposal_rate x confidence`.
 
+A new request's estimates start from the drafter's recent record over every request
+(`DraftEstimate.seeded`, `PRIOR_WEIGHT` verified drafts' worth), not from an even chance: a drafter that
+has been failing is not verified for a new request's first steps just to learn what the others showed.
+
 A request whose estimates say no stays on the overlapped path. So that acceptance can come back (an
 agent starts quoting a tool output), the request is probed: once `probe_interval` steps passed without
 its drafts being verified, the next step waits for its token and verifies the first draft the
@@ -28,6 +32,9 @@ from dataclasses import dataclass
 
 DECAY = 0.9
 """Weight of a request's older steps in its estimates, per step that updates them."""
+PRIOR_WEIGHT = 4.0
+"""Verified drafts (and drafter calls) of evidence a new request's estimates start with, at the rates of
+every request's recent steps (`DraftEstimate.seeded`); its own steps outweigh them after a few steps."""
 PROBE_INTERVAL = 16
 """Steps without verified drafts after which a request is probed (and the interval after a success)."""
 MAX_PROBE_INTERVAL = 64
@@ -49,6 +56,14 @@ class DraftEstimate:
     num_idle_steps: int = 0
     """Steps since the request's drafts were last verified (or it was last probed)."""
     probe_interval: int = PROBE_INTERVAL
+
+    @classmethod
+    def seeded(cls, population: DraftEstimate) -> DraftEstimate:
+        """A new request's estimates: the counts of `population` (the record of every request's steps),
+        scaled down to at most `PRIOR_WEIGHT` observations each (no record: an even chance)."""
+        tested, asked = min(population.tested, PRIOR_WEIGHT), min(population.asked, PRIOR_WEIGHT)
+        return cls(accepted=population.accepted * tested / population.tested if tested else 0.0, tested=tested,
+                   proposed=population.proposed * asked / population.asked if asked else 0.0, asked=asked)
 
     @property
     def confidence(self) -> float:

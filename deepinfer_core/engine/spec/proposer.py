@@ -64,6 +64,8 @@ class Speculator:
         """Steps left in flight (overlapped decode) while speculating: no request drafted in them."""
         self.num_probe_steps = 0
         """Steps that verified a request's drafts as a probe (`gate.DraftEstimate.is_probe_due`)."""
+        self.population = DraftEstimate()
+        """Every request's steps in one estimate: where a new request's estimates start (`gate.py`)."""
         self._metrics: dict[str, SpecDecodeMetrics] = {}
         self._estimates: dict[str, DraftEstimate] = {}
         self._asked: dict[str, tuple[int | None, bool]] = {}
@@ -78,7 +80,7 @@ class Speculator:
     def track(self, seq_id: str, metrics: SpecDecodeMetrics) -> None:
         """Count `seq_id`'s drafts into `metrics` (its request's, shared by its completions)."""
         self._metrics[seq_id] = metrics
-        self._estimates[seq_id] = DraftEstimate()
+        self._estimates[seq_id] = DraftEstimate.seeded(self.population)
 
     def forget(self, seq_id: str) -> None:
         for table in (self._metrics, self._estimates, self._asked):
@@ -182,6 +184,7 @@ class Speculator:
             estimate = self._estimates.get(request.request_id)
             if estimate is not None:
                 estimate.record(proposed, d, accepted, is_probe)
+                self.population.record(proposed, d, accepted)
             has_probe |= is_probe
             for metrics in (self._metrics.get(request.request_id), self.totals):
                 if metrics is not None:

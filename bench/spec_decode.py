@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -67,14 +68,21 @@ def allowed_speedup(counts: workload.Counts, batch: int, k: int, context: int) -
     return (k + 1) * one / step_bytes(counts, batch * (k + 1), batch, context)
 
 
-def generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+def generate(engine, prompts: list[list[int]], new_tokens: int, repeats: int = 1) -> tuple[list[list[int]], float]:
     """Greedy tokens of every prompt, and the decode time: from the moment every request has its first
-    token to the last token (`RequestMetrics` timestamps), so prefill does not count."""
-    outs = workload.engine_outputs(engine, prompts, new_tokens)
-    workload.sync()
-    start = max(o.metrics.first_token_time for o in outs)
-    end = max(o.metrics.last_token_time for o in outs)
-    return [list(o.outputs[0].token_ids) for o in outs], max(end - start, 1e-9)
+    token to the last token (`RequestMetrics` timestamps), so prefill does not count. With `repeats`,
+    the median time of that many runs (the tokens of the last; every run's are checked equal)."""
+    times, tokens = [], None
+    for _ in range(repeats):
+        outs = workload.engine_outputs(engine, prompts, new_tokens)
+        workload.sync()
+        start = max(o.metrics.first_token_time for o in outs)
+        end = max(o.metrics.last_token_time for o in outs)
+        times.append(max(end - start, 1e-9))
+        run = [list(o.outputs[0].token_ids) for o in outs]
+        assert tokens is None or run == tokens, "a repeated run gave other tokens"
+        tokens = run
+    return tokens, statistics.median(times)
 
 
 def compare(plain, prompts: list[list[int]], reference: list[list[int]], out: list[list[int]]) -> dict:
@@ -113,9 +121,9 @@ def set_spec(engine, k: int, policy: str, drafter, verify_cost: float = 0.02, sy
 SPEC_COUNTERS = ("verify_steps", "verified_tokens", "accepted_tokens", "overlapped_steps", "probe_steps")
 
 
-def spec_counts(before: dict, after: dict) -> dict:
-    """The engine's speculative counters over one run (`stats()` taken before and after)."""
-    return {key: after[f"spec_{key}"] - before[f"spec_{key}"] for key in SPEC_COUNTERS}
+def spec_counts(before: dict, after: dict, runs: int) -> dict:
+    """The engine's speculative counters a run, averaged over `runs` runs (`stats()` taken before and after)."""
+    return {key: (after[f"spec_{key}"] - before[f"spec_{key}"]) // runs for key in SPEC_COUNTERS}
 
 
 def report(row: dict) -> None:
@@ -127,7 +135,7 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
     context = workload.PROMPT_LEN + new // 2
     if args.warmup:
         generate(plain, prompts, new)
-    reference, base_s = generate(plain, prompts, new)
+    reference, base_s = generate(plain, prompts, new, args.repeats)
     base = batch * (new - 1) / base_s  # tokens after the first, over the time they took
     report({"case": "none", "batch": batch, "decode_tok_s": round(base, 1),
             "per_request_tok_s": round(base / batch, 2)})
@@ -136,7 +144,7 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
         set_spec(spec, k, "fixed", ReplayDrafter(continuations, 0, vocab))
         if args.warmup:  # at this k: kernels compile, the allocator grows
             generate(spec, prompts, new)
-        out, seconds = generate(spec, prompts, new)
+        out, seconds = generate(spec, prompts, new, args.repeats)
         speed = batch * (new - 1) / seconds
         report({"case": "oracle", "batch": batch, "k": k, "decode_tok_s": round(speed, 1),
                 "per_request_tok_s": round(speed / batch, 2), "speedup": round(speed / base, 3),
@@ -152,8 +160,8 @@ def run_batch(args, counts, plain, spec, prompts, vocab) -> None:
         if args.warmup:
             generate(spec, prompts, new)
         before = spec.stats()
-        out, seconds = generate(spec, prompts, new)
-        counts = spec_counts(before, spec.stats())
+        out, seconds = generate(spec, prompts, new, args.repeats)
+        counts = spec_counts(before, spec.stats(), args.repeats)
         speed = batch * (new - 1) / seconds
         report({"case": "always_wrong", "policy": policy, "verify_cost_per_token": args.verify_cost,
                 "sync_cost": args.sync_cost,
@@ -184,14 +192,14 @@ def run_ngram(args, plain, spec, vocab) -> None:
         prompts = agent_trace(batch, vocab)
         if args.warmup:
             generate(plain, prompts, args.new_tokens)
-        reference, base_s = generate(plain, prompts, args.new_tokens)
+        reference, base_s = generate(plain, prompts, args.new_tokens, args.repeats)
         for policy in ("fixed", "confidence"):
             set_spec(spec, 3, policy, NgramDrafter(1, 4), args.verify_cost, args.sync_cost)
             if args.warmup:
                 generate(spec, prompts, args.new_tokens)
             before = spec.stats()
-            out, seconds = generate(spec, prompts, args.new_tokens)
-            delta = spec_counts(before, spec.stats())
+            out, seconds = generate(spec, prompts, args.new_tokens, args.repeats)
+            delta = spec_counts(before, spec.stats(), args.repeats)
             steps = delta["verify_steps"]
             report({"case": "ngram_agent_trace", "policy": policy, "batch": batch, "k": 3,
                     "speedup": round(base_s / seconds, 3),
@@ -208,6 +216,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--ks", default="1,2,3,4,5")
     parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per measurement, the median reported (1 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
     parser.add_argument("--verify-cost", type=float, default=0.02,
                         help="the confidence policy's verify_cost_per_token (a verified token's cost relative "
@@ -227,6 +237,10 @@ def main() -> None:
                         "cannot flip)")
     args = parser.parse_args()
     args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.tiny:
+        args.repeats = 1
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.profile = [int(b) for b in args.profile.split(",") if b]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core import SamplingParams
+from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.backends import AttentionMetadata
 from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.models import v41_trim
@@ -116,8 +116,9 @@ def trimmed_by_hand(model, ctx: ForwardContext, caches) -> torch.Tensor:
     return model.ops.map_rows(model.head_logits, *(t[last] for t in (streams, *pending, pre)))
 
 
-def test_the_trim_point_is_the_candidate_source(checkpoint):
-    runner = make_runner(*checkpoint, decoder_trimming=True)
+def test_the_trim_point_is_the_candidate_source_and_llm_takes_the_option(checkpoint):
+    llm = LLM(model=str(checkpoint[0]), dtype="float32", max_num_seqs=1, num_kv_blocks=2, decoder_trimming=True)
+    runner = llm.engine.runner
     assert runner.model.trim_layer == TRIM_LAYER == runner.model.config.candidate_source_layer_id
     assert runner.num_trim_kept == WINDOW == runner.model.config.sliding_window
 

@@ -218,6 +218,14 @@ def test_a_batch_chunked_or_not_equals_each_request_alone(checkpoint, alone, bud
     assert_same_answers(together, alone, tolerance=1e-4)
 
 
+def test_deterministic_mode_keeps_batches_and_chunks_bit_for_bit_with_trimming(checkpoint):
+    prompts = [random_prompt(n, seed=n) for n in BATCH[2:]]
+    options = {"decoder_trimming": True, "deterministic": True}
+    alone = [run(make_engine(*checkpoint, max_num_seqs=1, **options), [p], 3)[0] for p in prompts]
+    chunked = run(make_engine(*checkpoint, max_num_batched_tokens=7, **options), prompts, 3)
+    assert_same_answers(chunked, alone, tolerance=0.0)
+
+
 def test_preemption_changes_nothing(checkpoint):
     """A preempted request recomputes prompt and generated tokens; the kept positions still start at its
     prompt's last window, so the later layers see what they saw before."""

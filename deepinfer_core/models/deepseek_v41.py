@@ -17,7 +17,8 @@ per-token computation the model runs itself (projections, compressor, Engram, sh
 tables, head) goes through `LayerOps.map_rows`, so deterministic mode runs it on fixed row tiles
 (docs/deepseek-v41.md). Decode steps read no device value on the host (the compressor and the two-level
 indexer size their work from `max_seq_len`), so the runner captures them in CUDA graphs when the backends
-allow it.
+allow it. With decoder-side trimming on (`v41_trim`, an option), a prefill step's rows before each request's
+`ForwardContext.keep_from` stop after the trim point's compressor.
 """
 
 from __future__ import annotations

@@ -157,9 +157,10 @@ def test_the_state_up_to_the_trim_points_compressor_is_the_untrimmed_runs(checkp
                 assert torch.equal(a, b), (i, name)
         if i < TRIM_LAYER:
             assert torch.equal(mine.window, theirs.window), i
-        else:  # the trim point's and later windows: the kept rows' keys, which saw fewer rows after it
-            assert mine.window.abs().sum() > 0
-    assert not torch.equal(trimmed[-1].window, untrimmed[-1].window)
+        elif i == TRIM_LAYER:  # the kept rows' keys from the same inputs (a matmul over fewer rows: last bits)
+            assert torch.allclose(mine.window, theirs.window, rtol=0, atol=1e-5)
+        else:  # later windows: keys of kept rows that saw fewer rows after the trim point
+            assert not torch.allclose(mine.window, theirs.window, rtol=0, atol=1e-3), i
 
 
 # ------------------------------------------------------------------------------------------------ the engine

@@ -123,6 +123,29 @@ def test_the_trim_point_is_the_candidate_source_and_llm_takes_the_option(checkpo
     assert runner.num_trim_kept == WINDOW == runner.model.config.sliding_window
 
 
+def test_which_steps_are_trimmed_from_where(checkpoint):
+    """A request keeps its prompt's last window (`keep_from` 22 of 30 here) in every chunk that has a row
+    whose window reaches below 22; its decode steps, and a request asking for prompt logprobs, never trim."""
+    runner = make_runner(*checkpoint, decoder_trimming=True)
+    plain = FakeSeq(random_prompt(30, seed=3), slot=0, block_table=[0])
+    logprobs = FakeSeq(random_prompt(30, seed=4), slot=1, block_table=[1],
+                       sampling_params=SamplingParams(prompt_logprobs=1))
+
+    def keep_from(seqs, num_new):
+        plan = step_plan(runner, seqs, num_new)
+        ctx = runner.prepare_inputs(plan, runner.update_states(plan))[0]
+        for seq, n in zip(seqs, num_new):
+            seq.num_computed_tokens += n
+        return ctx.keep_from
+
+    assert keep_from([plain, logprobs], [10, 10]) == [22, 0]  # rows 0-9 of `plain` stop at the trim point
+    assert keep_from([plain, logprobs], [15, 20]) == [22, 0]  # `plain` keeps rows 22-24
+    assert keep_from([plain], [5]) == [22]  # nothing dropped, but the window of position 25 reaches 18
+    plain.token_ids.append(7)
+    assert keep_from([plain], [1]) is None  # decode
+    assert keep_from([FakeSeq(random_prompt(WINDOW, seed=5), slot=2, block_table=[2])], [WINDOW]) is None
+
+
 def test_the_trimmed_forward_is_every_row_to_the_trim_point_then_the_kept_rows(checkpoint):
     prompts = [random_prompt(n, seed=n) for n in LENGTHS]
     trimmed = make_runner(*checkpoint, decoder_trimming=True)

@@ -414,6 +414,17 @@ SWA_REPLAY_DEFAULTS: dict[str, SwaReplay] = {"deepseek_v4": "exact"}
 (DeepSeek-V4.1 was trained for SWA Bounded Replay; V4 was not, so V4 replays exactly)."""
 
 
+def _check_decoder_trimming(model_config: ModelConfig) -> None:
+    """`ConfigError` unless `model_config` is a V4.1 model whose layer plan can be trimmed."""
+    if model_config.model_type != "deepseek_v41":
+        raise ConfigError(f"decoder_trimming=True: {model_config.model_type} has no decoder-side trimming (only "
+                          "DeepSeek-V4.1 does); leave decoder_trimming off")
+    from deepinfer_core.models.v41_plan import build_v41_plan
+    from deepinfer_core.models.v41_trim import trim_layer
+
+    trim_layer(build_v41_plan(model_config, torch.float32))
+
+
 class EngineConfig(BaseModel):
     """What the engine is asked to do; `resolve(model_config)` fills the model-dependent defaults.
 
@@ -531,6 +542,12 @@ class EngineConfig(BaseModel):
         "stream when the device reads the tables, else gathered on a worker thread and copied on a side stream "
         "(models/engram_prefetch.py); False gathers at the layer. Changes nothing for tables on the device or a "
         "model without Engram.")
+    decoder_trimming: bool = Field(
+        False, description="DeepSeek-V4.1's decoder-side trimming: in prefill, once the candidate source layer "
+        "(20 in the release) has written every row's compressed KV and index keys, the rest of that layer and the "
+        "later ones run only on each request's last sliding_window (128) prompt rows and what follows them; "
+        "requests asking for prompt logprobs are never trimmed. Faster prefill, not exact (those rows lose "
+        "receptive field in the later layers; models/v41_trim.py). Any other model is an error.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -589,6 +606,8 @@ class EngineConfig(BaseModel):
         if self.engram_placement != "device" and not getattr(model_config, "engram_layer_ids", None):
             raise ConfigError(f"engram_placement={self.engram_placement!r}: {model_config.model_type} has no Engram "
                               "tables (only DeepSeek-V4.1 does); leave engram_placement at 'device'")
+        if self.decoder_trimming:
+            _check_decoder_trimming(model_config)
         max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
         if max_model_len > model_config.max_position_embeddings:
             raise ConfigError(

@@ -40,7 +40,8 @@ class LLM:
     :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
         `gpu_memory_utilization`, `enable_prefix_caching`, `host_cache_gib` and `prefix_store_path` (the prefix
         cache's host and store tiers), `swa_replay`, `device`, `cuda_graph_sizes`, `quantized_weights`,
-        `deterministic` (batch-invariant outputs), and the parallel layout
+        `deterministic` (batch-invariant outputs), `engram_placement`, `engram_prefetch` and
+        `decoder_trimming` (DeepSeek-V4.1), and the parallel layout
         `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
         `eplb_config` (see `EngineConfig` and `deepinfer_core.engine.parallel`); a layout this build
         cannot run raises `NotImplementedError` naming it.

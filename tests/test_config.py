@@ -215,6 +215,13 @@ def test_engram_options_name_their_field_and_host_tables_need_a_model_with_engra
     assert engine.resolve(engine.load_model_config()).engram_prefetch is False
 
 
+def test_decoder_trimming_is_off_by_default_and_refused_for_a_model_without_it(model_dir):
+    assert EngineConfig(model=str(model_dir)).decoder_trimming is False
+    engine = EngineConfig(model=str(model_dir), decoder_trimming=True)
+    with pytest.raises(ConfigError, match="decoder_trimming=True: deepseek_v4 has no decoder-side trimming"):
+        engine.resolve(engine.load_model_config())
+
+
 # ------------------------------------------------------------------------------------------------ bad config.json
 
 

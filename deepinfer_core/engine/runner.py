@@ -122,6 +122,8 @@ class ModelRunner:
             model_config, self.dtype, self.plans,
             tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
         self.model: CausalLM = self._load_model(model_cls, weights)
+        self.num_trim_kept = self._set_trim_point()
+        """Decoder-side trimming: prompt rows each request keeps past the trim point; None: off."""
         self._bind_backends()
         self.context_parallel = ContextParallel(self.parallel.cp, device) if self.parallel.cp.size > 1 else None
         self.sampler = plugins.make_sampler(
@@ -181,6 +183,16 @@ class ModelRunner:
         weights = match_param_dtypes(weights, tensor_schema(model), self.device, host=host_names)
         model.load_state_dict(weights, strict=True, assign=True)
         return model.eval()
+
+    def _set_trim_point(self) -> int | None:
+        """Tell a V4.1 model where decoder-side trimming starts (`EngineConfig.decoder_trimming`; `resolve`
+        checked the model); the rows kept are the last window's."""
+        if not self.engine_config.decoder_trimming:
+            return None
+        from deepinfer_core.models.v41_trim import trim_layer
+
+        self.model.trim_layer = trim_layer(self.plans)
+        return self.config.sliding_window
 
     def _bind_backends(self) -> None:
         attention, moe = {}, {}
@@ -373,10 +385,12 @@ class ModelRunner:
         return {p.compress_rate for p in self.plans if p.has_compressor}
 
     def make_context(self, input_ids: torch.Tensor, positions: torch.Tensor, totals: torch.Tensor,
-                     no_write_before: torch.Tensor, **metadata) -> ForwardContext:
+                     no_write_before: torch.Tensor, keep_from: list[int] | None = None, **metadata) -> ForwardContext:
         """The step's `ForwardContext` (eager steps and decode graphs alike): `metadata` are the
-        `AttentionMetadata` fields; `totals` `[num_seqs]` tokens each request has after the step."""
+        `AttentionMetadata` fields; `totals` `[num_seqs]` tokens each request has after the step;
+        `keep_from` the decoder-side trimming's first kept positions (None: nothing trimmed)."""
         return ForwardContext(
+            keep_from=keep_from,
             metadata=AttentionMetadata(positions=positions, **metadata),
             input_ids=input_ids,
             rope=self.model.rope_tables(positions),
@@ -421,7 +435,7 @@ class ModelRunner:
             window_starts if has_window_starts else [], _flat_block_tables(states, width, fill=-1),
         ], self.device)
         ctx = self.make_context(
-            input_ids, position_t, total_t, no_write_before,
+            input_ids, position_t, total_t, no_write_before, keep_from=self._first_kept_positions(requests, states),
             query_start_loc=start_loc, start_positions=start_positions, slots=slots,
             block_tables=tables.view(len(states), width), query_lens=[r.num_tokens for r in requests],
             start_positions_host=starts, max_seq_len=max(totals),
@@ -430,6 +444,19 @@ class ModelRunner:
         )
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
         return ctx, logits_rows, sampled, prompt_spans, pending
+
+    def _first_kept_positions(self, requests, states: list[RequestState]) -> list[int] | None:
+        """Per request, the first position that runs the layers after the trim point (`v41_trim`); None
+        when trimming is off or changes nothing in this step: no request drops a row or has a window that
+        reaches below its first kept position (decode steps never do)."""
+        if self.num_trim_kept is None:
+            return None
+        from deepinfer_core.models.v41_trim import first_kept_positions
+
+        keep = [first_kept_positions(s.num_prompt_tokens, s.sampling_params.prompt_logprobs is not None,
+                                     self.num_trim_kept) for s in states]
+        window = self.config.sliding_window
+        return keep if any(k > 0 and k > r.start - window + 1 for k, r in zip(keep, requests)) else None
 
 
 def _flat_block_tables(states: list[RequestState], width: int, fill: int) -> list[int]:

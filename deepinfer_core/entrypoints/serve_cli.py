@@ -34,7 +34,7 @@ ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tok
                   "data_parallel_size", "context_parallel_size", "enable_expert_parallel", "enable_eplb",
                   "eplb_config", "speculative_config", "deterministic", "host_cache_gib", "prefix_store_path",
                   "prefix_store_gib", "prefix_store_ttl_s", "default_traffic_class", "engram_placement",
-                  "engram_prefetch")
+                  "engram_prefetch", "decoder_trimming")
 
 
 def _dtype_choices() -> list[str]:
@@ -80,6 +80,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where DeepSeek-V4.1's Engram tables live (host: pinned host memory, decode eager)")
     engine.add_argument("--no-engram-prefetch", dest="engram_prefetch", action="store_false", default=None,
                         help="host-placed Engram tables: gather at the layer instead of on a worker thread ahead of it")
+    engine.add_argument("--decoder-trimming", action="store_true", default=None,
+                        help="DeepSeek-V4.1: run the layers after the candidate source only on each prompt's last "
+                             "128 rows in prefill (faster, not exact; never for prompt-logprob requests)")
     add_parallel_arguments(engine)
     tiers = parser.add_argument_group("prefix tiers (need --enable-prefix-caching)")
     tiers.add_argument("--host-cache-gib", type=float, default=None,

@@ -17,7 +17,8 @@ per-token computation the model runs itself (projections, compressor, Engram, sh
 tables, head) goes through `LayerOps.map_rows`, so deterministic mode runs it on fixed row tiles
 (docs/deepseek-v41.md). Decode steps read no device value on the host (the compressor and the two-level
 indexer size their work from `max_seq_len`), so the runner captures them in CUDA graphs when the backends
-allow it.
+allow it. With decoder-side trimming on (`v41_trim`, an option), a prefill step's rows before each request's
+`ForwardContext.keep_from` stop after the trim point's compressor.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from deepinfer_core.models.v41_compressor import (
 )
 from deepinfer_core.models.v41_modules import Block
 from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
+from deepinfer_core.models.v41_trim import TrimmedStep
 from deepinfer_core.reference.layer_ops import ReferenceLayerOps, collapse, hyper_residual, write_rings
 
 
@@ -76,6 +78,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     when the device reads the tables (`HostRowGather` layer ops), else on a worker thread; False gathers
     at the Engram layer (for comparison)."""
     prefetcher: EngramPrefetcher | None = None
+    trim_layer: int | None = None
+    """Decoder-side trimming: the layer after whose compressor a step whose `ForwardContext.keep_from` is
+    set runs only its kept rows (`v41_trim.trim_layer`; the runner sets it); None: never trimmed."""
     final_streams: torch.Tensor | None = None
     """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
 
@@ -196,6 +201,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre[:, 0] = 1.0
         mixing, shared = self.mixing, {}
         pending = None  # the last FFN's (output, post, comb), folded in at the next boundary
+        trim = None  # the kept rows, once past the trim point (decoder-side trimming)
         for i, (block, plan) in enumerate(zip(self.layers, self.plans)):
             if pending is not None and not plan.has_engram:
                 streams, pre_a, post_a, comb_a, x = mixing.hc_post_mix(streams, *pending, self.hc[i][0],
@@ -206,12 +212,30 @@ class DeepseekV41ForCausalLM(nn.Module):
                 if plan.has_engram:
                     streams = self.engram(i, streams, engram, image_mask)
                 pre_a, post_a, comb_a, x = mixing.hc_mix(streams, self.hc[i][0], block.attn_norm.weight, pre)
-            out = self.attention(i, x, ctx, caches[i], shared)
+            is_trim_point = i == self.trim_layer and ctx.keep_from is not None
+            if is_trim_point:  # every row's compressed entries and index keys, then only the kept rows
+                self.compress(i, x, ctx, caches[i])
+                trim = TrimmedStep.build(ctx)
+                if trim.is_empty:
+                    return self.no_logits(x, logits_indices)
+                streams, pre_a, post_a, comb_a, x, image_mask = map(trim.take, (streams, pre_a, post_a, comb_a, x,
+                                                                                image_mask))
+                shared = {key: trim.take(value) for key, value in shared.items()}
+                ctx = trim.ctx
+            out = self.attention(i, x, ctx, caches[i], shared, compress=not is_trim_point)
             streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
                                                                 block.ffn_norm.weight, pre_a)
             pending = (self.moe(i, x, ctx, image_mask), post_f, comb_f)
+        if trim is not None:
+            logits_indices = trim.logits_rows(logits_indices)
         rows = [t[logits_indices] for t in (streams, *pending, pre)]
         return self.ops.map_rows(self.head_logits, *rows)
+
+    def no_logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The logits of a step whose every row was trimmed: it may ask for none."""
+        if len(logits_indices):
+            raise RuntimeError("decoder-side trimming dropped every row, yet the step asks for logits")
+        return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
 
     def head_logits(self, streams, block_out, post, comb, pre) -> torch.Tensor:
         """The last FFN's fold, the collapse with its site's `pre`, the norm and the fp32 head (per row)."""
@@ -252,7 +276,10 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         return self.ops.map_rows(run, streams, rows, *(() if image_mask is None else (~image_mask,)))
 
-    def attention(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, shared: dict) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, ctx: ForwardContext, cache: LayerCache, shared: dict,
+                  compress: bool = True) -> torch.Tensor:
+        """Layer `i`'s attention output; a KV source first closes its groups unless `compress` is False
+        (the trim point, which closed them for every row before trimming)."""
         plan, weights, ops, meta = self.plans[i], self.layers[i].attn, self.ops, ctx.metadata
         num_tokens = x.shape[0]
         cos, sin, minus_sin = ctx.rope[plan.rope]
@@ -264,7 +291,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         topk = num_entries = None
         if plan.ratio:
             num_entries = ctx.num_entries[plan.ratio]
-            if plan.role == "full":
+            if plan.role == "full" and compress:
                 self.compress(i, x, ctx, cache)
             if plan.runs_indexer:
                 shared[i] = self.indexer(i, x, qr, ctx, cache, shared, num_entries)

@@ -53,6 +53,9 @@ class ForwardContext:
     already cached and must not be rewritten."""
     parallel: ParallelGroups | None = None
     """This rank's parallel groups (`deepinfer_core.engine.parallel`); None: a world of one rank."""
+    keep_from: list[int] | None = None
+    """Decoder-side trimming (DeepSeek-V4.1, `models/v41_trim.py`): per request, the first position that
+    runs the layers after the model's trim point; None: every row runs every layer."""
 
 
 @runtime_checkable

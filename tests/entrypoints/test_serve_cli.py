@@ -44,6 +44,7 @@ def test_engine_options_reach_the_engine_config() -> None:
     assert config.cuda_graph_sizes == (1, 8)
     engram = engine_config_of(parse(["serve", "--engram-placement", "host", "--no-engram-prefetch"]), model_dir)
     assert (engram.engram_placement, engram.engram_prefetch) == ("host", False)
+    assert engine_config_of(parse(["serve", "--decoder-trimming"]), model_dir).decoder_trimming is True
     defaults = engine_config_of(parse(["serve"]), model_dir)
     assert defaults == EngineConfig(model=model_dir)  # unset options keep the engine's defaults
 

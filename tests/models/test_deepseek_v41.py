@@ -80,9 +80,9 @@ def test_compressed_entries_and_index_keys_are_the_spec_computed_by_hand(checkpo
     model, inputs = runner.model, {}
     real = model.attention
 
-    def record(i, x, *rest):
+    def record(i, x, *rest, **options):
         inputs[i] = x.clone()
-        return real(i, x, *rest)
+        return real(i, x, *rest, **options)
 
     model.attention = record
     prompt, block = random_prompt(7, seed=4), 2

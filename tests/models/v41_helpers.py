@@ -28,8 +28,9 @@ def tiny_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
     return _checkpoint(str(tmp_path_factory.getbasetemp()), "main")
 
 
-def make_runner(directory: Path, weights: dict, num_slots: int = 4, num_blocks: int = 40) -> ModelRunner:
-    engine_config = EngineConfig(model=str(directory), dtype="float32", max_num_seqs=num_slots, num_kv_blocks=num_blocks)
+def make_runner(directory: Path, weights: dict, num_slots: int = 4, num_blocks: int = 40, **options) -> ModelRunner:
+    engine_config = EngineConfig(model=str(directory), dtype="float32", max_num_seqs=num_slots, num_kv_blocks=num_blocks,
+                                 **options)
     config = V41Config.from_dir(directory)
     return ModelRunner(config, engine_config.resolve(config), torch.device("cpu"), weights=dict(weights))
 

@@ -227,8 +227,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
 
     engine_config.parallel_config.check_implemented()
     # refused before any rank starts
-    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size,
-                                          getattr(engine_config.speculative_config, "method", None))
+    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size)
     context_parallel.check_context_parallel(model_config, engine_config)
     if worker.launched_by_torchrun():
         return worker.TorchrunExecutor(model_config, engine_config, device, weights)

@@ -18,7 +18,8 @@ Internal parameter names are the target's decoder-layer names under `mtp.<i>.` p
 (`mtp.0.enorm.weight`, `mtp.0.e_proj.weight`, `mtp.0.hc_head.hc_fn`, `mtp.0.norm.weight`, ...). The
 layer holds its weights as the target holds its layers' (`build_mtp`): packed FP4 routed experts
 (`layers.FP4Experts`) and FP8 projections (`layers.FP8Linear`) where the target keeps those, dense
-elsewhere.
+elsewhere. Under tensor parallelism a rank's module is built from the rank's `shard_config` and holds
+its slices (`tensor_parallel.mtp_tensor_shards`); its attention and MoE partial sums are all-reduced.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core.config import CheckpointError
-from deepinfer_core.models import weight_formats
+from deepinfer_core.models import tensor_parallel, weight_formats
 from deepinfer_core.models.checkpoint_layout import tensor_schema
 from deepinfer_core.models.deepseek_v4 import DecoderLayer
 from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
@@ -74,8 +75,10 @@ class MultiTokenPredictor(nn.ModuleList):
         super().__init__(MTPLayer(config, self.plan, dtype) for _ in range(num_layers))
 
     def bind(self, target, attention, moe, ops, device: torch.device) -> None:
-        """Share the target's embedding and LM head; attach backends (after loading)."""
+        """Share the target's embedding and LM head and its tensor-parallel group; attach backends (after
+        loading)."""
         self.shared = (target.model.embed_tokens, target.lm_head)  # a tuple: not registered as children
+        self.tp = target.parallel.tp
         self.ops = ops
         self.attention, self.moe = attention, moe
         self.rotary = target.rotary
@@ -107,10 +110,11 @@ class MultiTokenPredictor(nn.ModuleList):
         # projections take [tokens, in] (an FP8 GEMM backend reads no other shape)
         streams = (layer.h_proj(h.reshape(-1, width)).view_as(h) + layer.e_proj(embedded)[:, None]).contiguous()
         post, comb, x = ops.hc_pre(streams, attn_hc, layer.input_layernorm.weight)
-        out = layer.self_attn(x, ctx, cache, self.attention, ops)
+        # row-parallel partial sums meet here, as the target's layers' do (tensor parallelism)
+        out = tensor_parallel.all_reduce(layer.self_attn(x, ctx, cache, self.attention, ops), self.tp)
         streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, ffn_hc,
                                                  layer.post_attention_layernorm.weight)
-        out = layer.mlp(x, input_ids, self.moe, moe_weights, ops)
+        out = tensor_parallel.all_reduce(layer.mlp(x, input_ids, self.moe, moe_weights, ops), self.tp)
         new_streams = hyper_residual(streams, out, post, comb)
         hidden = ops.hc_post_head(streams, out, post, comb, rows, head, layer.norm.weight)
         return F.linear(hidden, lm_head.weight).float(), new_streams

@@ -27,6 +27,7 @@ from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.checkpoint_files import checkpoint_files
 from deepinfer_core.models.checkpoint_layout import detect_layout, mtp_source_plans, tensor_schema
 from deepinfer_core.models.mtp import MultiTokenPredictor
+from deepinfer_core.models.tensor_parallel import mtp_tensor_shards
 from deepinfer_core.models.weight_formats import fp8_projection_names
 from deepinfer_core.models.weights import read_plans
 
@@ -42,14 +43,16 @@ def num_mtp_layers(names) -> int:
 def load_mtp_weights(
     model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu", *, keep_fp4: bool = False, keep_fp8: bool = False,
-    progress: bool | None = None,
+    progress: bool | None = None, tp_rank: int = 0, tp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's MTP tensors in the `MultiTokenPredictor`'s names (`0.self_attn.q_a_proj.weight`,
     no `mtp.` prefix) on `device`; empty when it has none, or no safetensors file at all.
 
     `keep_fp4`: routed experts stored as packed FP4 stay packed (`<name>_scale` the e8m0 scales);
     `keep_fp8`: projections stored as block-scaled FP8 stay so (`<name>_scale` float32), as
-    `weights.load_weights` returns them for the model's layers.
+    `weights.load_weights` returns them for the model's layers. With `tp_size > 1` only tensor-parallel
+    rank `tp_rank`'s slices of the cut tensors are read (`tensor_parallel.mtp_tensor_shards`; a cut FP8
+    projection comes back dequantised, as the target's do).
 
     :raises CheckpointError: missing, unexpected, misshaped or mistyped MTP tensors or scales (named),
         or tensors holding NaN / Inf.
@@ -65,5 +68,7 @@ def load_mtp_weights(
     with torch.device("meta"):
         module = MultiTokenPredictor(config, dtype, num_layers)
     keep = fp8_projection_names(module) if keep_fp8 else frozenset()
+    schema = tensor_schema(module)
     return read_plans(model_dir, files, layout, mtp_source_plans(config, layout, num_layers), config,
-                      tensor_schema(module), device, progress, keep_fp4=keep_fp4, keep_fp8=keep, is_mtp=True)
+                      schema, device, progress, keep_fp4=keep_fp4, keep_fp8=keep, is_mtp=True,
+                      shards=mtp_tensor_shards(schema, tp_rank, tp_size))

@@ -21,6 +21,11 @@ V4's attention is MQA-like: one shared K=V head, 64 query heads, and a grouped l
 A rank's model is the model of `shard_config(config, T)` (fewer heads, groups and expert width), so the
 modules, the layer plan and the backends' specs all describe the local shard; `tensor_shards` says how
 each checkpoint tensor is cut, and the loader reads only those slices (`Shard.source_shard`).
+
+The MTP drafter's layer (`mtp.<i>.*`) is a decoder layer of the same shapes: its heads, groups and
+expert width are cut by the same rules (`mtp_tensor_shards`) and its two partial sums meet the same
+way, while its own input projections, norms and head collapse are replicated; so every rank computes
+the same drafts.
 """
 
 from __future__ import annotations
@@ -81,18 +86,17 @@ _PER_LAYER = {  # model.layers.N.<key> -> (dim, parts)
     "mlp.experts.down_proj": (2, 1),
     "mlp.experts.down_proj_scale": (2, 1),
 }
-_LAYER_NAME = re.compile(r"model\.layers\.\d+\.(.+)")
+_LAYER_NAME = re.compile(r"(?:model\.layers|mtp)\.\d+\.(.+)")  # the MTP's decoder layer is cut alike
+_MTP_PREFIX = "mtp."
 
 
-def check_tensor_parallel(config: ModelConfig, size: int, speculative_method: str | None = None) -> None:
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raise `ConfigError` unless `config`'s heads, output groups and expert width split over `size` ranks
-    (`NotImplementedError` for a model family other than DeepSeek-V4's, or with the MTP drafter, whose
-    layer is not split)."""
+    (`NotImplementedError` for a model family other than DeepSeek-V4's). The MTP drafter's decoder layer
+    has the target layers' shapes, so it splits whenever they do."""
     if size > 1 and config.model_type != "deepseek_v4":
         raise NotImplementedError(f"tensor_parallel_size={size} for {config.model_type!r} (tensor parallelism "
                                   "is implemented for deepseek_v4)")
-    if size > 1 and speculative_method == "mtp":
-        raise NotImplementedError(f"tensor_parallel_size={size} with the MTP drafter (its layer is not split)")
     problems = [
         f"{name} ({value}) is not a multiple of tensor_parallel_size ({size})"
         for name, value in (("num_attention_heads", config.num_attention_heads), ("o_groups", config.o_groups),
@@ -131,6 +135,15 @@ def tensor_shards(names, rank: int, size: int) -> dict[str, Shard]:
         if rule is not None:
             shards[name] = Shard(rule[0], rank, size, rule[1])
     return shards
+
+
+def mtp_tensor_shards(names, rank: int, size: int) -> dict[str, Shard]:
+    """`tensor_shards` for the MTP module's tensor `names` (`0.self_attn.q_b_proj.weight`: `mtp.`
+    stripped): its decoder layer is cut exactly as a target layer is; `e_proj`, `h_proj`, `enorm`,
+    `hnorm`, `hc_head` and `norm` act on whole tokens and are replicated, like the shared embedding and
+    LM head."""
+    prefixed = tensor_shards([_MTP_PREFIX + name for name in names], rank, size)
+    return {name[len(_MTP_PREFIX) :]: shard for name, shard in prefixed.items()}
 
 
 def shard_weights(weights: dict[str, torch.Tensor], shards: dict[str, Shard]) -> dict[str, torch.Tensor]:

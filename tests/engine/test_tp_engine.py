@@ -1,8 +1,13 @@
-"""Tensor parallelism over two gloo ranks gives the single-process engine's outputs."""
+"""Tensor parallelism over two gloo ranks gives the single-process engine's outputs, with the MTP drafter too."""
 
 from __future__ import annotations
 
+import pytest
+
+from deepinfer_core.engine.executor import MultiprocExecutor
 from tests.engine import parallel_workload as workload
+from tests.engine.test_spec_decode import MIXED, generate, tokens
+from tests.engine.test_spec_mtp import make_engine as mtp_engine
 
 WEIGHTS_SEED = 11
 
@@ -11,3 +16,48 @@ def test_two_tensor_parallel_ranks_give_the_single_process_outputs(tmp_path):
     # each rank sums half the heads' and half the expert width's contributions, so the fp32 sums round
     # differently from one rank's: identical tokens, logprobs equal to ~1e-6
     workload.check_two_ranks_match_one(tmp_path, WEIGHTS_SEED, tensor_parallel_size=2)
+
+
+
+PROMPTS, MAX_TOKENS = MIXED[1:], 8  # 18 and 52 tokens: prefill over several windows, then decode
+
+
+def run_mtp(engine) -> tuple[dict, list, dict]:
+    """Greedy tokens, every proposal the MTP drafter sent to the scheduler (request, tokens so far,
+    drafts) and the engine's counters; the engine is shut down."""
+    proposals, drafter = [], engine.speculator.drafter
+    propose = drafter.propose
+
+    def recorded(seq, max_drafts):
+        drafts, confidences = propose(seq, max_drafts)
+        proposals.append((seq.request_id, seq.num_output_tokens, list(drafts)))
+        return drafts, confidences
+
+    drafter.propose = recorded
+    try:
+        return tokens(generate(engine, PROMPTS, MAX_TOKENS, temperature=0)), proposals, engine.stats()
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def without_speculation(tmp_path_factory):
+    return tokens(generate(mtp_engine(tmp_path_factory.mktemp("plain")), PROMPTS, MAX_TOKENS, temperature=0))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_mtp_drafter_under_two_tensor_parallel_ranks(tmp_path, without_speculation, k):
+    """Each rank holds half the MTP layer's heads, groups and expert width and its partial sums are
+    all-reduced: the drafts the scheduler gets are the single process's, draft for draft, and greedy
+    output equals decoding without speculation."""
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    want, want_proposals, want_stats = run_mtp(mtp_engine(tmp_path / "one", spec))
+    engine = mtp_engine(tmp_path / "two", spec, tensor_parallel_size=2)
+    assert isinstance(engine.executor, MultiprocExecutor) and engine.executor.world_size == 2
+    got, proposals, stats = run_mtp(engine)
+    assert got == want == without_speculation
+    assert proposals == want_proposals and any(drafts for _, _, drafts in proposals)
+    counters = ("spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens", "spec_verify_steps")
+    assert {c: stats[c] for c in counters} == {c: want_stats[c] for c in counters}
+    assert stats["spec_verified_tokens"] >= stats["spec_verify_steps"] > 0  # every draft was verified

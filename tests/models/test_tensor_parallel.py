@@ -9,7 +9,15 @@ from deepinfer_core.config import ConfigError, ModelConfig
 from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.checkpoint_files import SafetensorsReader
 from deepinfer_core.models.checkpoint_layout import meta_model, tensor_schema
-from deepinfer_core.models.tensor_parallel import Shard, shard_config, shard_weights, tensor_shards
+from deepinfer_core.models.mtp import MultiTokenPredictor
+from deepinfer_core.models.mtp_weights import load_mtp_weights
+from deepinfer_core.models.tensor_parallel import (
+    Shard,
+    mtp_tensor_shards,
+    shard_config,
+    shard_weights,
+    tensor_shards,
+)
 from deepinfer_core.models.weights import load_weights
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
 
@@ -43,6 +51,39 @@ def test_the_ranks_slices_tile_every_tensor_and_match_the_sharded_model(size):
             halves = [p.chunk(2, dim=shard.dim) for p in pieces]
             whole = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=shard.dim)
         assert torch.equal(whole, weights[name]), name
+
+
+def test_the_mtp_layer_is_cut_like_a_target_layer():
+    config = ModelConfig.from_dict(CONFIG)
+    mtp = {n.removeprefix("mtp."): t for n, t in random_state_dict(config, mtp_layers=1).items() if n.startswith("mtp.")}
+    with torch.device("meta"):
+        local_schema = tensor_schema(MultiTokenPredictor(shard_config(config, 2), torch.float32))
+    for rank in range(2):
+        shards = mtp_tensor_shards(mtp, rank, 2)
+        # the decoder layer's tensors get exactly a target layer's cuts
+        as_target = tensor_shards([f"model.layers.3.{n.removeprefix('0.')}" for n in mtp], rank, 2)
+        assert shards == {f"0.{n.removeprefix('model.layers.3.')}": s for n, s in as_target.items()}
+        sliced = shard_weights(mtp, shards)
+        assert {n: tuple(t.shape) for n, t in sliced.items()} == {n: s.shape for n, s in local_schema.items()}
+    assert "0.self_attn.q_b_proj.weight" in shards and "0.mlp.experts.down_proj" in shards
+    for replicated in ("0.e_proj.weight", "0.h_proj.weight", "0.enorm.weight", "0.hnorm.weight", "0.norm.weight",
+                       "0.hc_head.hc_fn", "0.self_attn.kv_proj.weight", "0.mlp.gate.weight"):
+        assert replicated in mtp and replicated not in shards, replicated
+
+
+@pytest.mark.parametrize(("layout", "quant", "keep_fp4"), [("hf", None, False), ("official", "fp8+fp4", True)])
+def test_a_rank_reads_exactly_its_slices_of_the_mtp_layer(tmp_path, layout, quant, keep_fp4):
+    model_dir = write_checkpoint(tmp_path, CONFIG, random_state_dict(CONFIG, seed=3, mtp_layers=1), layout=layout,
+                                 quant=quant)
+    config = ModelConfig.from_dir(model_dir)
+    whole = load_mtp_weights(model_dir, config, keep_fp4=keep_fp4)
+    for rank in range(2):
+        local = load_mtp_weights(model_dir, config, keep_fp4=keep_fp4, tp_rank=rank, tp_size=2)
+        expected = shard_weights(whole, mtp_tensor_shards(whole, rank, 2))
+        assert local.keys() == expected.keys()
+        for name in expected:
+            assert torch.equal(local[name].float(), expected[name].float()), name
+    assert local["0.self_attn.q_b_proj.weight"].shape[0] * 2 == whole["0.self_attn.q_b_proj.weight"].shape[0]
 
 
 def test_a_model_that_does_not_split_is_refused():

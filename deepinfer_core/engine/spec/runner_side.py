@@ -20,7 +20,7 @@ from deepinfer_core.engine.spec.rollback import (
     check_ring_sizes,
     kept_blocks,
 )
-from deepinfer_core.models import weight_formats
+from deepinfer_core.models import tensor_parallel, weight_formats
 
 
 class SpecVerifier:
@@ -91,7 +91,8 @@ def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     """The runner's MTP drafter when `speculative_config.method == "mtp"` (else None): the checkpoint's
     `mtp.*` layer (from `weights`, internal names without `mtp.`, or read from the checkpoint), held in
     the target's formats (packed FP4 experts and FP8 projections where the target keeps them), bound to
-    backends of its own plan and to the target's embedding, LM head and layer ops.
+    backends of its own plan and to the target's embedding, LM head and layer ops. Under tensor
+    parallelism the layer is the rank's shard, cut like the target's layers (`mtp_tensor_shards`).
 
     :raises MTPWeightsMissingError: the checkpoint has no MTP weights.
     """
@@ -105,10 +106,16 @@ def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     keep_fp4 = runner.plans[0].moe.expert_format == "fp4"
     keep_fp8 = runner.engine_config.quantized_weights == "native"
     source = "the in-memory weights" if weights else runner.engine_config.model
+    tp = runner.parallel.tp
     if not weights:  # none given with in-memory weights either: the checkpoint directory may hold them
         weights = load_mtp_weights(runner.engine_config.model, runner.config, runner.dtype, runner.device,
-                                   keep_fp4=keep_fp4, keep_fp8=keep_fp8)
-    module = build_mtp(runner.config, runner.dtype, weights, runner.device, source, keep_fp4=keep_fp4,
+                                   keep_fp4=keep_fp4, keep_fp8=keep_fp8, tp_rank=tp.rank, tp_size=tp.size)
+    elif tp.size > 1:  # this rank's slices, FP8 projections dequantised first (as the target's are)
+        weights = weight_formats.prepare_weights(weights, "fp4" if keep_fp4 else "dense", runner.dtype,
+                                                 keep_fp8=False, block=weight_formats.fp8_layout(runner.config)[0])
+        weights = tensor_parallel.shard_weights(weights, tensor_parallel.mtp_tensor_shards(weights, tp.rank, tp.size))
+    # a rank's layer has its share of the heads, output groups and expert width (`shard_config`)
+    module = build_mtp(runner.local_config, runner.dtype, weights, runner.device, source, keep_fp4=keep_fp4,
                        keep_fp8=keep_fp8)
     check_ring_sizes([module.plan], config.num_speculative_tokens)
     attention = plugins.make_attention(module.plan.attention, runner.device)

@@ -17,6 +17,7 @@ as vLLM's data parallelism does.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -208,9 +209,13 @@ class DataParallelEngine:
     def stats(self) -> dict:
         """Counters summed over the DP ranks, each rank's own under `data_parallel`, memory and EPLB."""
         per_rank = [engine.stats() for engine in self.engines]
-        total = {key: sum(s[key] for s in per_rank) for key in per_rank[0] if key != "prefix_cache_hit_rate"}
+        ratios = ("prefix_cache_hit_rate", "spec_mean_acceptance_length")  # recomputed from the sums
+        total = {key: _summed([s[key] for s in per_rank]) for key in per_rank[0] if key not in ratios}
         queried = total.get("prefix_cache_queried_tokens", 0)
         total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
+        if "spec_verify_steps" in total:
+            steps = total["spec_verify_steps"]
+            total["spec_mean_acceptance_length"] = (total["spec_accepted_tokens"] + steps) / steps if steps else 0.0
         total["data_parallel"] = per_rank
         total.update(parallel_stats(self.executor))
         return total
@@ -221,3 +226,9 @@ class DataParallelEngine:
             engine.structured_output.shutdown()
         self._pool.shutdown(wait=False)
 
+
+def _summed(values: list):
+    """One counter summed over the DP ranks; a histogram (a list) bin by bin."""
+    if isinstance(values[0], list):
+        return [sum(bins) for bins in itertools.zip_longest(*values, fillvalue=0)]
+    return sum(values)

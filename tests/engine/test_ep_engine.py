@@ -21,6 +21,11 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.data_parallel import DataParallelEngine, build_engine
 from deepinfer_core.engine.executor import WorkerError
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+from tests.engine import test_tp_engine as tp_engine
+from tests.engine.test_spec_decode import CONFIG as MTP_CONFIG
+from tests.engine.test_spec_decode import generate as spec_generate
+from tests.engine.test_spec_decode import tokens as completion_tokens
+from tests.engine.test_spec_mtp import WEIGHTS as MTP_WEIGHTS
 from tests.oracle import write_config
 
 CONFIG = tiny_config("sliding_csa_hca", index_n_heads=16)
@@ -174,3 +179,24 @@ def test_torchrun_ranks_run_data_and_expert_parallelism(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(lines) == 1, proc.stdout
     assert json.loads(lines[0].removeprefix("TOKENS ")) == {i: tokens for i, (tokens, _) in want.items()}
+
+
+def test_the_mtp_drafter_with_data_and_expert_parallelism(tmp_path):
+    """Each DP rank's MTP layer drafts for its own requests, its routed experts held whole (not split by
+    expert parallelism): greedy output equals decoding without speculation, and the engine's counters
+    are the ranks' sums, the single process's."""
+    want, _, want_stats = tp_engine.single_process_mtp(3)
+    write_config(tmp_path, MTP_CONFIG)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "draft_length_policy": "fixed"}
+    engine = build_engine(EngineConfig(model=str(tmp_path), dtype="float32", speculative_config=spec, max_num_seqs=4,
+                                       num_kv_blocks=24, data_parallel_size=2, enable_expert_parallel=True,
+                                       worker_timeout_s=60), weights=MTP_WEIGHTS)
+    try:
+        assert isinstance(engine, DataParallelEngine)
+        got = completion_tokens(spec_generate(engine, tp_engine.PROMPTS, tp_engine.MAX_TOKENS, temperature=0))
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert got == want == tp_engine.single_process_mtp(None)[0]
+    assert [rank["spec_verify_steps"] > 0 for rank in stats["data_parallel"]] == [True, True]  # both ranks drafted
+    assert {c: stats[c] for c in tp_engine.SPEC_COUNTERS} == {c: want_stats[c] for c in tp_engine.SPEC_COUNTERS}

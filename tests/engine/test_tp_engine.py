@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from deepinfer_core.engine.executor import MultiprocExecutor
@@ -19,7 +23,7 @@ def test_two_tensor_parallel_ranks_give_the_single_process_outputs(tmp_path):
 
 
 
-PROMPTS, MAX_TOKENS = MIXED[1:], 8  # 18 and 52 tokens: prefill over several windows, then decode
+PROMPTS, MAX_TOKENS = MIXED[1:], 5  # 18 and 52 tokens: prefill over several windows, then decode
 
 
 def run_mtp(engine) -> tuple[dict, list, dict]:
@@ -40,24 +44,29 @@ def run_mtp(engine) -> tuple[dict, list, dict]:
         engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def without_speculation(tmp_path_factory):
-    return tokens(generate(mtp_engine(tmp_path_factory.mktemp("plain")), PROMPTS, MAX_TOKENS, temperature=0))
+@functools.cache
+def single_process_mtp(k: int | None) -> tuple[dict, list, dict]:
+    """`run_mtp` on one process, with the MTP drafter at `k` (None: without speculation), once a session."""
+    with tempfile.TemporaryDirectory() as directory:
+        if k is None:
+            return tokens(generate(mtp_engine(Path(directory)), PROMPTS, MAX_TOKENS, temperature=0)), [], {}
+        return run_mtp(mtp_engine(Path(directory), {"method": "mtp", "num_speculative_tokens": k}))
+
+
+SPEC_COUNTERS = ("spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens", "spec_verify_steps",
+                 "spec_acceptance_histogram", "spec_mean_acceptance_length")
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_the_mtp_drafter_under_two_tensor_parallel_ranks(tmp_path, without_speculation, k):
+def test_the_mtp_drafter_under_two_tensor_parallel_ranks(tmp_path, k):
     """Each rank holds half the MTP layer's heads, groups and expert width and its partial sums are
     all-reduced: the drafts the scheduler gets are the single process's, draft for draft, and greedy
     output equals decoding without speculation."""
-    spec = {"method": "mtp", "num_speculative_tokens": k}
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    want, want_proposals, want_stats = run_mtp(mtp_engine(tmp_path / "one", spec))
-    engine = mtp_engine(tmp_path / "two", spec, tensor_parallel_size=2)
+    want, want_proposals, want_stats = single_process_mtp(k)
+    engine = mtp_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": k}, tensor_parallel_size=2)
     assert isinstance(engine.executor, MultiprocExecutor) and engine.executor.world_size == 2
     got, proposals, stats = run_mtp(engine)
-    assert got == want == without_speculation
+    assert got == want == single_process_mtp(None)[0]
     assert proposals == want_proposals and any(drafts for _, _, drafts in proposals)
-    counters = ("spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens", "spec_verify_steps")
-    assert {c: stats[c] for c in counters} == {c: want_stats[c] for c in counters}
+    assert {c: stats[c] for c in SPEC_COUNTERS} == {c: want_stats[c] for c in SPEC_COUNTERS}
     assert stats["spec_verified_tokens"] >= stats["spec_verify_steps"] > 0  # every draft was verified

@@ -70,3 +70,9 @@ def test_the_mtp_drafter_under_two_tensor_parallel_ranks(tmp_path, k):
     assert proposals == want_proposals and any(drafts for _, _, drafts in proposals)
     assert {c: stats[c] for c in SPEC_COUNTERS} == {c: want_stats[c] for c in SPEC_COUNTERS}
     assert stats["spec_verified_tokens"] >= stats["spec_verify_steps"] > 0  # every draft was verified
+
+
+def test_mtp_with_tensor_and_expert_parallelism_is_refused_before_any_rank_starts(tmp_path):
+    with pytest.raises(NotImplementedError, match=r"tensor_parallel_size=2 with enable_expert_parallel=True"):
+        mtp_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": 1}, tensor_parallel_size=2,
+                   enable_expert_parallel=True)

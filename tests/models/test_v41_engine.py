@@ -8,24 +8,13 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.entrypoints.chat import chat_encoding_of
-from tests.models.v41_helpers import make_engine, make_runner, random_prompt, tiny_checkpoint
+from tests.models.v41_helpers import make_engine, make_runner, random_prompt, run, tiny_checkpoint
 from tests.oracle import run_chunked
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
-
-
-def run(engine, prompts, max_tokens):
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 def chosen_logprobs(output):

@@ -19,7 +19,7 @@ from deepinfer_core.models.interface import ForwardContext
 from deepinfer_core.models.v41_config import V41Config
 from deepinfer_core.models.v41_tiny import tiny_v41_config
 from deepinfer_core.reference.layer_ops import hyper_residual
-from tests.models.v41_helpers import make_engine, make_runner, random_prompt, tiny_checkpoint
+from tests.models.v41_helpers import make_engine, make_runner, random_prompt, run, tiny_checkpoint
 from tests.oracle import FakeSeq, step_plan
 
 TRIM_LAYER, WINDOW = 5, 8
@@ -28,18 +28,6 @@ TRIM_LAYER, WINDOW = 5, 8
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
-
-
-def run(engine, prompts, max_tokens, **params):
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                          logprobs=0, **params))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
 
 
 def chosen_logprobs(output) -> list[float]:

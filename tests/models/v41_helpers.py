@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.runner import ModelRunner
@@ -42,3 +43,18 @@ def make_engine(directory: Path, weights: dict, **options) -> Engine:
 
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 129000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int | list[int], **params) -> list:
+    """Greedy outputs (chosen-token logprobs on) of `prompts` served together to the end; `max_tokens`
+    one for all or one per prompt, `params` more `SamplingParams` fields."""
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0,
+                                                          **params))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]

@@ -144,8 +144,8 @@ def _install_clocks(engine: Engine, profiler: cProfile.Profile | None) -> tuple[
     runner.model = _Timed(runner.model, forward, ("rope_tables",))
     if runner.graphs is not None:
         captured = runner.graphs.graphs
-        for size, (graph, logits) in captured.items():
-            captured[size] = (_Timed(graph, forward, ("replay",)), logits)
+        for key, (graph, *outputs) in captured.items():  # (graph, logits, final streams)
+            captured[key] = (_Timed(graph, forward, ("replay",)), *outputs)
     runner.sampler = _Timed(runner.sampler, sample, ("sample",))
     return forward, sample
 

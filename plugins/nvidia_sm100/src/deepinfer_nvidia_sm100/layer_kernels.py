@@ -18,6 +18,9 @@ from deepinfer_core.backends.attention import AttentionMetadata
 from deepinfer_core.backends.layer_ops import CompressorWeights
 
 _MAX_TILE = 4096
+_REQUEST_SCAN = 64
+"""Request ends `_request_of` reads per loop step. Fixed, like `num_seqs` left unspecialised, so one
+compile of each kernel that finds a token's request serves every batch size (a start-up captures many)."""
 """fp32 elements of one `[rows, channels]` tile of the window pooling."""
 
 
@@ -41,7 +44,7 @@ def _normed(x, inv_rms, weight_ptr, channel, mask, NORM: tl.constexpr, HAS_WEIGH
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compile for every batch size
 def _norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
     num_rows, heads, width, stride_xt, stride_xh, stride_cos, stride_sin, eps,
@@ -226,7 +229,7 @@ def _store_entry(pooled, entries_ptr, stride_entries, tables_ptr, stride_table, 
     tl.store(target, closed.to(entries_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _close_kernel(
     kv_ptr, gate_ptr, stride_kv, stride_gate,
     positions_ptr, query_start_loc_ptr, start_positions_ptr, slots_ptr, tables_ptr, stride_table, no_write_ptr,
@@ -278,7 +281,7 @@ def _close_kernel(
                      inv_freq_ptr, rope_scaling, eps, kv_ptr.dtype.element_ty, RATE, WIDTH, HALF_ROPE, BLOCK_PAIRS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _finish_kernel(
     kv_ptr, gate_ptr, stride_kv, stride_gate,
     positions_ptr, query_start_loc_ptr, slots_ptr, tables_ptr, stride_table, no_write_ptr,
@@ -361,7 +364,6 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, m
         return
     w, ring, proj, meta = weights, kv_tail.shape[1], kv.shape[1], metadata
     num_seqs = meta.query_start_loc.shape[0] - 1
-    block_s = min(triton.next_power_of_2(max(num_seqs, 1)), 1024)
     span = 2 * w.rate if w.overlap else w.rate
     split = _channel_split(w.width, span, num_tokens) if channel_split is None else channel_split
     block_pairs = split // 2 if split else triton.next_power_of_2((w.width + 1) // 2)
@@ -379,18 +381,18 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, weights: CompressorWeights, m
     _close_kernel[(num_tokens, triton.cdiv(w.width, 2 * block_pairs))](
         *common, meta.start_positions, *rest,
         RATE=w.rate, RING=ring, WIDTH=w.width, PROJ=proj, OVERLAP=w.overlap, HALF_ROPE=w.inv_freq.numel(),
-        BLOCK_R=block_r, BLOCK_PAIRS=block_pairs, BLOCK_S=block_s, SPLIT=split > 0,
+        BLOCK_R=block_r, BLOCK_PAIRS=block_pairs, BLOCK_S=_REQUEST_SCAN, SPLIT=split > 0,
         num_warps=8 if block_r * block_pairs * 2 >= _MAX_TILE else 4,
     )
     _finish_kernel[(num_tokens,)](
         *common, *rest,
         RATE=w.rate, RING=ring, WIDTH=w.width, PROJ=proj, HALF_ROPE=w.inv_freq.numel(),
         BLOCK_PAIRS=triton.next_power_of_2((w.width + 1) // 2), BLOCK_P=triton.next_power_of_2(proj),
-        BLOCK_S=block_s, FINISH=split > 0, num_warps=4,
+        BLOCK_S=_REQUEST_SCAN, FINISH=split > 0, num_warps=4,
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _window_kernel(kv_ptr, stride_kv, positions_ptr, query_start_loc_ptr, slots_ptr, window_ptr, stride_slot,
                    stride_row, num_seqs, width, RING: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr):
     """One program per token: each request's last `RING` tokens store their row at `[slot, pos % RING]`."""
@@ -421,7 +423,7 @@ def write_ring(metadata: AttentionMetadata, ring: torch.Tensor, rows: torch.Tens
         rows, rows.stride(0), metadata.positions, metadata.query_start_loc, metadata.slots, ring, ring.stride(0),
         ring.stride(1), num_seqs, rows.shape[1], RING=ring.shape[1],
         BLOCK_W=triton.next_power_of_2(rows.shape[1]),
-        BLOCK_S=min(triton.next_power_of_2(max(num_seqs, 1)), 1024), num_warps=4,
+        BLOCK_S=_REQUEST_SCAN, num_warps=4,
     )
 
 

@@ -120,8 +120,10 @@ def check_compress(backend: LayerOps, reference: LayerOps, device: torch.device,
         "decode": ([1, 1, 1, 1], [3, 7, 15, 130], [0, 0, 0, 0]),
         "long chunk": ([140, 3], [1, 126], [0, 0]),
     }
+    # more requests than a kernel reads in one step when it looks a token's request up (one rate suffices)
+    many = {"decode, 70 requests": ([1] * 70, [(7 * i) % 200 for i in range(70)], [0] * 70)}
     for rate, overlap in ((4, True), (16, False), (128, False)):
-        for name, (lens, starts, no_write) in steps.items():
+        for name, (lens, starts, no_write) in (steps | many if rate == 4 else steps).items():
             metadata, t, weights = _compress_step(rate, overlap, 32, lens, starts, no_write, dtype, gen)
             dev = {k: v.to(device, dtype if k in ("kv", "gate", "kv_tail", "entries") else v.dtype, copy=True)
                    for k, v in t.items()}

@@ -8,6 +8,10 @@ The interpreter's `tl.dot` is a NumPy matmul, and OpenBLAS's microkernels give a
 another position in the tile on some CPUs (its Haswell kernels do). A GPU's MMA computes a row alike
 wherever it sits, and the batch-invariance tests rest on that, so under the interpreter each row of a
 `tl.dot` is its own product (`_row_by_row_dot`).
+
+The interpreter re-patches `triton.language` on every call of a `@triton.jit` helper inside a kernel,
+though the kernel's launch has patched it already, and that took about a quarter of the kernel tests'
+time; `_patch_lang_once_a_launch` keeps the launch's patches for the helpers it calls.
 """
 
 from __future__ import annotations
@@ -40,8 +44,45 @@ def _row_by_row_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _patch_lang_once_a_launch() -> None:
+    """Patch `triton.language` once a kernel launch, not again on each helper call within it (a helper
+    that sees a language module not patched yet, as `tl.core` from `tl.sum`, is patched as before)."""
+    try:
+        from triton import language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = interpreter._patch_lang
+    patched: list[set[int]] = []  # the language modules patched by the launch under way, if any
+
+    class LaunchScope:
+        def __init__(self, scope, langs: set[int]) -> None:
+            self.scope = scope
+            patched.append(langs)
+
+        def restore(self) -> None:
+            patched.pop()
+            self.scope.restore()
+
+    class NoScope:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):
+        langs = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if not patched:
+            return LaunchScope(patch(fn), langs)
+        if langs <= patched[-1]:
+            return NoScope()
+        patched[-1] |= langs  # a helper's patches are not undone before the launch's end (nor after)
+        return patch(fn)
+
+    interpreter._patch_lang = patch_lang
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _row_by_row_dot()
+    _patch_lang_once_a_launch()
 
 
 @pytest.fixture

@@ -31,6 +31,37 @@ def make_engine(tmp_path, spec=None, weights=WEIGHTS, **options) -> Engine:
                   weights=weights)
 
 
+def echo_weights(weights: dict[str, torch.Tensor] = WEIGHTS) -> dict[str, torch.Tensor]:
+    """`weights` made into a model whose MTP layer predicts exactly what the target will: every
+    attention and MoE output is zero, so a position's residual streams are copies of its token's
+    embedding scaled (mHC's mixing keeps equal copies equal), and the target's next token is a function
+    of its input token alone. The MTP layer reads the next token's embedding alone (`h_proj` zero,
+    `e_proj` the identity) and ends in the target's final norm, so it computes that same function: every
+    draft is the token the target then emits, at any depth."""
+    echo = dict(weights)
+    for name, tensor in weights.items():
+        if name.endswith(("o_b_proj.weight", "experts.down_proj", "shared_experts.down_proj.weight")):
+            echo[name] = torch.zeros_like(tensor)
+    echo["mtp.0.h_proj.weight"] = torch.zeros_like(weights["mtp.0.h_proj.weight"])
+    echo["mtp.0.e_proj.weight"] = torch.eye(CONFIG["hidden_size"], dtype=weights["mtp.0.e_proj.weight"].dtype)
+    echo["mtp.0.enorm.weight"] = torch.ones_like(weights["mtp.0.enorm.weight"])
+    echo["mtp.0.norm.weight"] = weights["model.norm.weight"].clone()
+    return echo
+
+
+def test_every_draft_of_an_mtp_layer_that_predicts_the_target_is_accepted(tmp_path):
+    """After accepted drafts the drafter must continue from the token the step emitted last (the
+    target's token after the accepted drafts): with an MTP layer that computes the target's own next
+    token, a slip there drafts a wrong token (reading the first emitted row instead fails here, and
+    nowhere else), so every draft is accepted, at every depth, and the output is unchanged."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    want = tokens(generate(make_engine(tmp_path / "a", weights=echo_weights()), MIXED, temperature=0))
+    engine = make_engine(tmp_path / "b", {"method": "mtp", "num_speculative_tokens": 3}, weights=echo_weights())
+    assert tokens(generate(engine, MIXED, temperature=0)) == want
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] == stats["spec_verified_tokens"] > 2 * stats["spec_verify_steps"] > 0
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return tokens(generate(make_engine(tmp_path_factory.mktemp("ref")), MIXED, temperature=0))

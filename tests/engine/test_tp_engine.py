@@ -11,6 +11,7 @@ import pytest
 from deepinfer_core.engine.executor import MultiprocExecutor
 from tests.engine import parallel_workload as workload
 from tests.engine.test_spec_decode import MIXED, generate, tokens
+from tests.engine.test_spec_mtp import echo_weights
 from tests.engine.test_spec_mtp import make_engine as mtp_engine
 
 WEIGHTS_SEED = 11
@@ -70,6 +71,18 @@ def test_the_mtp_drafter_under_two_tensor_parallel_ranks(tmp_path, k):
     assert proposals == want_proposals and any(drafts for _, _, drafts in proposals)
     assert {c: stats[c] for c in SPEC_COUNTERS} == {c: want_stats[c] for c in SPEC_COUNTERS}
     assert stats["spec_verified_tokens"] >= stats["spec_verify_steps"] > 0  # every draft was verified
+
+
+def test_accepted_mtp_drafts_under_two_tensor_parallel_ranks(tmp_path):
+    """An MTP layer that predicts the target exactly (`echo_weights`): under two ranks every draft is
+    accepted too, and the tokens, drafts and counters are the single process's."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    want, want_proposals, want_stats = run_mtp(mtp_engine(tmp_path / "one", spec, weights=echo_weights()))
+    got, proposals, stats = run_mtp(mtp_engine(tmp_path / "two", spec, weights=echo_weights(), tensor_parallel_size=2))
+    assert got == want and proposals == want_proposals
+    assert {c: stats[c] for c in SPEC_COUNTERS} == {c: want_stats[c] for c in SPEC_COUNTERS}
+    assert stats["spec_accepted_tokens"] == stats["spec_verified_tokens"] > 2 * stats["spec_verify_steps"] > 0
 
 
 def test_mtp_with_tensor_and_expert_parallelism_is_refused_before_any_rank_starts(tmp_path):

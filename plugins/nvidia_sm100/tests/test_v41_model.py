@@ -11,6 +11,10 @@ from deepinfer_core.models.v41_config import V41Config
 from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.models.v41_weights import load_v41_checkpoint
 
+TINY = {"hidden_size": 32, "moe_intermediate_size": 32, "hc_sinkhorn_iters": 3}
+"""Off the GPU every kernel program runs in Triton's interpreter, and the mHC kernels' Sinkhorn loop (the
+release's 20 iterations) was a third of it; 3 still run the loop."""
+
 
 def build(directory, device, **options):
     from deepinfer_core.config import EngineConfig
@@ -43,7 +47,7 @@ Triton indexer kernel scores the two-level indexer's layers (`IndexScorer`)."""
     from deepinfer_nvidia_sm100.attention import TritonAttention
     from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
-    directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(hidden_size=32, moe_intermediate_size=32), seed=1)
+    directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(**TINY), seed=1)
     reference, triton = build(directory, torch.device("cpu")), build(directory, kernel_device)
     model = triton.model
     ops = TritonLayerOps(model.mix_spec, kernel_device)
@@ -63,7 +67,7 @@ def test_a_trimmed_prefill_on_triton_matches_the_reference(kernel_device, tmp_pa
     from deepinfer_nvidia_sm100.attention import TritonAttention
     from deepinfer_nvidia_sm100.layer_ops import TritonLayerOps
 
-    directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(hidden_size=32, moe_intermediate_size=32), seed=1)
+    directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(**TINY), seed=1)
     reference = build(directory, torch.device("cpu"), decoder_trimming=True)
     triton = build(directory, kernel_device, decoder_trimming=True)
     model = triton.model

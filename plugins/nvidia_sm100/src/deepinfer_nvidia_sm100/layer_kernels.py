@@ -18,10 +18,10 @@ from deepinfer_core.backends.attention import AttentionMetadata
 from deepinfer_core.backends.layer_ops import CompressorWeights
 
 _MAX_TILE = 4096
+"""fp32 elements of one `[rows, channels]` tile of the window pooling."""
 _REQUEST_SCAN = 64
 """Request ends `_request_of` reads per loop step. Fixed, like `num_seqs` left unspecialised, so one
 compile of each kernel that finds a token's request serves every batch size (a start-up captures many)."""
-"""fp32 elements of one `[rows, channels]` tile of the window pooling."""
 
 
 @triton.jit

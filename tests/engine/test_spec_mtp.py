@@ -55,8 +55,9 @@ def test_every_draft_of_an_mtp_layer_that_predicts_the_target_is_accepted(tmp_pa
     token, a slip there drafts a wrong token (reading the first emitted row instead fails here, and
     nowhere else), so every draft is accepted, at every depth, and the output is unchanged."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    want = tokens(generate(make_engine(tmp_path / "a", weights=echo_weights()), MIXED, temperature=0))
-    engine = make_engine(tmp_path / "b", {"method": "mtp", "num_speculative_tokens": 3}, weights=echo_weights())
+    weights = echo_weights()
+    want = tokens(generate(make_engine(tmp_path / "a", weights=weights), MIXED, temperature=0))
+    engine = make_engine(tmp_path / "b", {"method": "mtp", "num_speculative_tokens": 3}, weights=weights)
     assert tokens(generate(engine, MIXED, temperature=0)) == want
     stats = engine.stats()
     assert stats["spec_accepted_tokens"] == stats["spec_verified_tokens"] > 2 * stats["spec_verify_steps"] > 0

@@ -78,8 +78,9 @@ def test_accepted_mtp_drafts_under_two_tensor_parallel_ranks(tmp_path):
     accepted too, and the tokens, drafts and counters are the single process's."""
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    want, want_proposals, want_stats = run_mtp(mtp_engine(tmp_path / "one", spec, weights=echo_weights()))
-    got, proposals, stats = run_mtp(mtp_engine(tmp_path / "two", spec, weights=echo_weights(), tensor_parallel_size=2))
+    weights = echo_weights()
+    want, want_proposals, want_stats = run_mtp(mtp_engine(tmp_path / "one", spec, weights=weights))
+    got, proposals, stats = run_mtp(mtp_engine(tmp_path / "two", spec, weights=weights, tensor_parallel_size=2))
     assert got == want and proposals == want_proposals
     assert {c: stats[c] for c in SPEC_COUNTERS} == {c: want_stats[c] for c in SPEC_COUNTERS}
     assert stats["spec_accepted_tokens"] == stats["spec_verified_tokens"] > 2 * stats["spec_verify_steps"] > 0

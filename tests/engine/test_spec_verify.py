@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from deepinfer_core.backends.sampling import SamplingSpec
+from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec
 from deepinfer_core.backends.verify import VerifySpec
 from deepinfer_core.engine.plan import ScheduledRequest, StepPlan
 from deepinfer_core.engine.sampling import prepare_sampling_tensors
@@ -150,3 +150,21 @@ def test_rejection_with_the_drafters_distribution_is_lossless_and_accepts_min_p_
         assert chi_square(pairs, PARAMS) < critical_value(VOCAB * VOCAB - 1)
         sigma = math.sqrt(NUM_SEEDS * rate * (1 - rate))
         assert abs(accepted - NUM_SEEDS * rate) < 4 * sigma, (pass_q, accepted, NUM_SEEDS * rate)
+
+
+def test_accepting_without_logprobs_emits_the_same_tokens_and_gathers_nothing():
+    """With no request reading logprobs the emitted rows are the same, their logprobs NaN and ranks 0
+    on the host; asked for, each emitted row keeps its sampled row's logprob and rank."""
+    plan = StepPlan((ScheduledRequest("a", 4, (9, 1, 2), True, num_draft_tokens=2),
+                     ScheduledRequest("b", 7, (3,), True), ScheduledRequest("c", 5, (9, 0), True, num_draft_tokens=1)))
+    rows = verify.logits_row_requests(plan, [0, 1, 2])
+    output = SamplerOutput(token_ids=torch.tensor([1, 3, 0, 2, 0, 1]), logprobs=torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6]),
+                           ranks=torch.tensor([1, 2, 3, 4, 5, 6]))
+    read = verify.accept_drafts(plan, rows, output)
+    unread = verify.accept_drafts(plan, rows, output, needs_logprobs=False)
+    assert read.num_accepted == unread.num_accepted == [1, 0, 1]
+    assert read.sampled == unread.sampled == [0, 0, 1, 2, 2]
+    assert read.output.token_ids.tolist() == unread.output.token_ids.tolist() == [1, 3, 2, 0, 1]
+    assert read.output.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.4, -0.5, -0.6])
+    assert read.output.ranks.tolist() == [1, 2, 4, 5, 6]
+    assert unread.output.logprobs.isnan().all() and unread.output.ranks.tolist() == [0] * 5

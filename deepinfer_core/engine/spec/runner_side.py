@@ -71,7 +71,7 @@ class SpecVerifier:
                 if rejection:
                     merged = verify.merge_rejection(output, logits, tensors, rows, rejection)
                     output = replace(merged, token_ids=_keep_nonfinite(output.token_ids, merged.token_ids))
-        verified = verify.accept_drafts(plan, rows, output, rejection)
+        verified = verify.accept_drafts(plan, rows, output, rejection, tensors.needs_logprobs or tensors.num_logprobs > 0)
         accepted = dict(zip(dict.fromkeys(rows), verified.num_accepted, strict=True))
         drafted = [i for i, r in enumerate(plan.requests) if r.num_draft_tokens]
         DraftRollback.restore(saved, [accepted[i] for i in drafted])

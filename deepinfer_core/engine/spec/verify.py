@@ -68,10 +68,13 @@ class Verified:
 
 
 def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput,
-                  rejection: dict[int, tuple[torch.Tensor, int]] | None = None) -> Verified:
+                  rejection: dict[int, tuple[torch.Tensor, int]] | None = None,
+                  needs_logprobs: bool = True) -> Verified:
     """Apply the seeded-draw rule to a step's sampler output (`rejection`: per request index, tokens
     `[d + 1]` and accepted count from the verifier, which replace the rule for that request). Reads the
-    sampled ids once; the emitted `token_ids` come back on the host, the other fields stay on the device."""
+    sampled ids once; the emitted `token_ids` come back on the host, the other fields stay on the device.
+    Without `needs_logprobs` (no request reads them) the emitted logprobs are NaN and the ranks 0, on the
+    host, as the sampler gives them then: nothing is gathered on the device."""
     tokens = output.token_ids.tolist()
     emit, num_accepted, row = [], [], 0
     requests = plan.requests
@@ -88,12 +91,17 @@ def accept_drafts(plan: StepPlan, row_requests: list[int], output: SamplerOutput
         emit += range(row, row + a + 1)
         num_accepted.append(a)
         row += d + 1
+    token_ids = host_tensor([tokens[r] for r in emit]).to(output.token_ids.dtype)
+    sampled = [row_requests[r] for r in emit]
+    if not needs_logprobs:
+        unread = SamplerOutput(token_ids, torch.full((len(emit),), float("nan")), torch.zeros_like(token_ids))
+        return Verified(sampled, unread, num_accepted)
     index = host_tensor(emit).to(output.token_ids.device, non_blocking=True)
     picked = {f.name: getattr(output, f.name) for f in fields(output) if getattr(output, f.name) is not None}
     selected = {name: value.index_select(0, index) for name, value in picked.items() if name != "token_ids"}
     # the emitted ids are already on the host: the engine reads them without a second device round trip
-    selected["token_ids"] = host_tensor([tokens[r] for r in emit]).to(output.token_ids.dtype)
-    return Verified([row_requests[r] for r in emit], replace(output, **selected), num_accepted)
+    selected["token_ids"] = token_ids
+    return Verified(sampled, replace(output, **selected), num_accepted)
 
 
 def rejection_verify(verifier: VerifyBackend, plan: StepPlan, row_requests: list[int], eligible: set[int],

@@ -493,23 +493,19 @@ class Engine:
     def make_output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
         """Everything `request` produced so far; `finished` (computed when None) is `request.finished`."""
         outputs = []
-        for index, completion in enumerate(request.completions):
-            seq = completion.seq
+        for index, completion in enumerate(request.completions):  # positional: built per request and step
+            seq, logprobs = completion.seq, completion.logprobs
             ids = seq.output_token_ids
             outputs.append(CompletionOutput(
-                index=index,
-                text=self._text(completion, ids),
-                token_ids=ids,
-                cumulative_logprob=completion.cumulative_logprob if completion.logprobs is not None else None,
-                logprobs=list(completion.logprobs) if completion.logprobs is not None else None,
-                finish_reason=_FINISH_REASON[seq.status] if seq.is_finished else None,
-                stop_reason=completion.stop_reason,
+                index, self._text(completion, ids), ids,
+                completion.cumulative_logprob if logprobs is not None else None,
+                list(logprobs) if logprobs is not None else None,
+                _FINISH_REASON.get(seq.status), completion.stop_reason,  # None: unfinished
             ))
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs, finished=request.finished if finished is None else finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics, prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
+            request.request_id, request.prompt, request.prompt_token_ids, outputs,
+            request.finished if finished is None else finished, request.num_cached_tokens,
+            request.metrics, list(request.prompt_logprobs) if request.prompt_logprobs else None,
         )
 
     # -- text ---------------------------------------------------------------------------------------

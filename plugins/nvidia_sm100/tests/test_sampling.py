@@ -93,17 +93,18 @@ def test_log_softmax_kernel_is_batch_invariant_and_close_to_torch(kernel_device:
     from deepinfer_nvidia_sm100.sampling import log_softmax
 
     generator = torch.Generator().manual_seed(7)
-    logits = torch.randn(40, 129280, generator=generator) * 6
+    logits = torch.randn(10, 129280, generator=generator) * 6  # the interpreter runs the programs one by one
     logits[3, ::7] = float("-inf")  # masked ids
     logits[5] += 90.0  # far from zero: the max shift matters
     logits = logits.to(kernel_device)
     alone = {row: log_softmax(logits[row : row + 1])[0] for row in (3, 5)}
-    for first, last in ((0, 6), (0, 40), (3, 9), (5, 6)):
-        out = log_softmax(logits[first:last])
+    whole = log_softmax(logits)
+    for first, last in ((0, 6), (0, 10), (3, 9), (5, 6)):
+        out = whole if (first, last) == (0, 10) else log_softmax(logits[first:last])
         for row, expected in alone.items():
             if first <= row < last:
                 assert torch.equal(out[row - first], expected)
-    torch.testing.assert_close(log_softmax(logits).cpu(), torch.log_softmax(logits.cpu(), dim=-1), atol=2e-5, rtol=0)
+    torch.testing.assert_close(whole.cpu(), torch.log_softmax(logits.cpu(), dim=-1), atol=2e-5, rtol=0)
 
 
 def test_a_deterministic_sampler_returns_a_rows_logprobs_whatever_its_batch(kernel_device: torch.device) -> None:

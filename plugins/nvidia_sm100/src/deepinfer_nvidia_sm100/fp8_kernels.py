@@ -73,7 +73,7 @@ def act_quant_kernel(
     tl.store(s_ptr + row.to(tl.int64) * stride_s + group, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every token count of a tile size
 def fp8_gemm_kernel(
     q_ptr,
     xs_ptr,
@@ -128,7 +128,7 @@ def fp8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def split_k_sum_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """`out = sum(partial[split] for split in order)`, cast to `out`'s dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -210,7 +210,7 @@ def _tail(acc, sumsq, rows, live, src_ptr, src_st, src_sn, src_sd, base_ptr, sca
                            rms_eps, N, BT, TAIL_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "chunks_per_split", "num_splits"])  # one compile for all batch sizes
 def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_in_ptr, comb_in_ptr, rows_ptr,
                  fn_ptr, base_ptr, scale_ptr, norm_w_ptr, new_ptr, post_ptr, comb_ptr, x_ptr, pre_ptr,
                  given_pre_ptr, given_st, part_m_ptr, part_sq_ptr, counter_ptr, num_rows, hidden,
@@ -315,7 +315,7 @@ def hyper_kernel(src_ptr, src_st, src_sn, src_sd, out_ptr, out_st, out_sd, post_
               BT, TAIL_D, SINKHORN_ITERS, IS_HEAD, GIVEN_PRE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
 def hyper_tail_kernel(src_ptr, src_st, src_sn, src_sd, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr,
                       x_ptr, pre_ptr, given_pre_ptr, given_st, part_m_ptr, part_sq_ptr, num_rows, padded,
                       hidden, num_splits, hc_eps, rms_eps, N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr,
@@ -408,8 +408,11 @@ def _launch(streams, block_out, post, comb, rows, hc: HyperWeights, norm_weight,
     given = (pre, 0) if collapse_pre is None else (collapse_pre, collapse_pre.stride(0))
     # the second launch's rows stay within the first's padded rows (both powers of two)
     tail_tokens = min(plan.tail_tokens, plan.block_tokens) if plan.two_pass else plan.block_tokens
+    # splits combined a loop step: from the hidden dim's chunk count (the most splits a call can have), not
+    # from this call's, so every batch size of a token-block size shares one compile
+    most_splits = triton.cdiv(hidden, plan.block_d)
     tail = {"TAIL_D": min(triton.next_power_of_2(hidden), max(32, 4096 // tail_tokens)),
-            "SG": max(1, min(triton.next_power_of_2(plan.num_splits), 8192 // (tail_tokens * plan.num_cols)))}
+            "SG": max(1, min(triton.next_power_of_2(most_splits), 8192 // (tail_tokens * plan.num_cols)))}
     hyper_kernel[(num_blocks, plan.num_splits)](
         streams, *streams.stride(),
         x if block_out is None else block_out, *((0, 0) if block_out is None else block_out.stride()),

@@ -1,7 +1,7 @@
 """The "v4flash-LxE" GPU workload (shared/BENCH.md): DeepInfer's engine against transformers' `generate`.
 
     python bench/gpu_decode.py [--layers 2] [--experts 256] [--batches 1,16,64,256] [--new-tokens 33]
-        [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16] [--model v41]
+        [--repeats 3] [--eager] [--parity 8] [--profile 1,64] [--profile-prefill 16] [--model v41]
         [--deterministic] [--engram-placement device|host] [--engram-sync]
 
 DeepSeek-V4-Flash per-layer shapes, `--layers` layers alternating CSA/HCA, `--experts` routed experts,
@@ -11,7 +11,7 @@ random weights (normal, std 0.02; random hash tables), bf16, 512-token random pr
 (whatever backends the plugins choose; on an H200 the nvidia_sm100 plugin's).
 
 Per batch size: TTFT (a 1-token request: prefill plus the first token), prefill tokens/s, decode
-tokens/s (new tokens after the first over the time they add) and peak memory; each throughput also as a
+tokens/s (new tokens after the first over the time they add; each the best of `--repeats` runs) and peak memory; each throughput also as a
 fraction of its floor, computed from the counts below: decode is memory-bound (bytes a step touches /
 4.17 TB/s), prefill compute-bound (FLOPs / 744 TFLOP/s). `--tiny` runs a small config on the CPU to
 check the script itself. Our decode steps replay CUDA graphs when every backend supports them (`--eager`
@@ -280,14 +280,14 @@ def steady_decode(
     return (len(prompts) * steps / elapsed if steps else float("nan")), steps
 
 
-def measure(name: str, run, batch: int, new_tokens: int, counts: Counts, steady=None) -> dict:
+def measure(name: str, run, batch: int, new_tokens: int, counts: Counts, steady=None, repeats: int = 3) -> dict:
     """TTFT from a 1-token run, decode from the time `new_tokens - 1` more tokens add (each run the best
-    of three; and, given `steady`, decode over steps where the whole batch decodes)."""
+    of `repeats`; and, given `steady`, decode over steps where the whole batch decodes)."""
     run(new_tokens)  # warm-up at this batch size: prefill and decode kernels compile, allocator grows
     peak_reset()
-    # the best of three of each: decode time is a difference of two runs, so one slow run skews it
-    ttft = min(timed(lambda: run(1)) for _ in range(3))
-    full = min(timed(lambda: run(new_tokens)) for _ in range(3))
+    # the best of several of each: decode time is a difference of two runs, so one slow run skews it
+    ttft = min(timed(lambda: run(1)) for _ in range(repeats))
+    full = min(timed(lambda: run(new_tokens)) for _ in range(repeats))
     decode_s = max(full - ttft, 1e-9)
     prefill = batch * PROMPT_LEN / ttft
     decode = batch * (new_tokens - 1) / decode_s
@@ -320,6 +320,8 @@ def main() -> None:
     parser.add_argument("--sides", default="transformers,deepinfer",
                         help='V4: which of transformers,deepinfer run; --model v41: "v41" skips the V4 peer')
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each TTFT and full generation; the best is kept (default 3)")
     parser.add_argument("--commit", default="?", help="recorded in the output")
     parser.add_argument(
         "--profile", default="", metavar="BATCHES", help="profile our decode steps at these batch sizes"
@@ -351,6 +353,8 @@ def main() -> None:
     parser.add_argument("--engram-sync", action="store_true",
                         help="--model v41 with host tables: gather at the layer, no prefetch (engram_prefetch=False)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.model != "v41" and (args.engram_placement != "device" or args.engram_sync):
         parser.error("--engram-placement and --engram-sync are for --model v41 (V4 has no Engram)")
     if args.model == "v41":
@@ -410,6 +414,7 @@ def main() -> None:
                     batch,
                     args.new_tokens,
                     counts,
+                    repeats=args.repeats,
                 )
             )
         if engine is not None:
@@ -422,12 +427,14 @@ def main() -> None:
                     args.new_tokens,
                     counts,
                     steady=lambda: steady_decode(engine, lists, args.new_tokens),
+                    repeats=args.repeats,
                 )
             )
         if deterministic is not None:
             rows.append(measure("deepinfer-deterministic", lambda n: engine_generate(deterministic, lists, n),
                                 batch, args.new_tokens, counts,
-                                steady=lambda: steady_decode(deterministic, lists, args.new_tokens)))
+                                steady=lambda: steady_decode(deterministic, lists, args.new_tokens),
+                                repeats=args.repeats))
     if engine is not None and "transformers" in sides:
         ours = engine_generate(engine, prompts[:1].tolist(), 8)[0]
         theirs = hf_generate(model, prompts[:1].to(device), 8)[0].tolist()

@@ -1,7 +1,7 @@
 """The "v4flash-LxE" workload (bench/gpu_decode.py), quantised as DeepSeek ships it, against bf16.
 
     python bench/quant_decode.py [--layers 2] [--experts 256] [--batches 1,64] [--new-tokens 33] [--tiny]
-                                 [--no-fp8] [--startup] [--profile BATCHES]
+                                 [--repeats 3] [--no-fp8] [--startup] [--profile BATCHES]
 
 Both engines run the same values: random e2m1 expert codes with power-of-two scales (the weights' std
 about 0.02) and, unless `--no-fp8`, the projections DeepSeek ships in FP8 (attention q/kv/o, shared
@@ -156,6 +156,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--tiny", action="store_true", help="small config on the CPU (checks the script)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each TTFT and full generation; the best is kept (default 3)")
     parser.add_argument("--no-fp8", action="store_true", help="keep the dense projections bf16 in both engines")
     parser.add_argument("--startup", action="store_true", help="measure start-up, cold and warm kernel cache")
     parser.add_argument("--startup-engines", default="bf16,quant", help="engines --startup measures")
@@ -164,6 +166,8 @@ def main() -> None:
                         help="each engine's decode steps by kernel at these batch sizes (gpu_decode's profile)")
     parser.add_argument("--commit", default="?")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.startup_child:
         return startup_child(args)
     if args.startup:
@@ -199,7 +203,8 @@ def main() -> None:
             lists = prompts[:batch]
             row = base.measure(f"deepinfer-{kind}", lambda n: base.engine_generate(engine, lists, n), batch,
                                args.new_tokens, counts[kind],
-                               steady=lambda: base.steady_decode(engine, lists, args.new_tokens))
+                               steady=lambda: base.steady_decode(engine, lists, args.new_tokens),
+                               repeats=args.repeats)
             row["step_floor_bytes"] = round(step_floor_bytes(counts[kind], batch, context))
             print(json.dumps({"side": row["side"], "batch": batch, "step_floor_bytes": row["step_floor_bytes"]}))
             rows.append(row)

@@ -21,7 +21,8 @@ def json_lines(text: str) -> list[dict]:
 
 
 def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
-    rows = json_lines(run_script("bench/gpu_decode.py", "--tiny", "--batches", "1,2", "--new-tokens", "5"))
+    rows = json_lines(run_script("bench/gpu_decode.py", "--tiny", "--batches", "1,2", "--new-tokens", "5",
+                                 "--repeats", "1"))
     measured = {(r["side"], r["batch"]) for r in rows if "side" in r}
     assert measured == {(side, b) for side in ("transformers", "deepinfer") for b in (1, 2)}
     for row in rows:
@@ -34,7 +35,8 @@ def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
 
 
 def test_quant_decode_tiny_runs_fp8_projections_and_fp4_experts_with_their_smaller_floor():
-    rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--new-tokens", "3"))
+    rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--new-tokens", "3",
+                                 "--repeats", "1"))
     engines = {r["engine"]: r for r in rows if "engine" in r}
     quantised, dense = engines["fp8+fp4"], engines["bf16"]
     assert quantised["expert_format"] == ["fp4"] and dense["expert_format"] == ["dense"]

@@ -32,10 +32,13 @@ def test_cpu_throughput_quick_times_both_sides_and_splits_the_steps():
     assert set(steps["decode"]["ms_per_step"]) == {"schedule", "prepare", "forward", "sample", "other"}
 
 
-def test_prefix_cache_quick_reports_every_mode():
-    rows = {r["mode"]: r for r in run_script("bench/prefix_cache.py", "--quick") if "mode" in r}
+def test_prefix_cache_reports_every_mode():
+    # --quick's trace with 2 sessions instead of 4: still a batch, and a third turn hits blocks a hit wrote
+    rows = {r["mode"]: r for r in run_script("bench/prefix_cache.py", "--sessions", "2", "--turns", "3",
+                                             "--threads", "1") if "mode" in r}
     assert set(rows) == {"off", "bounded", "exact"}
     assert rows["off"]["hit_tokens"] == 0 and rows["bounded"]["hit_tokens"] > 0
+    assert rows["bounded"]["hit_requests"] == rows["exact"]["hit_requests"] == 4  # turns 2 and 3 of each session
     # the exact replay reproduces the cold run; bounded replay is allowed to differ
     assert rows["exact"]["token_match"] == 1.0 and rows["exact"]["max_logprob_diff"] == 0.0
 

@@ -14,6 +14,7 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+from deepinfer_core.testing.serving import serve
 
 transformers = __import__("pytest").importorskip("transformers", minversion="5.23")
 
@@ -51,15 +52,8 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
 
 def greedy_tokens_and_logprobs(engine, batch: list[list[int]], num_tokens: int) -> list[tuple[list[int], list[float]]]:
     """Greedy `(token ids, chosen-token logprobs)` of every prompt of `batch`, in order, through `engine`."""
-    for i, prompt in enumerate(batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True,
-                                                          logprobs=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    outs = [done[str(i)] for i in range(len(batch))]
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
+    outs = [out.outputs[0] for out in serve(engine, batch, params)]
     return [(out.token_ids, [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]) for out in outs]
 
 

@@ -23,20 +23,17 @@ def test_a_divergence_is_reported_with_its_step_and_reference_logprob_gap(tmp_pa
     from pathlib import Path
 
     from deepinfer_core import SamplingParams
+    from deepinfer_core.testing.serving import serve
     from tests.engine.test_spec_decode import MIXED, make_engine
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     import spec_decode
 
     engine, batch = make_engine(tmp_path), MIXED[:2]
-    for i, prompt in enumerate(batch):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    reference = [list(done[str(i)].outputs[0].token_ids) for i in range(2)]
+    done = serve(engine, batch, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+    reference = [list(out.outputs[0].token_ids) for out in done]
     assert spec_decode.compare(engine, batch, reference, [list(r) for r in reference]) == {"tokens_equal": True}
-    entry = done["1"].outputs[0].logprobs[3]  # the top token and one more: swap in the runner-up at step 3
+    entry = done[1].outputs[0].logprobs[3]  # the top token and one more: swap in the runner-up at step 3
     runner_up = next(t for t, lp in entry.items() if lp.rank == 2)
     out = [list(r) for r in reference]
     out[1][3:] = [runner_up] * 3

@@ -17,6 +17,7 @@ from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.executor import MultiprocExecutor
+from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")
@@ -39,16 +40,13 @@ def prompts(lengths=LENGTHS, seed=0) -> list[list[int]]:
 def run_batch(engine: Engine, batch: list[list[int]], max_tokens: list[int], tag: str) -> Outputs:
     """Every prompt with its own `max_tokens` (odd ones greedy, even ones seeded at temperature 0.8); the
     tokens and chosen logprobs by request id (`tag` + index)."""
-    for i, (prompt, n) in enumerate(zip(batch, max_tokens)):
-        params = SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=n, ignore_eos=True, logprobs=0)
-        engine.add_request(f"{tag}{i}", prompt, params)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=n, ignore_eos=True, logprobs=0)
+              for i, n in enumerate(max_tokens)]
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                completion = out.outputs[0]
-                done[out.request_id] = (completion.token_ids,
-                                        [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)])
+    for out in serve(engine, batch, params, [f"{tag}{i}" for i in range(len(batch))]):
+        completion = out.outputs[0]
+        done[out.request_id] = (completion.token_ids,
+                                [e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)])
     return done
 
 

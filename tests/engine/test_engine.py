@@ -8,6 +8,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.testing.serving import serve
 from tests.oracle import hf_greedy, hf_logprobs, hf_model, parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")  # window 16, CSA rate 4, HCA rate 128: one HCA entry per block
@@ -25,14 +26,9 @@ def make_engine(tmp_path, **options) -> Engine:
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: list[int], **params) -> dict[str, object]:
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **params))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    outputs = serve(engine, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **params)
+                                      for n in max_tokens])
+    return {out.request_id: out for out in outputs}
 
 
 def random_prompts(lengths, seed=0, vocab=CONFIG["vocab_size"]):
@@ -90,16 +86,11 @@ def test_abort_frees_everything(tmp_path, when):
 def test_n_completions_and_seeded_sampling_are_reproducible(tmp_path):
     engine = make_engine(tmp_path, max_num_seqs=8, num_kv_blocks=8)
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
-    engine.add_request("a", [5, 6, 7], params)
-    outs = {}
-    while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
-    first = [c.token_ids for c in outs["a"].outputs]
+    [a] = serve(engine, [[5, 6, 7]], params, ["a"])
+    first = [c.token_ids for c in a.outputs]
     assert len(first) == 3 and len({tuple(t) for t in first}) > 1, "each completion draws with its own seed"
-    engine.add_request("b", [5, 6, 7], params)
-    while engine.has_unfinished_requests():
-        outs.update({o.request_id: o for o in engine.step() if o.finished})
-    assert [c.token_ids for c in outs["b"].outputs] == first
+    [b] = serve(engine, [[5, 6, 7]], params, ["b"])
+    assert [c.token_ids for c in b.outputs] == first
 
 
 # -- prefix cache -------------------------------------------------------------------------------------
@@ -129,7 +120,6 @@ def test_second_pass_hits_and_exact_replay_equals_cold(tmp_path, oracle):
 
 def run_capturing_tables(engine: Engine, prompt: list[int], max_tokens: int):
     """Run one request; return its output and the block table it held."""
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0))
     tables, finish = [], engine.scheduler.finish
 
     def record_then_finish(seq, status):
@@ -137,9 +127,8 @@ def run_capturing_tables(engine: Engine, prompt: list[int], max_tokens: int):
         finish(seq, status)
 
     engine.scheduler.finish = record_then_finish
-    out = None
-    while engine.has_unfinished_requests():
-        out = next((o for o in engine.step() if o.finished), out)
+    [out] = serve(engine, [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0),
+                  ["r"])
     engine.scheduler.finish = finish
     return out, tables[0]
 
@@ -205,10 +194,8 @@ def test_stop_strings_cut_the_text_and_end_the_completion(tmp_path):
     assert engine.tokenizer is not None and len(full.text) > 12
     stop = full.text[8:12]
     first = full.text.find(stop)
-    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["\x00unseen", stop]))
-    out = None
-    while engine.has_unfinished_requests():
-        out = next((o for o in engine.step() if o.finished), out)
+    [out] = serve(engine, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                   stop=["\x00unseen", stop]), ["s"])
     cut = out.outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[:first] and len(cut.token_ids) < len(full.token_ids)

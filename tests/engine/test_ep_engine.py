@@ -21,6 +21,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.data_parallel import DataParallelEngine, build_engine
 from deepinfer_core.engine.executor import WorkerError
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+from deepinfer_core.testing.serving import serve
 from tests.engine import test_tp_engine as tp_engine
 from tests.engine.test_spec_decode import CONFIG as MTP_CONFIG
 from tests.engine.test_spec_decode import generate as spec_generate
@@ -47,14 +48,11 @@ def prompts():
 
 
 def run(engine, requests) -> dict[str, tuple[list[int], list[float]]]:
+    request_ids, prompts, params = zip(*requests, strict=True)
     done = {}
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)])
+    for out in serve(engine, prompts, params, request_ids):
+        c = out.outputs[0]
+        done[out.request_id] = (c.token_ids, [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)])
     return done
 
 

@@ -18,6 +18,7 @@ from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.executor import MultiprocExecutor, WorkerError
 from deepinfer_core.engine.plan import ScheduledRequest, StepPlan
 from deepinfer_core.testing.checkpoints import write_checkpoint
+from deepinfer_core.testing.serving import serve
 from tests.engine.parallel_workload import run_batch
 from tests.oracle import parity_config, random_state_dict, write_config
 
@@ -133,11 +134,8 @@ def test_torchrun_ranks_serve_rank_zeros_engine(tmp_path):
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
     batch = prompts([9, 40])
     expected = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=2, num_kv_blocks=8))
-    for i, prompt in enumerate(batch):
-        expected.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    want = {}
-    while expected.has_unfinished_requests():
-        want.update({o.request_id: o.outputs[0].token_ids for o in expected.step() if o.finished})
+    outputs = serve(expected, batch, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    want = {o.request_id: o.outputs[0].token_ids for o in outputs}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),

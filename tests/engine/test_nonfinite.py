@@ -9,6 +9,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.testing.serving import serve
 from tests.engine.test_engine import CONFIG, WEIGHTS
 from tests.oracle import write_config
 
@@ -22,12 +23,8 @@ def engine_with(tmp_path, weights, **options) -> Engine:
 
 
 def run(engine, prompts):
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
-    return done
+    outputs = serve(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
+    return {o.request_id: o.outputs[0] for o in outputs}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

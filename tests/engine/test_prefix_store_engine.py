@@ -19,6 +19,7 @@ from deepinfer_core.engine.engine import Engine
 from deepinfer_core.engine.prefix_store import PrefixStore, encode_block
 from deepinfer_core.engine.store_backends import PosixBackend
 from deepinfer_core.testing.checkpoints import write_checkpoint
+from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict
 
 CONFIG = parity_config("hca128")  # 3 layers, window 16: exact replay recomputes 48 tokens per hit
@@ -33,13 +34,8 @@ def sessions() -> list[list[int]]:
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int = 4, **params) -> list:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                          logprobs=0, **params))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [done[str(i)] for i in range(len(prompts))]
+    return serve(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                                                 **params))
 
 
 def engine_of(model_dir, **options) -> Engine:

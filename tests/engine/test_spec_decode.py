@@ -9,6 +9,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("sliding_csa_hca")  # window 8, CSA rate 4, HCA rate 16: drafts cross every ring
@@ -31,14 +32,8 @@ def prompts(lengths, seed=0, repeat=1):
 
 
 def generate(engine: Engine, token_prompts, max_tokens=10, **params) -> dict[str, list[int]]:
-    for i, prompt in enumerate(token_prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    outputs = serve(engine, token_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+    return {out.request_id: out for out in outputs}
 
 
 def tokens(outputs) -> dict[str, list[list[int]]]:
@@ -147,14 +142,12 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(tmp_path, greedy_refer
     stop = first[6]
     engine = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": 5})
     engine.speculator.drafter = ScriptedDrafter({"0": greedy_reference["2"][0], "1": greedy_reference["2"][0]}, 0)
-    engine.add_request("0", MIXED[2], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
-    engine.add_request("1", MIXED[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done["0"].outputs[0].token_ids == first[: first.index(stop) + 1]
-    assert done["0"].outputs[0].finish_reason == "stop"
-    assert done["1"].outputs[0].token_ids == first[:4]
+    stopped, cut = serve(engine, [MIXED[2], MIXED[2]], [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
+    assert stopped.outputs[0].token_ids == first[: first.index(stop) + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].token_ids == first[:4]
 
 
 def test_deterministic_mode_gives_bitwise_equal_logprobs_with_speculation(tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.engine.plan import PENDING_TOKEN
+from deepinfer_core.testing.serving import serve
 from tests.engine.test_engine import CONFIG, make_engine, random_prompts
 from tests.oracle import hf_model, random_state_dict
 
@@ -40,15 +41,11 @@ def test_penalised_greedy_equals_the_oracle_under_chunking_and_preemption(tmp_pa
     engine = make_engine(tmp_path, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=4,
                          async_scheduling=async_scheduling)
     names = {"presence": "presence_penalty", "frequency": "frequency_penalty", "repetition": "repetition_penalty"}
-    for i, (prompt, pen) in enumerate(zip(prompts, penalties)):
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                **{names[k]: v for k, v in pen.items()})
-        engine.add_request(str(i), prompt, params)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **{names[k]: v for k, v in pen.items()})
+              for pen in penalties]
     plans, execute = [], engine.executor.execute
     engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = {out.request_id: out for out in serve(engine, prompts, params)}
     assert engine.stats()["num_preemptions"] > 0, "the pool was meant to force a readmission"
     pending = [r for plan in plans for r in plan.requests if PENDING_TOKEN in r.token_ids]
     assert all(r.request_id == "3" for r in pending)  # a penalised request's input is never left on the device

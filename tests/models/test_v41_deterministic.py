@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_core import SamplingParams
+from deepinfer_core.testing.serving import serve
 from tests.models.v41_helpers import make_engine, random_prompt, tiny_checkpoint
 from tests.oracle import greedy_tokens_and_logprobs
 
@@ -77,12 +78,8 @@ def test_same_logprobs_after_prefix_hit_which_replays_exactly(checkpoint, alone)
 def test_same_prompt_logprobs_alone_chunked_and_in_a_batch(checkpoint):
     def prompt_logprobs(batch, **options):
         engine = make_engine(*checkpoint, deterministic=True, max_num_seqs=len(batch), **options)
-        for i, prompt in enumerate(batch):
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-        done = {}
-        while engine.has_unfinished_requests():
-            done |= {out.request_id: out for out in engine.step() if out.finished}
-        return [entry and [(t, p.logprob) for t, p in entry.items()] for entry in done["0"].prompt_logprobs]
+        target = serve(engine, batch, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        return [entry and [(t, p.logprob) for t, p in entry.items()] for entry in target.prompt_logprobs]
 
     alone = prompt_logprobs([TARGET])
     assert alone[0] is None and len(alone) == len(TARGET)

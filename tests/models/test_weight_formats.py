@@ -121,6 +121,7 @@ def test_native_keeps_unquantised_and_fp8_experts_dense(tmp_path):
 def test_given_packed_weights_run_as_the_mode_says(fp4_dir, mode):
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.testing.serving import serve
 
     config = ModelConfig.from_dir(fp4_dir)
     packed = load_weights(fp4_dir, config, keep_fp4=True)
@@ -132,12 +133,8 @@ def test_given_packed_weights_run_as_the_mode_says(fp4_dir, mode):
     reference = LLM(str(fp4_dir), dtype="float32", max_model_len=128, num_kv_blocks=4, max_num_seqs=2,
                     quantized_weights="dequantize")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    engine.add_request("a", list(range(3, 30)), params)
-    tokens = []
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                tokens = list(output.outputs[0].token_ids)
+    [output] = serve(engine, [list(range(3, 30))], params, ["a"])
+    tokens = list(output.outputs[0].token_ids)
     want = reference.generate({"prompt_token_ids": list(range(3, 30))}, params, use_tqdm=False)
     assert tokens == list(want[0].outputs[0].token_ids)
 

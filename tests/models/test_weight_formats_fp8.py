@@ -83,6 +83,7 @@ def test_a_bf16_checkpoint_builds_the_model_it_built_before(tmp_path):
 def test_given_fp8_weights_run_as_the_mode_says(fp8_dirs, mode):
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.testing.serving import serve
 
     model_dir = fp8_dirs["v41"]
     config = ModelConfig.from_dir(model_dir)
@@ -93,12 +94,8 @@ def test_given_fp8_weights_run_as_the_mode_says(fp8_dirs, mode):
     held = any(isinstance(m, FP8Linear) for m in engine.executor.runner.model.modules())
     assert held == (mode == "native")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    engine.add_request("a", list(range(3, 30)), params)
-    tokens = []
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                tokens = list(output.outputs[0].token_ids)
+    [output] = serve(engine, [list(range(3, 30))], params, ["a"])
+    tokens = list(output.outputs[0].token_ids)
     reference = LLM(str(model_dir), dtype="float32", quantized_weights="dequantize", **OPTIONS)
     want = reference.generate({"prompt_token_ids": list(range(3, 30))}, params, use_tqdm=False)
     assert tokens == list(want[0].outputs[0].token_ids)

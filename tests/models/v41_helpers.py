@@ -14,6 +14,7 @@ from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.models.v41_config import V41Config
 from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.models.v41_weights import load_v41_checkpoint
+from deepinfer_core.testing.serving import serve
 
 
 @functools.lru_cache(maxsize=2)
@@ -49,12 +50,5 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int | list[int], *
     """Greedy outputs (chosen-token logprobs on) of `prompts` served together to the end; `max_tokens`
     one for all or one per prompt, `params` more `SamplingParams` fields."""
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    for i, (prompt, n) in enumerate(zip(prompts, counts, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0,
-                                                          **params))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
+    return serve(engine, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **params)
+                                   for n in counts])

@@ -24,6 +24,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+from deepinfer_core.testing.serving import serve
 
 CONFIG = tiny_config("hca128", head_dim=512, num_attention_heads=2)
 CPU = torch.device("cpu")
@@ -58,15 +59,11 @@ def generate(tmp_path, prompts):
     config = EngineConfig(model=str(tmp_path), dtype="float16", device="cpu", max_num_seqs=4, max_model_len=512,
                           num_kv_blocks=16, enforce_eager=True)
     engine = Engine(config, weights=random_state_dict(CONFIG, seed=2))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                completion = out.outputs[0]
-                done[out.request_id] = (list(completion.token_ids),
-                                        [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)])
+    for out in serve(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)):
+        completion = out.outputs[0]
+        done[out.request_id] = (list(completion.token_ids),
+                                [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)])
     return done
 
 

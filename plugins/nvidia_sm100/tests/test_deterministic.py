@@ -20,6 +20,7 @@ from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+from deepinfer_core.testing.serving import serve
 
 CONFIG = tiny_config("hca128", index_n_heads=32)  # window 16, CSA rate 4, HCA rate 128
 WEIGHTS = random_state_dict(CONFIG, seed=11)
@@ -45,16 +46,10 @@ def make_engine(tmp_path, deterministic: bool = True, dtype: str = "bfloat16", *
 def generate(engine: Engine, batch: list[list[int]], num_tokens: int = NUM_TOKENS) -> list[tuple]:
     """`(token ids, logprobs)` per prompt, in order."""
     base = next(_CALLS)  # distinct request ids per call on a reused engine
-    for i, prompt in enumerate(batch):
-        engine.add_request(f"{base}-{i}", prompt, SamplingParams(temperature=0, max_tokens=num_tokens,
-                                                                 ignore_eos=True, logprobs=0))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)])
-    return [done[f"{base}-{i}"] for i in range(len(batch))]
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
+    outputs = serve(engine, batch, params, [f"{base}-{i}" for i in range(len(batch))])
+    completions = [out.outputs[0] for out in outputs]
+    return [(list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]) for c in completions]
 
 
 @pytest.fixture(scope="module")

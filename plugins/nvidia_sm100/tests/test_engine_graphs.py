@@ -13,6 +13,7 @@ from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
+from deepinfer_core.testing.serving import serve
 
 CONFIG = tiny_config("hca128")  # window 16, CSA rate 4, HCA rate 128
 LENGTHS = [5, 30, 120, 250, 500]  # decode crosses CSA closes, and HCA closes at 128 and 256
@@ -27,16 +28,12 @@ def make_engine(tmp_path, enforce_eager: bool) -> Engine:
 
 
 def generate(engine: Engine, prompts: list[list[int]]) -> dict[str, tuple[list[int], list[float]]]:
-    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
-        engine.add_request(str(i), prompt, params)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                completion = out.outputs[0]
-                logprobs = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
-                done[out.request_id] = (list(completion.token_ids), logprobs)
+    for out in serve(engine, prompts, params):
+        completion = out.outputs[0]
+        logprobs = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
+        done[out.request_id] = (list(completion.token_ids), logprobs)
     return done
 
 

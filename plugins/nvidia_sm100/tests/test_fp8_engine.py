@@ -25,6 +25,7 @@ from deepinfer_core.models import quant
 from deepinfer_core.models.layers import FP8Linear
 from deepinfer_core.models.tiny import tiny_config, write_checkpoint
 from deepinfer_core.reference.linear import ReferenceLinear
+from deepinfer_core.testing.serving import serve
 from tests.oracle import run_chunked
 
 NEAR_TIE = 0.1
@@ -95,14 +96,7 @@ def test_every_position_matches_activation_quantisation_in_torch(kernel_device, 
 
 def _greedy(engine, prompts, max_tokens=12):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0]
-    return [done[i] for i in range(len(prompts))]
+    return [out.outputs[0] for out in serve(engine, prompts, params)]
 
 
 PROMPT_LENGTHS = (3, 17, 40, 90)

@@ -68,6 +68,7 @@ def test_v41_with_host_engram_tables_keeps_graph_decode_and_the_device_tables_to
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher
     from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
+    from deepinfer_core.testing.serving import serve
 
     directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(), seed=3)
     gen = torch.Generator().manual_seed(0)
@@ -77,11 +78,8 @@ def test_v41_with_host_engram_tables_keeps_graph_decode_and_the_device_tables_to
         config = EngineConfig(model=str(directory), dtype="float32", device="cuda", max_num_seqs=4,
                               num_kv_blocks=16, **options)
         engine = Engine(config)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        done = {}
-        while engine.has_unfinished_requests():
-            done |= {o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished}
+        outputs = serve(engine, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        done = {o.request_id: list(o.outputs[0].token_ids) for o in outputs}
         model, graphs, prefetcher = engine.runner.model, engine.runner.graphs, engine.runner.model.prefetcher
         engine.shutdown()
         return done, model, graphs, prefetcher

@@ -1,0 +1,33 @@
+"""Serving requests to the end: the loop that engine tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from deepinfer_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.outputs import RequestOutput
+
+
+def serve(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+          request_ids: Sequence[str] | None = None) -> list[RequestOutput]:
+    """Serve `prompts` together to the end; their final outputs, in prompt order.
+
+    Every prompt is queued before the first step, as request `request_ids[i]` (by default `str(i)`) with
+    `params` (one for all, or one per prompt); then the engine steps until it holds no unfinished request.
+
+    :param engine: an `Engine`, or anything with its `add_request`, `step` and `has_unfinished_requests`
+        (a `DataParallelEngine`).
+    :returns: each request's finished `RequestOutput`, in the order of `prompts`.
+    """
+    ids = [str(i) for i in range(len(prompts))] if request_ids is None else list(request_ids)
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    for request_id, prompt, request_params in zip(ids, prompts, per_prompt, strict=True):
+        engine.add_request(request_id, prompt, request_params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    return [finished[request_id] for request_id in ids]

@@ -1,7 +1,7 @@
 """Host overhead of the engine's decode step: wall time per step minus the time in the model and sampler.
 
     python bench/host_overhead.py [--batch 1,16,64,256] [--steps 32] [--mode eager,graph] [--device cpu]
-                                  [--stop] [--logprobs N] [--profile] [--top 25]
+                                  [--stop] [--logprobs N] [--spec K] [--async-scheduling] [--profile] [--top 25]
 
 A model so small its forward is cheap (hidden 64, the three attention kinds, vocabulary 1024, fp32)
 with the real DeepSeek-V4 tokenizer (the recipe plugin's fallback: the checkpoint ships no tokenizer.json,
@@ -15,6 +15,11 @@ or a CUDA graph's replay), `sample` (the sampler), and `host` = wall - forward -
 faster model cannot shrink (scheduling, input building, output processing, detokenization). On the CPU
 (one thread) forward and sample are host timers; on a GPU (`--device cuda`) they are the device time
 between CUDA events around the calls, so `host` is the time the GPU spends waiting for the host.
+`gap` is the host time from the first read of a step's results (its sampled tokens) to the next step's
+forward call: the time a device waits between two steps for a host that cannot run ahead (on the CPU,
+where every call is synchronous, the only measure of it). Work the engine does after launching the
+next step (a verification step's outputs under `async_scheduling`) is not in it. `--async-scheduling`
+turns the engine's overlapped scheduling on, as on a GPU.
 Modes: `eager` builds flat inputs (`ModelRunner.prepare_inputs`); `graph` runs decode through
 `DecodeGraphs`: captured CUDA graphs on a GPU, and on the CPU the same static-buffer inputs run eagerly.
 
@@ -61,11 +66,17 @@ class _Clock:
         self.is_profiling = False
         """Set while the timed steps run under the profiler."""
         self._events: list = []
+        self.read_at, self.gap_seconds = None, 0.0
+        """When the host last began reading a step's results (`_mark_reads`), and the host time from each
+        such read to the next call timed here (the forward's clock: the next step's launch)."""
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
             if self.is_profiling:
                 self.profiler.disable()
+            if self.read_at is not None:
+                self.gap_seconds += time.perf_counter() - self.read_at
+                self.read_at = None
             if self.is_cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -119,7 +130,8 @@ class RepeatDrafter:
         return [seq.token_ids[-1]] * max_drafts, None
 
 
-def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str, spec: int = 0) -> Engine:
+def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str, spec: int = 0,
+                 async_scheduling: bool | None = None) -> Engine:
     max_len = PROMPT_LEN + (spec + 1) * steps + 8
     blocks_per_seq = -(-max_len // BLOCK_SIZE)
     engine = Engine(EngineConfig(
@@ -127,7 +139,7 @@ def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str
         max_num_batched_tokens=max(batch * PROMPT_LEN, 2048), max_model_len=max_len,
         num_kv_blocks=batch * blocks_per_seq, enforce_eager=mode == "eager",
         speculative_config={"method": "ngram", "num_speculative_tokens": spec, "draft_length_policy": "fixed"}
-        if spec else None,
+        if spec else None, async_scheduling=async_scheduling,
     ))
     if spec:
         engine.speculator.drafter = RepeatDrafter()
@@ -147,11 +159,26 @@ def _install_clocks(engine: Engine, profiler: cProfile.Profile | None) -> tuple[
         for key, (graph, *outputs) in captured.items():  # (graph, logits, final streams)
             captured[key] = (_Timed(graph, forward, ("replay",)), *outputs)
     runner.sampler = _Timed(runner.sampler, sample, ("sample",))
+    runner.launch = engine.executor.launch = _mark_reads(runner.launch, forward)
     return forward, sample
 
 
+def _mark_reads(launch, clock: _Clock):
+    """`ModelRunner.launch` whose completions note when they start (the host's first read of the step's
+    results) in `clock.read_at`."""
+    def marked(plan):
+        complete = launch(plan)
+
+        def read():
+            clock.read_at = time.perf_counter()
+            return complete()
+        return read
+    return marked
+
+
 def measure(model_dir: Path, batch: int, args: argparse.Namespace, mode: str) -> dict:
-    engine = build_engine(model_dir, batch, args.steps, mode, args.device, args.spec)
+    engine = build_engine(model_dir, batch, args.steps, mode, args.device, args.spec,
+                          True if args.async_scheduling else None)
     profiler = cProfile.Profile() if args.profile else None
     forward, sample = _install_clocks(engine, profiler)
     generator = torch.Generator().manual_seed(batch)
@@ -168,7 +195,7 @@ def measure(model_dir: Path, batch: int, args: argparse.Namespace, mode: str) ->
     synchronize()
     forward.collect()
     sample.collect()
-    forward.seconds = sample.seconds = 0.0
+    forward.seconds = sample.seconds = forward.gap_seconds = 0.0
     forward.is_profiling = sample.is_profiling = profiler is not None
     wall = 0.0
     for _ in range(args.steps):
@@ -191,6 +218,7 @@ def measure(model_dir: Path, batch: int, args: argparse.Namespace, mode: str) ->
     }
     result["host_ms"] = result["wall_ms"] - result["forward_ms"] - result["sample_ms"]
     result["host_us_per_request"] = result["host_ms"] * 1e3 / batch
+    result["gap_ms"] = forward.gap_seconds * per_step
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
@@ -210,6 +238,9 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true", help="print a cProfile top list of the host part")
     parser.add_argument("--spec", type=int, default=0, metavar="K",
                         help="speculative decoding: every step verifies K drafts (the last token repeated)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine's async_scheduling on (a GPU's default; on the CPU the steps run the same "
+                             "code, synchronously)")
     parser.add_argument("--top", type=int, default=25, help="rows of the profile")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -225,11 +256,11 @@ def main(argv=None) -> None:
                 if profile:
                     print(profile)
                 rows.append(result)
-    print("\n| mode | batch | wall ms/step | forward ms | sample ms | host ms | host us/request |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| mode | batch | wall ms/step | forward ms | sample ms | host ms | host us/request | gap ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['batch']} | {r['wall_ms']:.2f} | {r['forward_ms']:.2f} | {r['sample_ms']:.2f} "
-              f"| {r['host_ms']:.2f} | {r['host_us_per_request']:.1f} |")
+              f"| {r['host_ms']:.2f} | {r['host_us_per_request']:.1f} | {r['gap_ms']:.2f} |")
 
 
 if __name__ == "__main__":

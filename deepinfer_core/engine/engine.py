@@ -13,6 +13,11 @@ Any step that is not all decodes (a prefill, an admission, a sequence waiting) f
 in flight, so prefill and preemption see only real tokens. Under speculative decoding a verify step is
 never left in flight (the next plan's positions and drafts follow from its accepted counts), and a step
 in flight is overlapped only while the next would verify no draft (`Speculator.allows_overlap`).
+A verification step is instead read late: `step()` reads the step launched by the call before (its
+tokens, accepted drafts and rollback), schedules and launches the next one (`ModelRunner.launch`), and
+only then builds and returns the outputs of the step it read, so the device computes while the host
+reports (the in-process executor, with `async_scheduling`). Everything that decides the next plan still
+comes before it; only the outputs come a call later.
 
 A structured-output request decodes every step too when the model runs in this process: its row of the
 next plan's grammar bitmask is filled by the runner once that step's forward is launched, through
@@ -26,6 +31,7 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -35,11 +41,11 @@ from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
-from deepinfer_core.engine.executor import can_defer_bitmask, make_executor, parallel_stats
+from deepinfer_core.engine.executor import can_defer_bitmask, can_launch, make_executor, parallel_stats
 from deepinfer_core.engine.kv_blocks import layout_bytes
 from deepinfer_core.engine.kv_transfer import first_token_of, first_token_output
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
-from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan
+from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.engine.prefix_tiers import make_prefix_tiers
 from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
@@ -150,6 +156,10 @@ class Engine:
         self._defers_grammar_masks = self._overlap and self.speculator is None and can_defer_bitmask(self.executor)
         """Constrained requests' masks may be filled after their step launches (see the module docstring)."""
         self._in_flight: InFlightStep | None = None
+        self._launches_verify = self._overlap and self.speculator is not None and can_launch(self.executor)
+        """Verification steps are launched before the previous step's outputs are built (module docstring)."""
+        self._launched: tuple[StepPlan, list[Sequence], Callable[[], StepResult]] | None = None
+        """A verification step the last `step()` launched and has not read: (plan, its sequences, completion)."""
         self._touched: dict[str, _Request] = {}
         self._seed_source = random.Random(self.config.seed)
         self._token_texts: dict[int, str] = {}
@@ -245,6 +255,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (in-process: the model's own threads); the engine is unusable afterwards."""
+        if self._launched is not None:  # a verification step nobody read (its requests were aborted)
+            self._read_launched({})
         self.flush_cache_ops()
         if self.prefix_tiers is not None:
             self.prefix_tiers.close()
@@ -265,7 +277,8 @@ class Engine:
         With overlapped decode a decode step's tokens are reported by the step after it. Once nothing is
         left to run, blocks still queued for the prefix tiers are saved (so they outlive the process)."""
         outputs = self._step()
-        if self.prefix_tiers is not None and self._in_flight is None and not self.scheduler.has_unfinished():
+        if (self.prefix_tiers is not None and self._in_flight is None and self._launched is None
+                and not self.scheduler.has_unfinished()):
             self.flush_cache_ops()
         return outputs
 
@@ -282,6 +295,8 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         touched, self._touched = self._touched, {}  # requests added with their first token count as progressed
+        if self._launched is not None:  # the verification step the last call launched: read it first
+            self._read_launched(touched)
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not self._can_overlap():
             self._settle(in_flight, touched)
@@ -306,6 +321,11 @@ class Engine:
             plan, functools.partial(self._accept_grammar_tokens, in_flight) if in_flight is not None else None)
         seqs = [owner[r.request_id].seq for r in plan.requests]
         self._note_scheduled(seqs)
+        if self._launches_verify and in_flight is None and not plan.cache_ops and any(
+                r.num_draft_tokens for r in plan.requests):
+            self._launched = plan, seqs, self.executor.launch(plan)
+            # the device runs the step while the host reports the step read above
+            return [self._finish_output(request) for request in touched.values()]
         result = self.executor.execute(plan)
         if plan.cache_ops:
             self.prefix_tiers.accept_saved(plan.cache_ops, result.saved)
@@ -322,6 +342,17 @@ class Engine:
                 self.speculator.record(plan, None, is_overlapped=True)
             self._in_flight = launched
             return outputs
+        self._apply_result(plan, seqs, result, touched)
+        return [self._finish_output(request) for request in touched.values()]
+
+    def _read_launched(self, touched: dict[str, _Request]) -> None:
+        (plan, seqs, complete), self._launched = self._launched, None
+        self._apply_result(plan, seqs, complete(), touched)
+
+    def _apply_result(self, plan: StepPlan, seqs: list[Sequence], result: StepResult,
+                      touched: dict[str, _Request]) -> None:
+        """Record that `plan` ran and take in what it produced: prompt logprobs, sampled tokens (stop rules
+        applied), the MTP drafter's next drafts and the accepted drafts."""
         self.scheduler.postprocess(plan)
         for i, (first, logits) in result.prompt_logits.items():
             self._record_prompt_logprobs(seqs[i], first, logits)
@@ -336,7 +367,6 @@ class Engine:
             if result.num_accepted is not None:  # drafts accepted: computed now that they are tokens
                 self.scheduler.accept_drafts(plan, result.num_accepted)
             self.speculator.record(plan, result.num_accepted)
-        return [self._finish_output(request) for request in touched.values()]
 
     def _can_leave_in_flight(self, plan: StepPlan, result) -> bool:
         """Whether the executed step may stay unread while the next launches (`overlap.can_leave_in_flight`);

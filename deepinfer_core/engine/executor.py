@@ -100,6 +100,7 @@ class UniExecutor:
         self.info = runner_info(self.runner)
         self.infos = [self.info]
         self.execute = self.runner.execute
+        self.launch = self.runner.launch
 
     def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
         return [self.runner.execute(plan) for plan in plans]
@@ -185,13 +186,28 @@ class MultiprocExecutor:
                     try:
                         kind, payload = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
+                        self._fail_dead_peer(rank, what)
                         self._fail(rank, f"exited during {what} (exit code {self._procs[rank].wait(5)})")
                     if kind == "error":
+                        self._fail_dead_peer(rank, what)
                         self._fail(rank, f"raised during {what}: {payload}")
                     answers[rank] = payload
                 elif self._procs[rank].poll() is not None:
                     self._fail(rank, f"exited during {what} (exit code {self._procs[rank].returncode})")
         return [answers[rank] for rank in range(self.world_size)]
+
+    def _fail_dead_peer(self, rank: int, what: str, grace_s: float = 1.0) -> None:
+        """A rank's error is most often the echo of another rank's death (a collective lost its peer): if
+        another rank is killed by a signal within `grace_s`, name that one (a rank that raised exits with
+        1 after its report)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for peer in range(self.world_size):
+                if peer != rank and (self._procs[peer].poll() or 0) < 0:
+                    self._fail(peer, f"exited during {what} (exit code {self._procs[peer].returncode})")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _fail(self, rank: int, cause: str):
         self.shutdown()
@@ -245,6 +261,12 @@ def can_defer_bitmask(executor: Executor) -> bool:
     ranks (multi-process and torchrun executors: tensor, data, expert and context parallelism) must
     pickle, so there a constrained request keeps sitting out the step launched while its last token is
     still on the device (`Sequence.waits_for_host`), and decodes every other step."""
+    return isinstance(executor, UniExecutor)
+
+
+def can_launch(executor: Executor) -> bool:
+    """Whether `executor` can queue a step and be read later (`launch`, `ModelRunner.launch`): only the
+    in-process runner can; worker ranks answer each plan whole."""
     return isinstance(executor, UniExecutor)
 
 

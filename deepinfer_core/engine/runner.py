@@ -137,6 +137,8 @@ class ModelRunner:
         self.block_io = BlockIO(self.block_layout, self.kv_cache.layers)  # the plan's cache ops
         self.requests: dict[str, RequestState] = {}
         self._carried: CarriedTokens | None = None
+        self._kept_sampling: tuple[list[RequestState], object] | None = None
+        """The last step's rows and sampling tensors, while no row's tensors follow its history."""
         self.spec = SpecVerifier.build(engine_config, model_config, self.plans, self.kv_cache, device)
         """Speculative verification (None without `speculative_config`)."""
         self.mtp = build_mtp_drafter(self, self._mtp_weights)
@@ -294,22 +296,33 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan: compute every scheduled token, sample the requests it marks."""
+        return self.launch(plan)()
+
+    def launch(self, plan: StepPlan) -> Callable[[], StepResult]:
+        """Queue `plan`'s forward and sampling on the device and return what completes the step: call it
+        for the `StepResult`. Completing reads the sampled tokens (verification accepts drafts and rolls
+        the rejected ones back, the MTP drafter proposes); the host may do other work in between, such
+        as building the previous step's outputs, while the device runs (`Engine` does so for
+        verification steps). Complete each launch before the next one."""
         if plan.cache_ops:  # prefix-tier transfers first: a block saved here may be rewritten below
-            return self._execute_with_cache_ops(plan)
+            result = self._execute_with_cache_ops(plan)
+            return lambda: result
         states = self.update_states(plan)
         if self._graph_width(plan):  # decode, or verification with the same number of drafts everywhere
             rows = spec_verify.logits_row_requests(plan, list(range(len(states))))
             tensors = self._sampling_tensors(plan, states, rows)  # before the launch: no wait on copies
             saved = self.spec.capture(plan, states) if self.spec is not None else None
             logits = self.graphs.run(plan.requests, states, self._carried)
-            return self._finish(plan, states, rows, logits, tensors, {}, saved,
-                                self.graphs.input_ids[: plan.num_tokens])
+            sampled = self._sample(plan, rows, logits, tensors, {})
+            return functools.partial(self._complete, plan, states, rows, logits, tensors, sampled, saved,
+                                     self.graphs.input_ids[: plan.num_tokens])
         layout = self.context_parallel.layout(plan, states) if self.context_parallel is not None else None
         if layout is not None:  # a prefill step split over the cp ranks
             logits, sampled, prompt_spans = self.context_parallel.forward(self, layout, self._carried)
             prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
             tensors = self._sampling_tensors(plan, states, sampled)
-            return self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
+            result = self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
+            return lambda: result
         ctx, logits_indices, sampled, prompt_spans, pending = self.prepare_inputs(plan, states)
         if pending:
             if self._carried is None:
@@ -320,13 +333,14 @@ class ModelRunner:
         saved = self.spec.capture(plan, states) if self.spec is not None else None
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        return self._finish(plan, states, rows, logits[: len(rows)], tensors, prompt_logits, saved, ctx.input_ids)
+        sampled = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
+        return functools.partial(self._complete, plan, states, rows, logits[: len(rows)], tensors, sampled, saved,
+                                 ctx.input_ids)
 
-    def _finish(self, plan: StepPlan, states: list[RequestState], rows: list[int], logits: torch.Tensor, tensors,
-                prompt_logits: dict, saved: SavedRows | None, input_ids: torch.Tensor) -> StepResult:
-        """Sample the step's logits rows, then verify drafts (`saved`: the cache rows they overwrote)
-        and let the MTP drafter propose the next ones."""
-        result = self._sample(plan, rows, logits, tensors, prompt_logits)
+    def _complete(self, plan: StepPlan, states: list[RequestState], rows: list[int], logits: torch.Tensor, tensors,
+                  result: StepResult, saved: SavedRows | None, input_ids: torch.Tensor) -> StepResult:
+        """After sampling (`result`): verify drafts (`saved`: the cache rows they overwrote) and let the
+        MTP drafter propose the next ones."""
         if saved is not None:
             draft_probs = self.mtp.draft_probs(plan) if self.mtp is not None else None
             result = self.spec.finish(plan, states, rows, logits, tensors, result, saved, draft_probs)
@@ -341,20 +355,29 @@ class ModelRunner:
         return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
-        """`sampled`: per logits row, its request's index in `plan.requests` (repeated for drafts)."""
+        """`sampled`: per logits row, its request's index in `plan.requests` (repeated for drafts).
+
+        A step whose rows are the last step's requests in the same order (decode after decode) reuses its
+        tensors and sends only the new `steps`, unless some row's tensors follow its history (penalties,
+        banned ids: `min_tokens` not reached, bad words)."""
         if not sampled:
             return None
         rows = [states[i] for i in sampled]
         offsets = spec_verify.row_token_offsets(plan, sampled)
+        steps = [plan.requests[i].end - states[i].num_prompt_tokens + j for i, j in zip(sampled, offsets)]
+        kept = self._kept_sampling
+        if kept is not None and len(kept[0]) == len(rows) and all(a is b for a, b in zip(kept[0], rows)):
+            return replace(kept[1], steps=host_tensor(steps).to(self.device, non_blocking=True))
         history = {}
         if any(s.token_ids is not None for s in rows):  # penalties read the ids (never pending: no overlap)
             history = {"output_token_ids": [s.token_ids[s.num_prompt_tokens :] if s.token_ids else [] for s in rows],
                        "prompt_token_ids": [s.token_ids[: s.num_prompt_tokens] if s.token_ids else [] for s in rows]}
-        return prepare_sampling_tensors(
-            [s.sampling_params for s in rows], [s.seed for s in rows],
-            [plan.requests[i].end - states[i].num_prompt_tokens + j for i, j in zip(sampled, offsets)],
-            self.config.eos_token_ids, self.device, self.config.vocab_size, **history,
-        )
+        params = [s.sampling_params for s in rows]
+        tensors = prepare_sampling_tensors(params, [s.seed for s in rows], steps, self.config.eos_token_ids,
+                                           self.device, self.config.vocab_size, **history)
+        is_fixed = not history and tensors.banned_token_ids is None and not any(p.bad_words_token_ids for p in params)
+        self._kept_sampling = (rows, tensors) if is_fixed else None
+        return tensors
 
     def _sample(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, tensors,
                 prompt_logits: dict) -> StepResult:

@@ -146,3 +146,25 @@ def test_torchrun_ranks_serve_rank_zeros_engine(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(lines) == 1, proc.stdout  # rank 0 alone returned from Engine(...)
     assert json.loads(lines[0].removeprefix("TOKENS ")) == want
+
+
+class _Proc:
+    def __init__(self, returncode):
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+@pytest.mark.parametrize(("returncodes", "named"), [((None, -9), 1), ((None, 1), None), ((None, None), None)])
+def test_a_peer_killed_by_a_signal_is_named_instead_of_the_rank_whose_collective_failed(returncodes, named):
+    """Rank 0 reports an error: a peer killed by a signal is the cause and is named; a peer that exited
+    with 1 raised itself (its own report names it), and a live peer is no cause."""
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor.world_size, executor._procs = 2, [_Proc(code) for code in returncodes]
+    executor.shutdown = lambda: None
+    if named is None:
+        assert executor._fail_dead_peer(0, "a step", grace_s=0.1) is None
+    else:
+        with pytest.raises(WorkerError, match=rf"worker rank {named} exited during a step \(exit code -9\)"):
+            executor._fail_dead_peer(0, "a step", grace_s=0.1)

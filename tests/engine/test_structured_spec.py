@@ -21,11 +21,11 @@ jsonschema = pytest.importorskip("jsonschema")
 K = 4
 
 
-def make_engine(spec: dict | None) -> Engine:
+def make_engine(spec: dict | None, async_scheduling: bool = False) -> Engine:
     if spec is not None:  # these tests check the verification machinery: verify every draft
         spec = {"draft_length_policy": "fixed", **spec}
     return LLM(str(embedded_tiny_model_dir()), max_model_len=256, max_num_seqs=16, num_kv_blocks=40, device="cpu",
-               async_scheduling=False, speculative_config=spec).engine
+               async_scheduling=async_scheduling, speculative_config=spec).engine
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,11 @@ def plain() -> Engine:
     return make_engine(None)
 
 
-@pytest.fixture(scope="module")
-def speculative() -> Engine:
-    return make_engine({"method": "ngram", "num_speculative_tokens": K})
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "read-late"])
+def speculative(request) -> Engine:
+    """Verify steps read at once, or read late (`async_scheduling`: the outputs of a step are built after
+    the next one launches, the matchers advanced before it is scheduled)."""
+    return make_engine({"method": "ngram", "num_speculative_tokens": K}, async_scheduling=request.param)
 
 
 REQUESTS = {
@@ -73,14 +75,15 @@ class ScriptedDrafter:
 
 
 def count_constrained_drafts(engine: Engine, monkeypatch) -> list[int]:
-    """Per constrained request of each plan, the drafts it verified."""
-    execute, counts = engine.executor.execute, []
+    """Per constrained request of each plan, the drafts it verified (plans run at once or launched)."""
+    counts = []
+    for name in ("execute", "launch"):
+        run = getattr(engine.executor, name)
 
-    def record(plan):
-        counts.extend(r.num_draft_tokens for r in plan.requests if r.grammar_row is not None)
-        return execute(plan)
-
-    monkeypatch.setattr(engine.executor, "execute", record)
+        def record(plan, run=run):
+            counts.extend(r.num_draft_tokens for r in plan.requests if r.grammar_row is not None)
+            return run(plan)
+        monkeypatch.setattr(engine.executor, name, record)
     return counts
 
 

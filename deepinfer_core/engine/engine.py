@@ -255,8 +255,6 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (in-process: the model's own threads); the engine is unusable afterwards."""
-        if self._launched is not None:  # a verification step nobody read (its requests were aborted)
-            self._read_launched({})
         self.flush_cache_ops()
         if self.prefix_tiers is not None:
             self.prefix_tiers.close()
@@ -284,7 +282,10 @@ class Engine:
 
     def flush_cache_ops(self) -> None:
         """Run the queued prefix-tier transfers in a plan of their own (no tokens): afterwards every
-        computed block is in the host tier and queued for the store."""
+        computed block is in the host tier and queued for the store. A verify step still launched is read
+        first (its outputs come with the next `step()`)."""
+        if self._launched is not None:
+            self._read_launched(self._touched)
         if self.prefix_tiers is None:
             return
         if self.prefix_tiers.has_cache_ops:

@@ -215,3 +215,21 @@ def test_shutdown_reads_a_step_left_launched(tmp_path, references):
     engine._launched = (launched[0], launched[1], lambda: read.append(1) or launched[2]())
     engine.shutdown()
     assert read == [1] and engine._launched is None
+
+
+def test_cache_ops_read_a_launched_step_first_and_its_outputs_come_with_the_next_step(tmp_path, references):
+    """`flush_cache_ops` between steps (a prefill instance exporting a prompt does this) reads the launched
+    verify step before it runs its own plan; the tokens read are reported by the next `step()`."""
+    reference = references["greedy"]
+    engine = spec_engine(tmp_path, continuations(reference), 0, enable_prefix_caching=True, host_cache_gib=0.01)
+    engine.add_request("0", PROMPTS[0], GREEDY[0])
+    while engine._launched is None:
+        engine.step()
+    engine.flush_cache_ops()
+    assert engine._launched is None
+    (out,) = engine.step()
+    assert out.outputs[0].token_ids == reference["0"][0][0][: len(out.outputs[0].token_ids)]
+    assert len(out.outputs[0].token_ids) == 1 + 4  # the prefill's token, then the step read by the flush
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.executor.info.num_blocks

@@ -356,7 +356,8 @@ class Engine:
         applied), the MTP drafter's next drafts and the accepted drafts."""
         self.scheduler.postprocess(plan)
         for i, (first, logits) in result.prompt_logits.items():
-            self._record_prompt_logprobs(seqs[i], first, logits)
+            if not seqs[i].is_finished:  # aborted while its step was launched (read late): it has no owner now
+                self._record_prompt_logprobs(seqs[i], first, logits)
         if result.output is not None:
             is_identity = len(result.sampled) == len(seqs) and result.num_accepted is None
             sampled = seqs if is_identity else [seqs[i] for i in result.sampled]

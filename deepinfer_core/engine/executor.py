@@ -186,26 +186,31 @@ class MultiprocExecutor:
                     try:
                         kind, payload = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
-                        self._fail_dead_peer(rank, what)
-                        self._fail(rank, f"exited during {what} (exit code {self._procs[rank].wait(5)})")
+                        code = self._procs[rank].wait(5)
+                        cause = f"exited during {what} (exit code {code})"
+                        if code >= 0:  # not killed by a signal: a peer's death may be the cause
+                            self._fail_dead_peer(rank, what, cause)
+                        self._fail(rank, cause)
                     if kind == "error":
-                        self._fail_dead_peer(rank, what)
+                        self._fail_dead_peer(rank, what, f"raised during {what}: {payload}")
                         self._fail(rank, f"raised during {what}: {payload}")
                     answers[rank] = payload
                 elif self._procs[rank].poll() is not None:
                     self._fail(rank, f"exited during {what} (exit code {self._procs[rank].returncode})")
         return [answers[rank] for rank in range(self.world_size)]
 
-    def _fail_dead_peer(self, rank: int, what: str, grace_s: float = 1.0) -> None:
-        """A rank's error is most often the echo of another rank's death (a collective lost its peer): if
-        another rank is killed by a signal within `grace_s`, name that one (a rank that raised exits with
-        1 after its report)."""
+    def _fail_dead_peer(self, rank: int, what: str, cause: str, grace_s: float = 1.0) -> None:
+        """`rank` failed with `cause`; that is most often the echo of another rank's death (a collective
+        lost its peer): if another rank is killed by a signal within `grace_s`, name that one, with
+        `rank`'s cause after it (a rank that raised exits with 1 after its report). Returns once every
+        other rank has exited otherwise, or the time is up."""
         deadline = time.monotonic() + grace_s
         while True:
-            for peer in range(self.world_size):
-                if peer != rank and (self._procs[peer].poll() or 0) < 0:
-                    self._fail(peer, f"exited during {what} (exit code {self._procs[peer].returncode})")
-            if time.monotonic() >= deadline:
+            codes = {peer: self._procs[peer].poll() for peer in range(self.world_size) if peer != rank}
+            for peer, code in codes.items():
+                if code is not None and code < 0:
+                    self._fail(peer, f"exited during {what} (exit code {code}); worker rank {rank} then {cause}")
+            if all(code is not None for code in codes.values()) or time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -158,13 +159,18 @@ class _Proc:
 
 @pytest.mark.parametrize(("returncodes", "named"), [((None, -9), 1), ((None, 1), None), ((None, None), None)])
 def test_a_peer_killed_by_a_signal_is_named_instead_of_the_rank_whose_collective_failed(returncodes, named):
-    """Rank 0 reports an error: a peer killed by a signal is the cause and is named; a peer that exited
-    with 1 raised itself (its own report names it), and a live peer is no cause."""
+    """Rank 0 reports an error: a peer killed by a signal is the cause and is named, rank 0's report after
+    it; a peer that exited with 1 raised itself (its own report names it; no wait for the grace time),
+    and a live peer is no cause."""
     executor = MultiprocExecutor.__new__(MultiprocExecutor)
     executor.world_size, executor._procs = 2, [_Proc(code) for code in returncodes]
     executor.shutdown = lambda: None
+    cause = "raised during a step: RuntimeError: gloo connection closed"
     if named is None:
-        assert executor._fail_dead_peer(0, "a step", grace_s=0.1) is None
+        start = time.monotonic()
+        assert executor._fail_dead_peer(0, "a step", cause, grace_s=2.0) is None
+        assert (time.monotonic() - start < 1.0) == (returncodes[1] is not None)
     else:
-        with pytest.raises(WorkerError, match=rf"worker rank {named} exited during a step \(exit code -9\)"):
-            executor._fail_dead_peer(0, "a step", grace_s=0.1)
+        with pytest.raises(WorkerError, match=rf"worker rank {named} exited during a step \(exit code -9\); "
+                                              r"worker rank 0 then raised during a step: .*connection closed"):
+            executor._fail_dead_peer(0, "a step", cause, grace_s=0.1)

@@ -10,6 +10,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("sliding_csa_hca")  # window 8, CSA rate 4, HCA rate 16: drafts cross every ring
@@ -206,8 +207,7 @@ def test_shutdown_reads_a_step_left_launched(tmp_path, references):
     shutdown reads the step (its rejected drafts rolled back) before the engine stops."""
     engine = spec_engine(tmp_path, continuations(references["greedy"]), 1)
     engine.add_request("0", PROMPTS[1], GREEDY[0])
-    while engine._launched is None:
-        engine.step()
+    launch_one(engine)
     engine.abort("0")
     assert not engine.has_unfinished_requests() and engine._launched is not None
     read = []
@@ -217,19 +217,61 @@ def test_shutdown_reads_a_step_left_launched(tmp_path, references):
     assert read == [1] and engine._launched is None
 
 
-def test_cache_ops_read_a_launched_step_first_and_its_outputs_come_with_the_next_step(tmp_path, references):
-    """`flush_cache_ops` between steps (a prefill instance exporting a prompt does this) reads the launched
-    verify step before it runs its own plan; the tokens read are reported by the next `step()`."""
-    reference = references["greedy"]
-    engine = spec_engine(tmp_path, continuations(reference), 0, enable_prefix_caching=True, host_cache_gib=0.01)
-    engine.add_request("0", PROMPTS[0], GREEDY[0])
-    while engine._launched is None:
+def launch_one(engine: Engine, max_steps: int = 8) -> None:
+    """Step until a verification step is left launched (fails rather than spin if none is)."""
+    for _ in range(max_steps):
+        if engine._launched is not None:
+            return
         engine.step()
-    engine.flush_cache_ops()
-    assert engine._launched is None
+    assert engine._launched is not None, f"no verification step launched in {max_steps} steps"
+
+
+def test_cache_ops_read_a_launched_step_first_and_its_outputs_come_with_the_next_step(tmp_path):
+    """`flush_cache_ops` between steps (a prefill instance exporting a prompt does this) reads the launched
+    verify step before it runs its own plan: here reading it fills the prompt's first block, whose save
+    the flush then runs. The tokens read are reported by the next `step()`."""
+    prompt = torch.randint(2, VOCAB, (126,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    expected = [out.outputs[0].token_ids for out in serve(make_engine(tmp_path / "a"), [prompt], params)]
+    engine = spec_engine(tmp_path / "b", {"0": expected[0]}, 0, enable_prefix_caching=True, host_cache_gib=0.01)
+    engine.add_request("0", prompt, params)
+    launch_one(engine)
+    events, execute, (plan, seqs, complete) = [], engine.executor.execute, engine._launched
+    engine._launched = plan, seqs, lambda: events.append("read") or complete()
+    engine.executor.execute = lambda plan: events.append(("execute", bool(plan.cache_ops))) or execute(plan)
+    engine.flush_cache_ops()  # position 126 and three drafts after it, all accepted: block 0 (0..127) is full
+    assert engine._launched is None and events == ["read", ("execute", True)]
     (out,) = engine.step()
-    assert out.outputs[0].token_ids == reference["0"][0][0][: len(out.outputs[0].token_ids)]
-    assert len(out.outputs[0].token_ids) == 1 + 4  # the prefill's token, then the step read by the flush
+    assert out.outputs[0].token_ids == expected[0][:5]  # the prefill's token, then the step the flush read
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.executor.info.num_blocks
+
+
+def test_a_request_aborted_while_its_prefill_rides_a_launched_step_is_dropped(tmp_path, references):
+    """A launched plan verifies "0"'s drafts beside "1"'s prefill with prompt logprobs; "1" is aborted and
+    added again (the same id, another prompt) before the step is read: the old prompt's logprobs go
+    nowhere, and the new "1" gets exactly what a fresh engine gives it."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    engine = spec_engine(tmp_path / "a", continuations(references["greedy"]), 0)
+    engine.add_request("0", PROMPTS[0], GREEDY[0])
+    launch_one(engine)
+    engine.add_request("1", PROMPTS[2], params)
+    engine.step()
+    plan = engine._launched[0]
+    assert [r.request_id for r in plan.requests] == ["0", "1"] and plan.requests[0].num_draft_tokens
+    engine.abort("1")
+    engine.add_request("1", PROMPTS[1], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    alone = serve(make_engine(tmp_path / "b"), [PROMPTS[1]], params)
+    again = done["1"]
+    assert again.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert len(again.prompt_logprobs) == len(PROMPTS[1])
+    for mine, theirs in zip(again.prompt_logprobs[1:], alone[0].prompt_logprobs[1:], strict=True):
+        assert sorted(mine) == sorted(theirs)
+        assert [mine[t].logprob for t in sorted(mine)] == pytest.approx([theirs[t].logprob for t in sorted(theirs)],
+                                                                         abs=1e-5)

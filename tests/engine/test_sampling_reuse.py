@@ -82,3 +82,26 @@ def test_rows_whose_tensors_follow_their_history_are_rebuilt_every_step(tmp_path
             assert all(t.banned_token_ids for t in seen[:4]) and not any(shared[:3])  # EOS banned: rebuilt
             assert eos in seen[0].banned_token_ids[0]
             assert all(t.banned_token_ids is None for t in seen[4:]) and all(shared[4:])
+
+
+class VaryingDrafter:
+    """Proposes 2 copies of the last token for three output tokens, then 1 for three, and so on (mostly
+    rejected: a token a step): requests out of phase give verify rows of one length in other layouts."""
+
+    def propose(self, seq, max_drafts):
+        return [seq.token_ids[-1]] * min(max_drafts, 2 - (seq.num_output_tokens // 3) % 2), None
+
+
+def test_verify_rows_are_rebuilt_whenever_their_layout_changes(tmp_path):
+    write_config(tmp_path, CONFIG)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "draft_length_policy": "fixed"}
+    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4, num_kv_blocks=8,
+                                 speculative_config=spec), weights=WEIGHTS)
+    engine.speculator.drafter = VaryingDrafter()
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2, 3)]
+    seen, _ = serve_recording(engine, params, late=2)
+    shared = [a.temperature is b.temperature for a, b in itertools.pairwise(seen)]
+    same_rows = [a.seeds.tolist() == b.seeds.tolist() for a, b in itertools.pairwise(seen)]
+    assert shared == same_rows and True in shared
+    layouts = [tuple(t.seeds.tolist()) for t in seen]
+    assert any(len(a) == len(b) and a != b for a, b in itertools.pairwise(layouts))  # same length, other rows

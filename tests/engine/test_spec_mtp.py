@@ -189,3 +189,33 @@ def test_mtp_steps_are_never_left_in_flight(tmp_path, reference):
     engine._settle = lambda in_flight, touched: settled.append(in_flight) or settle(in_flight, touched)
     assert tokens(generate(engine, MIXED, temperature=0)) == reference
     assert settled == [] and engine.stats()["spec_verify_steps"] > 0
+
+
+def test_deeper_drafts_sampling_tensors_equal_a_rebuild_at_their_positions():
+    """Each depth's sampling tensors are the first depth's with `steps` moved on, except for rows whose
+    banned ids follow the position (`min_tokens`): those are rebuilt, and then equal a fresh build."""
+    from types import SimpleNamespace
+
+    from deepinfer_core import SamplingParams
+    from deepinfer_core.engine.spec.mtp_drafter import MTPDrafter
+
+    drafter = MTPDrafter.__new__(MTPDrafter)
+    drafter.device = torch.device("cpu")
+    runner = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[1], vocab_size=64))
+
+    def state(**params):
+        return SimpleNamespace(sampling_params=SamplingParams(**params), seed=7, num_prompt_tokens=10)
+
+    for states, moved in (([state(temperature=0.8, top_k=5), state(temperature=0)], True),
+                          ([state(temperature=0.8, min_tokens=4), state(temperature=0)], False)):
+        sampled = [(0, 12), (1, 15)]  # drafting positions 12 and 15: 2 and 5 tokens generated
+        tensors = drafter._tensors(runner, states, sampled)
+        for depth in (1, 2):
+            shifted = [(i, p + depth) for i, p in sampled]
+            deeper, fresh = drafter._deeper(tensors, runner, states, shifted), drafter._tensors(runner, states, shifted)
+            assert torch.equal(deeper.steps, fresh.steps) and deeper.banned_token_ids == fresh.banned_token_ids
+            assert (deeper.temperature is tensors.temperature) == moved  # moved on, or rebuilt
+            tensors = deeper
+        if not moved:  # min_tokens 4: EOS banned while 2 and 3 are generated, lifted at 4
+            assert drafter._tensors(runner, states, sampled).banned_token_ids[0] == [1]
+            assert tensors.banned_token_ids is None

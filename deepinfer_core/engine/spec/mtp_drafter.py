@@ -14,11 +14,13 @@ agrees with the target's draw; each draft's confidence is the MTP's probability 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from deepinfer_core.engine.kv_cache import KVCache
 from deepinfer_core.engine.plan import StepPlan, StepResult
-from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors
+from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors, to_device
 from deepinfer_core.engine.spec.rollback import DraftRollback, DraftRows
 from deepinfer_core.engine.spec.verify import is_rejection_eligible
 
@@ -71,8 +73,11 @@ class MTPDrafter:
         heads = host_tensor(rows["heads"]).to(self.device, non_blocking=True)
         logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
         sampled = rows["sampled"]  # (state index, position of the drafted token)
-        drafts, confidences, probs = [self._draw(runner, states, sampled, logits)], [], []
-        self._confidence(runner, states, sampled, logits, drafts[-1], confidences, probs)
+        tensors = self._tensors(runner, states, sampled)
+        temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
+                                  torch.float32).to(self.device, non_blocking=True)
+        drafts, confidences, probs = [runner.sampler.sample(logits, tensors).token_ids], [], []
+        self._confidence(logits, temperature, drafts[-1], confidences, probs)
         saved = self.rollback.capture([DraftRows(states[i].slot, p - 1, self.num_drafts - 1, [])
                                        for i, p in sampled])
         prev = out_streams.index_select(0, heads)
@@ -81,9 +86,10 @@ class MTPDrafter:
             ctx = self._context(runner, requests, [p + depth - 1 for _, p in sampled], drafts[-1])
             every = torch.arange(len(sampled), device=self.device)
             logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
-            shifted = [(i, p + depth) for i, p in sampled]
-            drafts.append(self._draw(runner, states, shifted, logits))
-            self._confidence(runner, states, shifted, logits, drafts[-1], confidences, probs)
+            # each draft as the request's own sampler draws it at that position (seeded noise included)
+            tensors = self._deeper(tensors, runner, states, [(i, p + depth) for i, p in sampled])
+            drafts.append(runner.sampler.sample(logits, tensors).token_ids)
+            self._confidence(logits, temperature, drafts[-1], confidences, probs)
         DraftRollback.restore(saved)  # every row: the drafter's cache keeps only computed tokens
         # one copy to the host for both (float64 holds every token id exactly)
         host = torch.cat((torch.stack(drafts, dim=1).double(), torch.stack(confidences, dim=1).double()), dim=1).tolist()
@@ -136,31 +142,35 @@ class MTPDrafter:
         loc = [0]
         for c in lens:
             loc.append(loc[-1] + c)
-        device = self.device
-        t = lambda v: host_tensor(v).to(device, non_blocking=True)
+        slots = [states[i].slot for i, _, _ in requests]
+        # one host-to-device copy for every per-row and per-request input
+        positions_d, ends_d, zeros_d, loc_d, starts_d, slots_d, windows_d = to_device(
+            [positions, ends, [0] * len(requests), loc, starts, slots, windows], self.device)
         return runner.make_context(
-            ids, t(positions), t(ends), t([0] * len(requests)),
-            query_start_loc=t(loc), start_positions=t(starts), slots=t([states[i].slot for i, _, _ in requests]),
-            block_tables=torch.zeros(len(requests), 1, dtype=torch.long, device=device), query_lens=lens,
+            ids, positions_d, ends_d, zeros_d, query_start_loc=loc_d, start_positions=starts_d, slots=slots_d,
+            block_tables=torch.zeros(len(requests), 1, dtype=torch.long, device=self.device), query_lens=lens,
             start_positions_host=starts, max_seq_len=max(ends),
-            window_start_positions_host=windows, window_starts=t(windows),
+            window_start_positions_host=windows, window_starts=windows_d,
         )
 
     def _tensors(self, runner, states, sampled):
+        """The sampling tensors of the drafts at `sampled` (state index, position of the drafted token)."""
         return prepare_sampling_tensors(
             [states[i].sampling_params for i, _ in sampled], [states[i].seed for i, _ in sampled],
             [p - states[i].num_prompt_tokens for i, p in sampled], runner.config.eos_token_ids, self.device,
             runner.config.vocab_size)
 
-    def _draw(self, runner, states, sampled, logits) -> torch.Tensor:
-        """Each draft as the request's own sampler draws it at that position (seeded noise included)."""
-        return runner.sampler.sample(logits, self._tensors(runner, states, sampled)).token_ids
+    def _deeper(self, tensors, runner, states, sampled):
+        """The next depth's sampling tensors: the same rows one position on, so only `steps` moves (on the
+        device), unless a row's banned ids follow its position (`min_tokens`, bad words): then rebuilt."""
+        if tensors.banned_token_ids is None and not any(states[i].sampling_params.bad_words_token_ids
+                                                        for i, _ in sampled):
+            return replace(tensors, steps=tensors.steps + 1)
+        return self._tensors(runner, states, sampled)
 
-    def _confidence(self, runner, states, sampled, logits, tokens, confidences: list, probs: list) -> None:
+    def _confidence(self, logits, temperature, tokens, confidences: list, probs: list) -> None:
         """Append the drafted tokens' probabilities to `confidences` and (when kept) the distributions
         `softmax(logits / temperature)` they were drawn from to `probs`."""
-        temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
-                                  torch.float32).to(self.device, non_blocking=True)
         distributions = torch.softmax(logits.float() / temperature[:, None], dim=-1)
         confidences.append(distributions.gather(1, tokens[:, None]).squeeze(1))
         if self.keeps_probs:

@@ -31,7 +31,12 @@ from deepinfer_core.engine.kv_blocks import BlockIO, block_layout
 from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.engine.parallel import ParallelGroups
 from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
-from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors, to_device
+from deepinfer_core.engine.sampling import (
+    holds_at_later_positions,
+    host_tensor,
+    prepare_sampling_tensors,
+    to_device,
+)
 from deepinfer_core.engine.spec import verify as spec_verify
 from deepinfer_core.engine.spec.rollback import SavedRows
 from deepinfer_core.engine.spec.runner_side import SpecVerifier, build_mtp_drafter
@@ -375,8 +380,7 @@ class ModelRunner:
         params = [s.sampling_params for s in rows]
         tensors = prepare_sampling_tensors(params, [s.seed for s in rows], steps, self.config.eos_token_ids,
                                            self.device, self.config.vocab_size, **history)
-        is_fixed = not history and tensors.banned_token_ids is None and not any(p.bad_words_token_ids for p in params)
-        self._kept_sampling = (rows, tensors) if is_fixed else None
+        self._kept_sampling = (rows, tensors) if holds_at_later_positions(tensors, params) else None
         return tensors
 
     def _sample(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, tensors,

@@ -139,6 +139,14 @@ def banned_token_ids(params: SamplingParams, num_generated: int, eos_token_ids: 
     return banned
 
 
+def holds_at_later_positions(tensors: SamplingTensors, params: Sequence[SamplingParams]) -> bool:
+    """Whether `tensors` (built for `params`' rows) stay right for the same rows at later positions with
+    only `steps` moved: no row has penalties (they read the history), banned ids now (a reached
+    `min_tokens` stays reached) or bad words (their bans follow the history)."""
+    return (tensors.penalties is None and tensors.banned_token_ids is None
+            and not any(p.bad_words_token_ids for p in params))
+
+
 def prepare_sampling_tensors(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],

@@ -20,7 +20,12 @@ import torch
 
 from deepinfer_core.engine.kv_cache import KVCache
 from deepinfer_core.engine.plan import StepPlan, StepResult
-from deepinfer_core.engine.sampling import host_tensor, prepare_sampling_tensors, to_device
+from deepinfer_core.engine.sampling import (
+    holds_at_later_positions,
+    host_tensor,
+    prepare_sampling_tensors,
+    to_device,
+)
 from deepinfer_core.engine.spec.rollback import DraftRollback, DraftRows
 from deepinfer_core.engine.spec.verify import is_rejection_eligible
 
@@ -163,8 +168,7 @@ class MTPDrafter:
     def _deeper(self, tensors, runner, states, sampled):
         """The next depth's sampling tensors: the same rows one position on, so only `steps` moves (on the
         device), unless a row's banned ids follow its position (`min_tokens`, bad words): then rebuilt."""
-        if tensors.banned_token_ids is None and not any(states[i].sampling_params.bad_words_token_ids
-                                                        for i, _ in sampled):
+        if holds_at_later_positions(tensors, [states[i].sampling_params for i, _ in sampled]):
             return replace(tensors, steps=tensors.steps + 1)
         return self._tensors(runner, states, sampled)
 

@@ -8,19 +8,15 @@ import itertools
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from tests.oracle import parity_config, random_state_dict, write_config
+from tests.engine.test_spec_decode import CONFIG, VOCAB
+from tests.engine.test_spec_decode import make_engine as spec_decode_engine
 
-CONFIG = parity_config("sliding_csa_hca")
-WEIGHTS = random_state_dict(CONFIG, seed=5)
-PROMPTS = [torch.randint(2, CONFIG["vocab_size"], (n,), generator=torch.Generator().manual_seed(n)).tolist()
-           for n in (4, 9, 6)]
+PROMPTS = [torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 6)]
 
 
-def make_engine(path) -> Engine:
-    write_config(path, CONFIG)
-    return Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, num_kv_blocks=8), weights=WEIGHTS)
+def make_engine(path, spec=None) -> Engine:
+    return spec_decode_engine(path, spec, num_kv_blocks=8)
 
 
 def serve_recording(engine: Engine, params: list[SamplingParams], late: int | None = None):
@@ -93,10 +89,7 @@ class VaryingDrafter:
 
 
 def test_verify_rows_are_rebuilt_whenever_their_layout_changes(tmp_path):
-    write_config(tmp_path, CONFIG)
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "draft_length_policy": "fixed"}
-    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_num_seqs=4, num_kv_blocks=8,
-                                 speculative_config=spec), weights=WEIGHTS)
+    engine = make_engine(tmp_path, {"method": "ngram", "num_speculative_tokens": 2})
     engine.speculator.drafter = VaryingDrafter()
     params = [SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2, 3)]
     seen, _ = serve_recording(engine, params, late=2)

@@ -8,39 +8,19 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.testing.serving import serve
-from tests.oracle import parity_config, random_state_dict, write_config
+from tests.engine.test_spec_decode import VOCAB, ScriptedDrafter, make_engine
 
-CONFIG = parity_config("sliding_csa_hca")  # window 8, CSA rate 4, HCA rate 16: drafts cross every ring
-WEIGHTS = random_state_dict(CONFIG, seed=5)
-VOCAB = CONFIG["vocab_size"]
 PROMPTS = [torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 12, 30)]
-
-
-def make_engine(path, spec=None, **options) -> Engine:
-    write_config(path, CONFIG)
-    options = {"max_num_seqs": 4, "num_kv_blocks": 24, **options}
-    return Engine(EngineConfig(model=str(path), dtype="float32", speculative_config=spec, **options), weights=WEIGHTS)
 
 
 def spec_engine(path, reference, offset: int, k: int = 3, **options) -> Engine:
     """Overlapped scheduling on, fixed k, a drafter proposing the reference continuation shifted by
     `offset` (0: every draft right; 1: every draft wrong)."""
-    spec = {"method": "ngram", "num_speculative_tokens": k, "draft_length_policy": "fixed"}
-    engine = make_engine(path, spec, **{"async_scheduling": True, **options})
-    engine.speculator.drafter = Replay(reference, offset)
+    engine = make_engine(path, {"method": "ngram", "num_speculative_tokens": k}, **{"async_scheduling": True, **options})
+    engine.speculator.drafter = ScriptedDrafter(reference, offset)
     return engine
-
-
-class Replay:
-    def __init__(self, reference: dict[str, list[int]], offset: int) -> None:
-        self.reference, self.offset = reference, offset
-
-    def propose(self, seq, max_drafts):
-        future = self.reference.get(seq.request_id, [])[seq.num_output_tokens :][:max_drafts]
-        return [(t + self.offset) % VOCAB for t in future], None
 
 
 def count_launches(engine: Engine) -> tuple[list, list]:

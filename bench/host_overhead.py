@@ -26,7 +26,7 @@ Modes: `eager` builds flat inputs (`ModelRunner.prepare_inputs`); `graph` runs d
 `--spec K` makes every step a verify step of K drafts per request (the fixed policy; drafts that
 repeat the last token, which seeded sampling mostly rejects): the host work of speculative decoding.
 `--profile` prints a cProfile top list of the host part only (the profiler is off inside the model
-and the sampler).
+and the sampler); `--profile-gap` one of the gaps only.
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ class _Clock:
     """Adds up the time spent in wrapped calls and pauses the profiler inside them. On a GPU it times
     the calls' device work with events (host timers would only see the launches)."""
 
-    def __init__(self, device: torch.device, profiler: cProfile.Profile | None) -> None:
+    def __init__(self, device: torch.device, profiler: cProfile.Profile | None,
+                 gap_profiler: cProfile.Profile | None = None) -> None:
         self.is_cuda, self.profiler, self.seconds = device.type == "cuda", profiler, 0.0
+        self.gap_profiler = gap_profiler
+        """Profiles only the gaps (`--profile-gap`): enabled at a read, disabled at the next forward."""
         self.is_profiling = False
         """Set while the timed steps run under the profiler."""
         self._events: list = []
@@ -72,11 +75,13 @@ class _Clock:
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
-            if self.is_profiling:
+            if self.is_profiling and self.profiler is not None:
                 self.profiler.disable()
             if self.read_at is not None:
                 self.gap_seconds += time.perf_counter() - self.read_at
                 self.read_at = None
+                if self.gap_profiler is not None:
+                    self.gap_profiler.disable()
             if self.is_cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -91,7 +96,7 @@ class _Clock:
                     self._events.append((start, end))
                 else:
                     self.seconds += time.perf_counter() - start
-                if self.is_profiling:
+                if self.is_profiling and self.profiler is not None:
                     self.profiler.enable()
         return timed
 
@@ -150,9 +155,10 @@ def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str
     return engine
 
 
-def _install_clocks(engine: Engine, profiler: cProfile.Profile | None) -> tuple[_Clock, _Clock]:
+def _install_clocks(engine: Engine, profiler: cProfile.Profile | None,
+                    gap_profiler: cProfile.Profile | None = None) -> tuple[_Clock, _Clock]:
     runner = engine.runner
-    forward, sample = _Clock(runner.device, profiler), _Clock(runner.device, profiler)
+    forward, sample = _Clock(runner.device, profiler, gap_profiler), _Clock(runner.device, profiler)
     runner.model = _Timed(runner.model, forward, ("rope_tables",))
     if runner.graphs is not None:
         captured = runner.graphs.graphs
@@ -171,6 +177,8 @@ def _mark_reads(launch, clock: _Clock):
 
         def read():
             clock.read_at = time.perf_counter()
+            if clock.gap_profiler is not None and clock.is_profiling:
+                clock.gap_profiler.enable()
             return complete()
         return read
     return marked
@@ -179,8 +187,11 @@ def _mark_reads(launch, clock: _Clock):
 def measure(model_dir: Path, batch: int, args: argparse.Namespace, mode: str) -> dict:
     engine = build_engine(model_dir, batch, args.steps, mode, args.device, args.spec,
                           True if args.async_scheduling else None)
-    profiler = cProfile.Profile() if args.profile else None
-    forward, sample = _install_clocks(engine, profiler)
+    profiler = cProfile.Profile() if args.profile or args.profile_gap else None
+    if args.profile_gap:  # only from each read of a step's tokens to the next forward
+        forward, sample = _install_clocks(engine, None, profiler)
+    else:
+        forward, sample = _install_clocks(engine, profiler)
     generator = torch.Generator().manual_seed(batch)
     stop = ["\x00never\x00"] if args.stop else []
     for i in range(batch):
@@ -199,12 +210,12 @@ def measure(model_dir: Path, batch: int, args: argparse.Namespace, mode: str) ->
     forward.is_profiling = sample.is_profiling = profiler is not None
     wall = 0.0
     for _ in range(args.steps):
-        if profiler is not None:
+        if profiler is not None and not args.profile_gap:
             profiler.enable()
         start = time.perf_counter()
         outputs = engine.step()  # ends with a device read of the sampled tokens
         wall += time.perf_counter() - start
-        if profiler is not None:
+        if profiler is not None and not args.profile_gap:
             profiler.disable()
         if len(outputs) != batch:
             raise RuntimeError(f"expected {batch} outputs a step, got {len(outputs)}")
@@ -236,6 +247,8 @@ def main(argv=None) -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per request")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--profile", action="store_true", help="print a cProfile top list of the host part")
+    parser.add_argument("--profile-gap", action="store_true",
+                        help="print a cProfile top list of the gaps only (each step's token read to the next forward)")
     parser.add_argument("--spec", type=int, default=0, metavar="K",
                         help="speculative decoding: every step verifies K drafts (the last token repeated)")
     parser.add_argument("--async-scheduling", action="store_true",

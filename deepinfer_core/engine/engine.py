@@ -426,10 +426,11 @@ class Engine:
     def _append_tokens(self, seqs: list[Sequence], output, touched: dict[str, _Request], pending: bool = False) -> None:
         """Add each row's token to its sequence and apply the stop rules; `pending`: the tokens replace
         the sequences' `PENDING_TOKEN`s, and sequences that finished meanwhile are skipped."""
-        now = time.time()
         owner, eos_token_ids, max_model_len = self._seq_owner, self.eos_token_ids, self.config.max_model_len
         host_output = None  # the logprob tensors come to the host only when some row reports them
-        for row, (seq, token) in enumerate(zip(seqs, output.token_ids.tolist())):  # one device read
+        tokens = output.token_ids.tolist()  # one device read: it waits for the step to finish
+        now = time.time()  # the tokens exist from here (stamped before the read, a prefill's TTFT read short)
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.is_finished:
                 continue  # stopped (by the step settled before this one) or aborted: the token is dropped
             if token == NONFINITE_TOKEN:  # a pending placeholder stays: outputs never show it

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 
@@ -264,3 +267,33 @@ def test_engram_prefetch_changes_nothing_for_a_model_without_engram(tmp_path):
     assert outputs[0] == outputs[1]
     with pytest.raises(ConfigError, match="engram_placement='host'"):
         make_engine(tmp_path, engram_placement="host")
+
+
+def test_token_times_are_stamped_after_the_tokens_are_read(tmp_path):
+    """A step's token times (and so TTFT) come from when its sampled tokens reached the host, not from
+    before the device read: a read that takes 50 ms is inside the first token's time."""
+    engine = make_engine(tmp_path, max_num_seqs=2, num_kv_blocks=8)
+    reads = []
+
+    class SlowRead:  # the sampled tokens' device read, slowed down
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def tolist(self):
+            time.sleep(0.05)
+            reads.append(time.time())
+            return self.tensor.tolist()
+
+    execute = engine.executor.execute
+
+    def slow_execute(plan):
+        result = execute(plan)
+        if result.output is not None:
+            result.output = dataclasses.replace(result.output, token_ids=SlowRead(result.output.token_ids))
+        return result
+
+    engine.executor.execute = slow_execute
+    engine.add_request("a", random_prompts([20])[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    [out] = engine.step()
+    assert len(out.outputs[0].token_ids) == 1 and len(reads) == 1
+    assert out.metrics.first_token_time >= reads[0]

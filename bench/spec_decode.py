@@ -10,7 +10,12 @@ per request against no speculation for each k, printed beside the speed-up the m
 extra tokens touch; (b) an always-wrong drafter at k = 3 with the fixed and the confidence policy (its
 overhead against no speculation); (c) the n-gram drafter on a repetitive agent-like trace (prompts
 that quote a tool output back, greedy outputs that loop) with the fixed and the confidence policy:
-acceptance length, speed-up, and how many steps stayed overlapped (left in flight) and were probes.
+acceptance length, speed-up, and how many steps stayed overlapped (left in flight) and were probes;
+(d) with `--mtp`, the MTP drafter at k = 3 on an "echo" model, whose MTP layer predicts what the target
+will emit (every attention and MoE output zero, as in tests/engine/test_spec_mtp.py; the MTP layer reuses
+the last layer's tensors, so it costs a real layer's time): speed-up against no speculation on the same
+weights, acceptance length, and the allowed speed-up beside it, so the MTP layer's drafting time shows
+against the oracle's.
 Every run also checks that its tokens equal those of no speculation; where they do not, it reports the
 first divergence (request, step) and the reference's logprob gap there between its token and the
 speculative run's (bf16: a (k + 1)-token verify step is not bitwise the 1-token decode computation, so
@@ -231,6 +236,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs on either side (verify steps always run eagerly; this compares like "
                         "with like)")
+    parser.add_argument("--mtp", action="store_true",
+                        help="also the MTP drafter at k = 3 on the echo model (two more engines)")
     parser.add_argument("--deterministic", action="store_true",
                         help="both engines in deterministic mode: a verify step's logits are then bitwise the "
                         "decode step's, so the oracle's drafts stay the target's own tokens (bf16 near ties "
@@ -264,6 +271,71 @@ def main() -> None:
         prompts = torch.randint(2, vocab, (batch, workload.PROMPT_LEN), generator=generator).tolist()
         run_batch(args, counts, plain, spec, prompts, vocab)
     run_ngram(args, plain, spec, vocab)
+    if args.mtp:
+        del plain, spec
+        run_mtp(args, config, model, counts, device, dtype, max_batch, new)
+
+
+def echo_weights(config, model) -> dict[str, torch.Tensor]:
+    """The model's tensors (shared, not copied) made into the echo model, plus an MTP layer `mtp.0.*`
+    that predicts exactly what the target will emit: every attention and MoE output is zero (new zero
+    `o_b_proj` and `down_proj` tensors), so a position's residual streams are copies of its token's
+    embedding and the target's next token is a function of that token; the MTP layer reads the next
+    token's embedding alone (`h_proj` zero, `e_proj` the identity) and ends in the target's final norm.
+    Its attention and MoE are the last layer's tensors (its router a new non-hash one), so a draft costs
+    a real layer's time."""
+    weights = dict(model.state_dict())
+    last = f"model.layers.{config.num_hidden_layers - 1}."
+    for name, tensor in list(weights.items()):
+        if name.endswith(("o_b_proj.weight", "experts.down_proj", "shared_experts.down_proj.weight")):
+            weights[name] = torch.zeros_like(tensor)
+    for name, tensor in list(weights.items()):
+        if name.startswith(last) and ".compressor." not in name and ".gate." not in name:
+            weights["mtp.0." + name[len(last):]] = tensor
+    hidden, ref = config.hidden_size, weights["model.norm.weight"]
+    generator = torch.Generator().manual_seed(1)
+    gate = torch.randn(config.n_routed_experts, hidden, generator=generator) * 0.02
+    weights |= {
+        "mtp.0.mlp.gate.weight": gate.to(ref),
+        "mtp.0.mlp.gate.e_score_correction_bias": torch.zeros(config.n_routed_experts, dtype=torch.float32,
+                                                               device=ref.device),
+        "mtp.0.enorm.weight": torch.ones_like(ref), "mtp.0.hnorm.weight": torch.ones_like(ref),
+        "mtp.0.e_proj.weight": torch.eye(hidden, dtype=ref.dtype, device=ref.device),
+        "mtp.0.h_proj.weight": torch.zeros(hidden, hidden, dtype=ref.dtype, device=ref.device),
+        "mtp.0.norm.weight": ref.clone(),
+        **{f"mtp.0.hc_head.{key}": weights[f"model.hc_head.{key}"] for key in ("hc_fn", "hc_base", "hc_scale")},
+    }
+    return weights
+
+
+def run_mtp(args, config, model, counts, device, dtype, max_batch: int, new: int) -> None:
+    """The MTP drafter (k = 3, every draft verified) on the echo model, against no speculation on the
+    same weights: tokens equal, speed-up, acceptance length, and the speed-up the memory floor allows
+    (the MTP layer's own reads not counted: what it costs shows as the gap to the oracle's figure)."""
+    weights = echo_weights(config, model)
+    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
+                                  async_scheduling=True, graph_sizes=args.batches, deterministic=args.deterministic,
+                                  weights=weights)
+    spec = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
+                                 async_scheduling=True, graph_sizes=args.batches, deterministic=args.deterministic,
+                                 weights=weights, speculative_config={
+                                     "method": "mtp", "num_speculative_tokens": 3, "draft_length_policy": "fixed"})
+    generator = torch.Generator().manual_seed(2)
+    for batch in args.batches:
+        prompts = torch.randint(2, config.vocab_size, (batch, workload.PROMPT_LEN), generator=generator).tolist()
+        if args.warmup:
+            generate(plain, prompts, args.new_tokens)
+            generate(spec, prompts, args.new_tokens)
+        reference, base_s = generate(plain, prompts, args.new_tokens, args.repeats)
+        before = spec.stats()
+        out, seconds = generate(spec, prompts, args.new_tokens, args.repeats)
+        delta = spec_counts(before, spec.stats(), args.repeats)
+        steps = delta["verify_steps"]
+        allowed = allowed_speedup(counts, batch, 3, workload.PROMPT_LEN + args.new_tokens // 2)
+        report({"case": "mtp_echo", "batch": batch, "k": 3, "speedup": round(base_s / seconds, 3),
+                "allowed_speedup": round(allowed, 3), "of_allowed": round(base_s / seconds / allowed, 3),
+                "mean_acceptance_length": round((delta["accepted_tokens"] + steps) / steps, 3) if steps else None,
+                "request_verify_steps": steps, **compare(plain, prompts, reference, out)})
 
 
 def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager, graph_sizes=None,

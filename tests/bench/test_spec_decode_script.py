@@ -7,9 +7,14 @@ from tests.bench.test_cpu_scripts import run_script
 
 def test_spec_decode_tiny_reports_every_case_with_unchanged_tokens():
     rows = run_script("bench/spec_decode.py", "--tiny", "--layers", "2", "--batches", "1", "--ks", "2",
-                      "--new-tokens", "4", "--profile", "1")
+                      "--new-tokens", "4", "--profile", "1", "--mtp")
     cases = [row["case"] for row in rows if "case" in row]
-    assert cases == ["none", "oracle", "always_wrong", "always_wrong", "ngram_agent_trace", "ngram_agent_trace"]
+    assert cases == ["none", "oracle", "always_wrong", "always_wrong", "ngram_agent_trace", "ngram_agent_trace",
+                     "mtp_echo"]
+    [mtp] = [row for row in rows if row.get("case") == "mtp_echo"]
+    # the echo model's MTP layer drafts what the target emits: the one verify step (3 tokens left after the
+    # prefill's) accepts its 2 drafts
+    assert (mtp["request_verify_steps"], mtp["mean_acceptance_length"]) == (1, 3.0)
     ngram = [row for row in rows if row.get("case") == "ngram_agent_trace"]
     assert [row["policy"] for row in ngram] == ["fixed", "confidence"]
     assert ngram[0]["overlapped_steps"] == 0  # fixed k: every step waits for its tokens to look drafts up

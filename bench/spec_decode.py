@@ -238,6 +238,7 @@ def main() -> None:
                         "with like)")
     parser.add_argument("--mtp", action="store_true",
                         help="also the MTP drafter at k = 3 on the echo model (two more engines)")
+    parser.add_argument("--mtp-only", action="store_true", help="only the MTP drafter's case (implies --mtp)")
     parser.add_argument("--deterministic", action="store_true",
                         help="both engines in deterministic mode: a verify step's logits are then bitwise the "
                         "decode step's, so the oracle's drafts stay the target's own tokens (bf16 near ties "
@@ -261,6 +262,9 @@ def main() -> None:
     max_batch = max(args.batches)
     # the extra new tokens leave room for k drafts past the last one
     new = args.new_tokens + max(args.ks)
+    if args.mtp_only:
+        run_mtp(args, config, model, counts, device, dtype, max_batch, new)
+        return
     plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
                                   async_scheduling=True, graph_sizes=args.batches, deterministic=args.deterministic)
     spec = build_spec_engine(config, model, device, dtype, max_batch, new, max(args.ks), args.eager, args.batches,

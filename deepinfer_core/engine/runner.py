@@ -269,6 +269,13 @@ class ModelRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s x tokens per request %s in %.1f s (first "
                     "capture compiles the kernels; cuda_graph_sizes sets the sizes)", graphs.sizes, graphs.widths,
                     time.perf_counter() - start)
+        if self.mtp is not None:
+            if all(supports_cuda_graphs(b) for b in self.mtp.backends):
+                start = time.perf_counter()
+                self.mtp.capture_graphs(self, api, graphs.sizes, max_len)
+                logger.info("captured the MTP layer's passes as CUDA graphs in %.1f s", time.perf_counter() - start)
+            else:
+                logger.info("the MTP layer runs eagerly: a backend of its own does not declare supports_cuda_graphs")
         return graphs
 
     # -- one step -----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from deepinfer_core.engine.sampling import (
     prepare_sampling_tensors,
     to_device,
 )
+from deepinfer_core.engine.spec.mtp_graphs import MTPGraphs
 from deepinfer_core.engine.spec.rollback import DraftRollback, DraftRows
 from deepinfer_core.engine.spec.verify import is_rejection_eligible
 
@@ -44,8 +45,24 @@ class MTPDrafter:
         self.first_row: dict[str, int] = {}
         """Per request, its first MTP row since admission: older ring rows belong to someone else."""
         self.keeps_probs = keeps_probs
+        self.backends: list = []
+        """The layer's attention, MoE and linear backends (`build_mtp_drafter` sets them)."""
+        self.graphs = None
+        """`MTPGraphs` of the layer's passes (None: every pass runs eagerly; see `capture_graphs`)."""
         self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
         """Per request id: the last drafts proposed and `[k, vocab]` the distributions they were drawn from."""
+
+    def capture_graphs(self, runner, api, sizes, max_seq_len: int) -> None:
+        """Capture the layer's passes for the decode graphs' batch `sizes` and 1 .. k + 1 rows a request
+        (`api` None: keep the padded static-input passes, run eagerly: the CPU tests' path). A module of
+        several MTP layers (a layer per depth) keeps running eagerly."""
+        if len(self.module) != 1:
+            return
+        graphs = MTPGraphs(self.module, self.cache[0], runner, max(sizes), max_seq_len,
+                           range(1, self.num_drafts + 2), api, sizes)
+        if api is not None:
+            graphs.capture()
+        self.graphs = graphs
 
     def draft_probs(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         """Per index into `plan.requests`, the distributions its drafts were drawn from, for requests
@@ -74,10 +91,14 @@ class MTPDrafter:
         tokens = torch.cat([input_ids, emitted.clamp(min=0)])
         index = host_tensor(rows["h"] + rows["tok"]).to(self.device, non_blocking=True).view(2, -1)
         prev, ids = streams.index_select(0, index[0]), tokens.index_select(0, index[1])
-        ctx = self._context(runner, rows["requests"], rows["positions"], ids)
         heads = host_tensor(rows["heads"]).to(self.device, non_blocking=True)
-        logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
         sampled = rows["sampled"]  # (state index, position of the drafted token)
+        width = self._graph_width(rows["requests"], len(sampled))
+        if width:  # every request feeds the layer `width` rows: one replay
+            logits, out_streams = self._replay(states, rows["requests"], width, ids, prev)
+        else:
+            ctx = self._context(runner, rows["requests"], rows["positions"], ids)
+            logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
         tensors = self._tensors(runner, states, sampled)
         temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
                                   torch.float32).to(self.device, non_blocking=True)
@@ -88,9 +109,12 @@ class MTPDrafter:
         prev = out_streams.index_select(0, heads)
         for depth in range(1, self.num_drafts):
             requests = [(i, p + depth - 1, 1) for i, p in sampled]
-            ctx = self._context(runner, requests, [p + depth - 1 for _, p in sampled], drafts[-1])
-            every = torch.arange(len(sampled), device=self.device)
-            logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
+            if self._graph_width(requests, len(sampled)):
+                logits, prev = self._replay(states, requests, 1, drafts[-1], prev)
+            else:
+                ctx = self._context(runner, requests, [p + depth - 1 for _, p in sampled], drafts[-1])
+                every = torch.arange(len(sampled), device=self.device)
+                logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
             # each draft as the request's own sampler draws it at that position (seeded noise included)
             tensors = self._deeper(tensors, runner, states, [(i, p + depth) for i, p in sampled])
             drafts.append(runner.sampler.sample(logits, tensors).token_ids)
@@ -102,6 +126,21 @@ class MTPDrafter:
         proposals = [([int(t) for t in row[:k]], row[k:]) for row in host]
         self._keep_probs(plan, states, sampled, proposals, probs)
         return proposals
+
+    def _graph_width(self, requests, num_sampled: int) -> int:
+        """The rows each request feeds when a captured pass fits (every request sampled, all feeding the
+        same number of rows), else 0."""
+        if self.graphs is None or len(requests) != num_sampled:
+            return 0
+        width = requests[0][2]
+        if any(c != width for _, _, c in requests) or not self.graphs.can_run(num_sampled, width):
+            return 0
+        return width
+
+    def _replay(self, states, requests, width: int, ids: torch.Tensor, prev: torch.Tensor):
+        plan_requests = self._plan.requests
+        return self.graphs.run([states[i].slot for i, _, _ in requests], [p for _, p, _ in requests],
+                               [self.first_row[plan_requests[i].request_id] for i, _, _ in requests], width, ids, prev)
 
     def _keep_probs(self, plan: StepPlan, states, sampled, proposals, probs: list[torch.Tensor]) -> None:
         self._probs = {}

@@ -121,8 +121,10 @@ def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     attention = plugins.make_attention(module.plan.attention, runner.device)
     moe = plugins.make_moe(module.plan.moe, runner.device)
     check_expert_format(moe, module.plan.moe)
-    weight_formats.bind_linears(module, plugins.make_linear, runner.device)
+    linears = weight_formats.bind_linears(module, plugins.make_linear, runner.device)
     module.bind(runner.model, attention, moe, runner.model.ops, runner.device)
     runner.model.keeps_final_streams = True
-    return MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens,
-                      keeps_probs=config.acceptance == "rejection")
+    drafter = MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens,
+                         keeps_probs=config.acceptance == "rejection")
+    drafter.backends = [attention, moe, *linears]
+    return drafter

@@ -272,8 +272,13 @@ class ModelRunner:
         if self.mtp is not None:
             if all(supports_cuda_graphs(b) for b in self.mtp.backends):
                 start = time.perf_counter()
-                self.mtp.capture_graphs(self, api, graphs.sizes, max_len)
-                logger.info("captured the MTP layer's passes as CUDA graphs in %.1f s", time.perf_counter() - start)
+                try:
+                    self.mtp.capture_graphs(self, api, graphs.sizes, max_len)
+                    logger.info("captured the MTP layer's passes as CUDA graphs in %.1f s", time.perf_counter() - start)
+                except RuntimeError as err:  # drafts only: their passes run eagerly, the output is the same
+                    self.mtp.graphs = None
+                    api.synchronize()
+                    logger.warning("the MTP layer runs eagerly: capturing its passes failed (%s)", err)
             else:
                 logger.info("the MTP layer runs eagerly: a backend of its own does not declare supports_cuda_graphs")
         return graphs

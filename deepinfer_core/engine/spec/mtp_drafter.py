@@ -58,8 +58,7 @@ class MTPDrafter:
         several MTP layers (a layer per depth) keeps running eagerly."""
         if len(self.module) != 1:
             return
-        graphs = MTPGraphs(self.module, self.cache[0], runner, max(sizes), max_seq_len,
-                           range(1, self.num_drafts + 2), api, sizes)
+        graphs = MTPGraphs(self.module, self.cache[0], runner, sizes, max_seq_len, range(1, self.num_drafts + 2), api)
         if api is not None:
             graphs.capture()
         self.graphs = graphs

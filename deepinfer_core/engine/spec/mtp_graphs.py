@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer_core.engine.cuda_graph import capture_sizes
 from deepinfer_core.engine.sampling import host_tensor
 
 
@@ -24,13 +23,13 @@ class MTPGraphs:
     """Per (batch size, rows a request): the MTP layer's pass over static inputs, captured through a
     device's `GraphApi` (None: the same padded passes run eagerly, which the CPU tests use)."""
 
-    def __init__(self, module, cache, runner, max_batch: int, max_seq_len: int, widths: Sequence[int],
-                 api=None, sizes: Sequence[int] | None = None) -> None:
+    def __init__(self, module, cache, runner, sizes: Sequence[int], max_seq_len: int, widths: Sequence[int],
+                 api=None) -> None:
         """`module`: the `MultiTokenPredictor`; `cache`: its `LayerCache` (one slot per request slot plus
-        the scratch slot `runner.num_slots`); `sizes`: `capture_sizes`' rule, as the decode graphs."""
+        the scratch slot `runner.num_slots`); `sizes`: the batch sizes to capture (the decode graphs')."""
         self.module, self.cache, self.runner, self.api = module, cache, runner, api
         self.max_seq_len = max_seq_len
-        self.sizes = capture_sizes(max_batch, sizes)
+        self.sizes = sorted(set(sizes))
         self.widths = sorted(set(widths))
         self.scratch_slot = runner.num_slots
         dev, n, width = runner.device, max(self.sizes), max(self.widths)

@@ -13,6 +13,7 @@ the block ids appended since the last one and gathers its rows by slot on the de
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,21 @@ def capture_sizes(max_batch: int, requested: Sequence[int] | None) -> list[int]:
     if len(requested) == 1:
         return batch_ladder(min(requested[0], max_batch))
     return sorted({size for size in requested if size <= max_batch}) or [min(min(requested), max_batch)]
+
+
+def capture_graph(api, forward, pool=None):
+    """Run `forward` twice on a side stream (kernels compile, the allocator grows), then capture it into
+    a graph of `pool` through the device's `GraphApi`; return the graph and what the captured call returned."""
+    stream = api.Stream()
+    stream.wait_stream(api.current_stream())
+    with api.stream(stream):
+        for _ in range(2):
+            forward()
+    api.current_stream().wait_stream(stream)
+    graph = api.Graph()
+    with api.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
 
 
 class SlotBlockTables:
@@ -127,15 +143,7 @@ class DecodeGraphs:
         for size, width in tqdm(keys, desc="Capturing decode CUDA graphs", unit="graph",
                                 disable=not progress, dynamic_ncols=True):
             self._pad(0, size, width)
-            stream = api.Stream()
-            stream.wait_stream(api.current_stream())
-            with api.stream(stream):
-                for _ in range(2):
-                    self._forward(size, width)
-            api.current_stream().wait_stream(stream)
-            graph = api.Graph()
-            with api.graph(graph, pool=pool):
-                logits = self._forward(size, width)
+            graph, logits = capture_graph(api, functools.partial(self._forward, size, width), pool)
             pool = graph.pool()
             self.graphs[size, width] = (graph, logits, self.runner.model.final_streams)
         api.synchronize()

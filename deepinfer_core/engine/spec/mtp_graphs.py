@@ -12,10 +12,12 @@ verification does (`DecodeGraphs`).
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 
 import torch
 
+from deepinfer_core.engine.cuda_graph import capture_graph
 from deepinfer_core.engine.sampling import host_tensor
 
 
@@ -47,15 +49,7 @@ class MTPGraphs:
         api, pool = self.api, None
         for size, width in sorted(((s, w) for s in self.sizes for w in self.widths), key=lambda k: -k[0] * k[1]):
             self._pad(0, size, width)
-            stream = api.Stream()
-            stream.wait_stream(api.current_stream())
-            with api.stream(stream):
-                for _ in range(2):
-                    self._forward(size, width)
-            api.current_stream().wait_stream(stream)
-            graph = api.Graph()
-            with api.graph(graph, pool=pool):
-                logits, streams = self._forward(size, width)
+            graph, (logits, streams) = capture_graph(api, functools.partial(self._forward, size, width), pool)
             pool = graph.pool()
             self.graphs[size, width] = (graph, logits, streams)
         api.synchronize()

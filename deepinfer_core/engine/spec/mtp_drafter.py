@@ -7,7 +7,9 @@ or the last token plus its c - 1 accepted drafts) fills rows `start + 1 .. start
 the step sampled, row `start + c` with the emitted token there; that row's prediction is draft 1.
 Drafts 2..k come from rows past it, the layer fed its own output streams and the previous draft; those
 rows are speculative and rolled back at once (`DraftRollback`), so the MTP cache, like the target's,
-only ever holds rows of final tokens. Drafts are drawn with the request's own sampling (greedy: argmax;
+only ever holds rows of final tokens. When every request of the step verified d drafts and the layer's
+passes are captured as graphs, the first pass feeds each request d + 1 rows whatever it accepted (one
+graph shape); the rows past its final positions are restored like the deeper drafts'. Drafts are drawn with the request's own sampling (greedy: argmax;
 sampled: the seeded draw the target will make there), so a draft is accepted exactly when the MTP
 agrees with the target's draw; each draft's confidence is the MTP's probability of it.
 """
@@ -92,9 +94,14 @@ class MTPDrafter:
         prev, ids = streams.index_select(0, index[0]), tokens.index_select(0, index[1])
         heads = host_tensor(rows["heads"]).to(self.device, non_blocking=True)
         sampled = rows["sampled"]  # (state index, position of the drafted token)
+        # rows past each drafted position: the deeper drafts' and a full-width first pass's extra rows
+        saved = self.rollback.capture([DraftRows(states[i].slot, p - 1, max(self.num_drafts - 1, extra), [])
+                                       for (i, p), extra in zip(sampled, rows["extra"], strict=True)])
         width = self._graph_width(rows["requests"], len(sampled))
         if width:  # every request feeds the layer `width` rows: one replay
-            logits, out_streams = self._replay(states, rows["requests"], width, ids, prev)
+            first_rows = [j * width for j in range(len(sampled))]
+            logits, out_streams = self._replay(states, rows["requests"], width, ids, prev,
+                                               [h - f for h, f in zip(rows["heads"], first_rows, strict=True)])
         else:
             ctx = self._context(runner, rows["requests"], rows["positions"], ids)
             logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
@@ -103,8 +110,8 @@ class MTPDrafter:
                                   torch.float32).to(self.device, non_blocking=True)
         drafts, confidences, probs = [runner.sampler.sample(logits, tensors).token_ids], [], []
         self._confidence(logits, temperature, drafts[-1], confidences, probs)
-        saved = self.rollback.capture([DraftRows(states[i].slot, p - 1, self.num_drafts - 1, [])
-                                       for i, p in sampled])
+        if any(rows["extra"]):  # the rejected positions' rows go back before the deeper drafts read the ring
+            DraftRollback.restore(saved)
         prev = out_streams.index_select(0, heads)
         for depth in range(1, self.num_drafts):
             requests = [(i, p + depth - 1, 1) for i, p in sampled]
@@ -136,10 +143,11 @@ class MTPDrafter:
             return 0
         return width
 
-    def _replay(self, states, requests, width: int, ids: torch.Tensor, prev: torch.Tensor):
+    def _replay(self, states, requests, width: int, ids: torch.Tensor, prev: torch.Tensor, heads=None):
         plan_requests = self._plan.requests
         return self.graphs.run([states[i].slot for i, _, _ in requests], [p for _, p, _ in requests],
-                               [self.first_row[plan_requests[i].request_id] for i, _, _ in requests], width, ids, prev)
+                               [self.first_row[plan_requests[i].request_id] for i, _, _ in requests], width, ids,
+                               prev, heads)
 
     def _keep_probs(self, plan: StepPlan, states, sampled, proposals, probs: list[torch.Tensor]) -> None:
         self._probs = {}
@@ -154,26 +162,46 @@ class MTPDrafter:
         """Host lists of the MTP rows this step makes final (see the module docstring)."""
         last_emitted = {i: row for row, i in enumerate(result.sampled)}
         accepted = dict(zip(dict.fromkeys(result.sampled), result.num_accepted or [], strict=False))
-        out = {"h": [], "tok": [], "positions": [], "requests": [], "heads": [], "sampled": []}
+        out = {"h": [], "tok": [], "positions": [], "requests": [], "heads": [], "sampled": [], "extra": []}
         offset, num_inputs = 0, plan.num_tokens
+        full = self._full_width(plan, last_emitted)
         for i, request in enumerate(plan.requests):
             s, n, d = request.start, request.num_tokens, request.num_draft_tokens
             final = n - d + accepted.get(i, 0)  # positions computed for good
             count = final if request.is_sampled else n - 1
             if count > 0 and (request.is_sampled and i in last_emitted or not request.is_sampled):
                 first = len(out["positions"])
-                for j in range(s + 1, s + count + 1):
+                rows = full or count
+                for j in range(s + 1, s + rows + 1):
                     out["h"].append(offset + j - 1 - s)
-                    is_emitted = j == s + final and request.is_sampled
+                    # the emitted token at its position; past it (extra rows) any valid id will do
+                    is_emitted = j >= s + final and request.is_sampled
                     out["tok"].append(num_inputs + last_emitted[i] if is_emitted else offset + j - s)
                     out["positions"].append(j)
-                out["requests"].append((i, s + 1, count))
+                out["requests"].append((i, s + 1, rows))
                 self.first_row.setdefault(request.request_id, s + 1)
                 if request.is_sampled:
                     out["heads"].append(first + count - 1)
                     out["sampled"].append((i, s + count + 1))
+                    out["extra"].append(rows - count)
             offset += n
         return out if out["sampled"] else None
+
+    def _full_width(self, plan: StepPlan, last_emitted: dict[int, int]) -> int:
+        """Rows a request when the first pass runs at full width (0: each request feeds its final rows).
+
+        When every request verified the same d drafts, each feeds the layer d + 1 rows (a captured graph's
+        shape), whatever it accepted: a row past the request's final positions sees only final rows
+        before it (causal attention over the ring as it was and the pass's own keys), so the final rows'
+        outputs are those of a pass without it, and its ring writes are restored before any later pass
+        reads the ring (`propose`)."""
+        if self.graphs is None or not plan.requests:
+            return 0
+        d = plan.requests[0].num_draft_tokens
+        if d == 0 or not all(r.is_sampled and i in last_emitted and r.num_draft_tokens == d == r.num_tokens - 1
+                             for i, r in enumerate(plan.requests)):
+            return 0
+        return d + 1 if self.graphs.can_run(len(plan.requests), d + 1) else 0
 
     def _context(self, runner, requests, positions, ids):
         """The MTP rows' `ForwardContext`: `requests` (state index, first position, rows) in row order."""

@@ -4,9 +4,10 @@ feeds the layer: a pass where every request feeds `w` rows (its last token plus 
 launching the layer's kernels one by one, which costs more than the layer's device time at decode.
 
 Inputs live in static buffers; a batch is padded to the next captured size with rows of the MTP cache's
-scratch slot (the layer has a sliding window only: no blocks, no compressed entries). A pass with
-requests of unequal rows (a prefill chunk, acceptance that differs between requests) runs eagerly, as
-verification does (`DecodeGraphs`).
+scratch slot (the layer has a sliding window only: no blocks, no compressed entries). After a step whose
+requests all verified d drafts, each request feeds d + 1 rows whatever it accepted (`MTPDrafter`), and
+the pass returns the logits of each request's last final row (`heads`). A pass with requests of
+unequal rows (a prefill chunk in the step) runs eagerly, as verification does (`DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class MTPGraphs:
         self.widths = sorted(set(widths))
         self.scratch_slot = runner.num_slots
         dev, n, width = runner.device, max(self.sizes), max(self.widths)
-        # per row its token id and position, per request its slot, window start and first position
-        self.inputs = torch.zeros(5, n * width, dtype=torch.long, device=dev)
-        self.input_ids, self.positions, self.slots, self.window_starts, self.starts = self.inputs.unbind(0)
+        # per row its token id and position, per request its slot, window start, first position and the
+        # row whose logits the pass returns (its offset in the request's rows)
+        self.inputs = torch.zeros(6, n * width, dtype=torch.long, device=dev)
+        self.input_ids, self.positions, self.slots, self.window_starts, self.starts, self.heads = self.inputs.unbind(0)
         config = runner.config
         self.prev = torch.zeros(n * width, config.hc_mult, config.hidden_size, dtype=runner.dtype, device=dev)
         self.rows = torch.arange(n * width + 1, device=dev)
@@ -58,21 +60,22 @@ class MTPGraphs:
         return num_requests <= self.sizes[-1] and width in self.widths
 
     def run(self, slots: list[int], starts: list[int], window_starts: list[int], width: int,
-            ids: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            ids: torch.Tensor, prev: torch.Tensor, heads: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of `len(slots)` requests feeding `width` rows each at positions `starts[i] ..
         starts[i] + width - 1` (request-major rows: `ids` `[n * width]`, `prev` `[n * width, hc, D]` the
-        streams at the position before each row). Returns fp32 logits of each request's last row
-        `[n, vocab]` and the output streams `[n * width, hc, D]`."""
+        streams at the position before each row). Returns fp32 logits `[n, vocab]` of each request's row
+        `heads[i]` (0 .. width - 1; None: its last) and the output streams `[n * width, hc, D]`."""
         n = len(slots)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         tokens = size * width
         host = [0] * tokens  # ids: copied from the device below
         host += [s + j for s in starts for j in range(width)]
         host += [j for _ in range(size - n) for j in range(width)]
-        for values, fill in ((slots, self.scratch_slot), (window_starts, 0), (starts, 0)):
+        heads = [width - 1] * n if heads is None else heads
+        for values, fill in ((slots, self.scratch_slot), (window_starts, 0), (starts, 0), (heads, width - 1)):
             host += values
             host += [fill] * (tokens - n)
-        self.inputs[:, :tokens] = host_tensor(host).view(5, tokens).to(self.inputs.device, non_blocking=True)
+        self.inputs[:, :tokens] = host_tensor(host).view(6, tokens).to(self.inputs.device, non_blocking=True)
         self.input_ids[: n * width].copy_(ids)
         self.prev[: n * width].copy_(prev)
         if (size, width) not in self.graphs:  # not captured (the CPU): the same padded pass, eagerly
@@ -88,6 +91,7 @@ class MTPGraphs:
         self.slots[start:end] = self.scratch_slot
         self.window_starts[start:end] = 0
         self.starts[start:end] = 0
+        self.heads[start:end] = width - 1
 
     def _forward(self, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, starts = size * width, self.starts[:size]
@@ -98,5 +102,5 @@ class MTPGraphs:
             start_positions_host=[0] * size,  # stale under replay: decode paths read device tensors only
             window_starts=self.window_starts[:size], needs_static_shapes=True, max_seq_len=self.max_seq_len,
         )
-        heads = self.rows[1 : size + 1] * width - 1  # each request's last row
+        heads = self.rows[:size] * width + self.heads[:size]
         return self.module(0, ctx, self.cache, self.prev[:tokens], self.input_ids[:tokens], heads)

@@ -30,6 +30,7 @@ the GPU). One JSON line per measurement.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -100,6 +101,8 @@ def compare(plain, prompts: list[list[int]], reference: list[list[int]], out: li
 
     request, step = min((s, r) for r, (a, b) in enumerate(zip(reference, out))
                         for s, (x, y) in enumerate(zip(a, b)) if x != y)[::-1]
+    if plain is None:  # the plain engine is gone (freed for the speculative one's memory)
+        return {"tokens_equal": False, "first_divergence": {"request": request, "step": step}}
     params = SamplingParams(max_tokens=len(reference[0]), temperature=0, ignore_eos=True, logprobs=20)
     for i, prompt in enumerate(prompts):
         plain.add_request(f"lp{i}", prompt, params)
@@ -317,20 +320,26 @@ def run_mtp(args, config, model, counts, device, dtype, max_batch: int, new: int
     same weights: tokens equal, speed-up, acceptance length, and the speed-up the memory floor allows
     (the MTP layer's own reads not counted: what it costs shows as the gap to the oracle's figure)."""
     weights = echo_weights(config, model)
-    plain = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
-                                  async_scheduling=True, graph_sizes=args.batches, deterministic=args.deterministic,
-                                  weights=weights)
-    spec = workload.build_engine(config, model, device, dtype, max_batch, new, enforce_eager=args.eager,
-                                 async_scheduling=True, graph_sizes=args.batches, deterministic=args.deterministic,
-                                 weights=weights, speculative_config={
-                                     "method": "mtp", "num_speculative_tokens": 3, "draft_length_policy": "fixed"})
+    options = {"enforce_eager": args.eager, "async_scheduling": True, "graph_sizes": args.batches,
+               "deterministic": args.deterministic, "weights": weights}
+    # one engine at a time (each holds its own copy of the echo model's weights): the plain runs first
+    plain = workload.build_engine(config, model, device, dtype, max_batch, new, **options)
     generator = torch.Generator().manual_seed(2)
+    runs = []
     for batch in args.batches:
         prompts = torch.randint(2, config.vocab_size, (batch, workload.PROMPT_LEN), generator=generator).tolist()
         if args.warmup:
             generate(plain, prompts, args.new_tokens)
+        runs.append((batch, prompts, *generate(plain, prompts, args.new_tokens, args.repeats)))
+    del plain
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    spec = workload.build_engine(config, model, device, dtype, max_batch, new, **options, speculative_config={
+        "method": "mtp", "num_speculative_tokens": 3, "draft_length_policy": "fixed"})
+    for batch, prompts, reference, base_s in runs:
+        if args.warmup:
             generate(spec, prompts, args.new_tokens)
-        reference, base_s = generate(plain, prompts, args.new_tokens, args.repeats)
         before = spec.stats()
         out, seconds = generate(spec, prompts, args.new_tokens, args.repeats)
         delta = spec_counts(before, spec.stats(), args.repeats)
@@ -339,7 +348,7 @@ def run_mtp(args, config, model, counts, device, dtype, max_batch: int, new: int
         report({"case": "mtp_echo", "batch": batch, "k": 3, "speedup": round(base_s / seconds, 3),
                 "allowed_speedup": round(allowed, 3), "of_allowed": round(base_s / seconds / allowed, 3),
                 "mean_acceptance_length": round((delta["accepted_tokens"] + steps) / steps, 3) if steps else None,
-                "request_verify_steps": steps, **compare(plain, prompts, reference, out)})
+                "request_verify_steps": steps, **compare(None, prompts, reference, out)})
 
 
 def build_spec_engine(config, model, device, dtype, max_batch, new_tokens, k, eager, graph_sizes=None,

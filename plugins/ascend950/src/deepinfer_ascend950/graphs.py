@@ -3,17 +3,16 @@
 The engine's `DecodeGraphs` (deepinfer_core/engine/cuda_graph.py) captures through the `GraphApi` the
 `graph_api` hook returns (`deepinfer_core.backends.GraphApi`, in CUDA's names). torch_npu offers the same
 API under `torch.npu` (vllm-ascend's `compilation/acl_graph.py` captures with `torch.npu.NPUGraph()`
-inside `torch.npu.graph(g, pool=...)`); `npu_graph_api` fills a `GraphApi` from it.
+inside `torch.npu.graph(g, pool=...)`); `npu_graph_api` fills a `GraphApi` from it, and `capture` is the
+engine's own `capture_graph` on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 
-import torch
-
 from deepinfer_core.backends import GraphApi
+from deepinfer_core.engine.cuda_graph import capture_graph as capture  # noqa: F401 (the plugin's check captures through it)
 
 
 def npu_graph_api(torch_npu: ModuleType) -> GraphApi:
@@ -28,19 +27,3 @@ def npu_graph_api(torch_npu: ModuleType) -> GraphApi:
         raise AttributeError(f"torch_npu.npu has no {', '.join(missing)}: NPU graph capture needs torch-npu 2.14")
     return GraphApi(Graph=npu.NPUGraph, graph=npu.graph, Stream=npu.Stream, stream=npu.stream,
                     current_stream=npu.current_stream, synchronize=npu.synchronize)
-
-
-def capture(api: GraphApi, forward: Callable[[], torch.Tensor], pool=None, warmups: int = 2):
-    """What `DecodeGraphs.capture` does for one batch size, on any `GraphApi`: warm up on a side stream,
-    capture `forward` once; returns `(graph, output)` (replay with `graph.replay()`, which refills
-    `output`)."""
-    stream = api.Stream()
-    stream.wait_stream(api.current_stream())
-    with api.stream(stream):
-        for _ in range(warmups):
-            forward()
-    api.current_stream().wait_stream(stream)
-    graph = api.Graph()
-    with api.graph(graph, pool=pool):
-        output = forward()
-    return graph, output

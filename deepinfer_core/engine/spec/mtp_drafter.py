@@ -99,9 +99,8 @@ class MTPDrafter:
                                        for (i, p), extra in zip(sampled, rows["extra"], strict=True)])
         width = self._graph_width(rows["requests"], len(sampled))
         if width:  # every request feeds the layer `width` rows: one replay
-            first_rows = [j * width for j in range(len(sampled))]
             logits, out_streams = self._replay(states, rows["requests"], width, ids, prev,
-                                               [h - f for h, f in zip(rows["heads"], first_rows, strict=True)])
+                                               [h - j * width for j, h in enumerate(rows["heads"])])
         else:
             ctx = self._context(runner, rows["requests"], rows["positions"], ids)
             logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)

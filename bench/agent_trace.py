@@ -30,6 +30,7 @@ import argparse
 import json
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -222,6 +223,12 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     trace_blocks = sum(-(-(len(trace.system) + sum(map(len, tools)) + sum(a)) // BLOCK_SIZE)
                        for tools, a in zip(trace.tools, trace.answer_tokens))
     device_blocks = args.device_blocks or (args.concurrency + 1) * blocks_per_history
+    if device_blocks < args.concurrency * blocks_per_history:
+        # a batch's last turns then do not fit at once: some requests wait for others to finish decoding,
+        # and the prefill phase times that decode too (measured: 4 sessions at 320 blocks on an H100)
+        print(f"note: --device-blocks {device_blocks} holds fewer than --concurrency {args.concurrency} full "
+              f"histories ({args.concurrency * blocks_per_history} blocks): late turns of a batch are served "
+              "one after another and the prefill phase includes other requests' decode", file=sys.stderr)
     host_gib = args.host_gib if args.host_gib is not None else trace_blocks // 2 * block_bytes / 2**30
     options = {"model": model, "dtype": args.dtype, "max_model_len": longest + 8, "device": args.device,
                "max_num_seqs": args.concurrency, "num_kv_blocks": device_blocks,

@@ -453,7 +453,8 @@ class EngineConfig(BaseModel):
     swa_replay: SwaReplay | None = Field(
         None,
         description='How a prefix-cache hit rebuilds the sliding windows: "exact" recomputes the last '
-        'num_layers x sliding_window tokens before the hit (same outputs as a cold run), "bounded" only the '
+        'num_layers x sliding_window tokens before the hit, layer l only the last (num_layers - l) windows of them '
+        '(same outputs as a cold run), "bounded" only the '
         "last sliding_window (SWA Bounded Replay, approximate, for models built for it); None takes \"exact\" "
         "under deterministic=True (which refuses \"bounded\"), else the model family's default "
         "(SWA_REPLAY_DEFAULTS: bounded for V4.1).",

@@ -285,7 +285,8 @@ class BlockManager:
         approximate); "exact" takes `S = max(0, H - num_layers * sliding_window)`. Exact because a
         layer's window keys at H depend on the layer below through one window each, so after
         `num_layers` windows of recompute every layer's ring and compressor tail at H hold what a cold
-        run holds, while the entries of closed windows come from the cache. Either way the runner must
+        run holds, while the entries of closed windows come from the cache (layer `l` needs only the last
+        `num_layers - l` of those windows: `models/row_trim.replay_keep_from`). Either way the runner must
         not rewrite the cached compressed entries (`no_write_before`). No-op without prefix caching.
         """
         if replay not in SWA_REPLAY_MODES:

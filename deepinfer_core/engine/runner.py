@@ -424,12 +424,14 @@ class ModelRunner:
         return {p.compress_rate for p in self.plans if p.has_compressor}
 
     def make_context(self, input_ids: torch.Tensor, positions: torch.Tensor, totals: torch.Tensor,
-                     no_write_before: torch.Tensor, keep_from: list[int] | None = None, **metadata) -> ForwardContext:
+                     no_write_before: torch.Tensor, keep_from: list[int] | None = None,
+                     replay_hits: list[int] | None = None, **metadata) -> ForwardContext:
         """The step's `ForwardContext` (eager steps and decode graphs alike): `metadata` are the
         `AttentionMetadata` fields; `totals` `[num_seqs]` tokens each request has after the step;
-        `keep_from` the decoder-side trimming's first kept positions (None: nothing trimmed)."""
+        `keep_from` the decoder-side trimming's first kept positions (None: nothing trimmed);
+        `replay_hits` the exact replay's hits (`ForwardContext.replay_hits`)."""
         return ForwardContext(
-            keep_from=keep_from,
+            keep_from=keep_from, replay_hits=replay_hits,
             metadata=AttentionMetadata(positions=positions, **metadata),
             input_ids=input_ids,
             rope=self.model.rope_tables(positions),
@@ -475,6 +477,7 @@ class ModelRunner:
         ], self.device)
         ctx = self.make_context(
             input_ids, position_t, total_t, no_write_before, keep_from=self._first_kept_positions(requests, states),
+            replay_hits=self._replay_hits(requests),
             query_start_loc=start_loc, start_positions=start_positions, slots=slots,
             block_tables=tables.view(len(states), width), query_lens=[r.num_tokens for r in requests],
             start_positions_host=starts, max_seq_len=max(totals),
@@ -483,6 +486,16 @@ class ModelRunner:
         )
         prompt_spans = {i: (first, len(ends) + row, count) for i, (first, row, count) in prompt_spans.items()}
         return ctx, logits_rows, sampled, prompt_spans, pending
+
+    def _replay_hits(self, requests) -> list[int] | None:
+        """Per request, the prefix-cache hit it replays below (0: none), when some request of the step
+        computes rows below its hit's last window: the rows a model running the replay layer by layer
+        (`row_trim.replay_keep_from`) can drop. None otherwise, and under context parallelism, whose
+        ranks exchange every row's window keys."""
+        window = self.config.sliding_window
+        if self.context_parallel is not None or not any(r.start < r.no_write_before - window for r in requests):
+            return None
+        return [r.no_write_before if r.start < r.no_write_before else 0 for r in requests]
 
     def _first_kept_positions(self, requests, states: list[RequestState]) -> list[int] | None:
         """Per request, the first position that runs the layers after the trim point (`v41_trim`); None

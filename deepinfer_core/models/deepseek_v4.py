@@ -27,6 +27,7 @@ from deepinfer_core.models.layers import (
     SharedExpert,
 )
 from deepinfer_core.models.rope import Rotary
+from deepinfer_core.models.row_trim import TrimmedStep, drops_rows, kept_logits_rows, replay_keep_from
 from deepinfer_core.reference.layer_ops import hyper_residual
 
 
@@ -231,7 +232,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = self.model.embed_tokens(ctx.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1)  # read through its strides, never copied
         post, comb, x = ops.hc_pre(streams, self.hc_weights[0][0], layers[0].input_layernorm.weight)
+        num_tokens, kept_rows = x.shape[0], None  # the rows still running, once a replay drops some
         for i, layer in enumerate(layers):
+            keep_from = replay_keep_from(ctx.replay_hits, i, len(layers), self.config.sliding_window) \
+                if ctx.replay_hits is not None and i else None
+            if keep_from is not None and drops_rows(ctx.metadata, keep_from):
+                trim = TrimmedStep.build(ctx, keep_from)
+                if trim.is_empty:
+                    return self._no_logits(x, logits_indices, num_tokens)
+                streams, post, comb, x = map(trim.take, (streams, post, comb, x))
+                kept_rows = trim.rows if kept_rows is None else kept_rows[trim.rows]
+                ctx = trim.ctx
             # attention and MoE end in row-parallel projections: their partial sums meet here (tensor parallelism)
             out = tensor_parallel.all_reduce(layer.self_attn(x, ctx, caches[i], self.attention_backends[i], ops), tp)
             streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i][1],
@@ -241,7 +252,27 @@ class DeepseekV4ForCausalLM(nn.Module):
                 streams, post, comb, x = ops.hc_post_pre(streams, out, post, comb, self.hc_weights[i + 1][0],
                                                          layers[i + 1].input_layernorm.weight)
         if self.keeps_final_streams:
-            self.final_streams = hyper_residual(streams, out, post, comb)
+            self.final_streams = self._all_rows(hyper_residual(streams, out, post, comb), kept_rows, num_tokens)
+        if kept_rows is not None:
+            logits_indices = kept_logits_rows(kept_rows, num_tokens, logits_indices)
         hidden = ops.hc_post_head(streams, out, post, comb, logits_indices, self.head_weights,
                                   self.model.norm.weight)
         return ops.map_rows(self.lm_head, hidden).float()
+
+    def _no_logits(self, x: torch.Tensor, logits_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A step whose every row a replay dropped before the last layer: it computes no logits."""
+        if len(logits_indices):
+            raise RuntimeError("a replay dropped every row of a step that computes logits")
+        if self.keeps_final_streams:
+            self.final_streams = x.new_zeros(num_tokens, self.hc_mult, x.shape[-1])
+        return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def _all_rows(streams: torch.Tensor, kept_rows: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+        """Every step row's final streams, zeros for rows a replay dropped (the MTP drafter reads rows by
+        their place in the step; the dropped ones lie below a hit, where it needs no exact state)."""
+        if kept_rows is None:
+            return streams
+        full = streams.new_zeros(num_tokens, *streams.shape[1:])
+        full[kept_rows] = streams
+        return full

@@ -44,6 +44,7 @@ from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher, EngramPr
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import RMSNorm
 from deepinfer_core.models.rope import Rotary
+from deepinfer_core.models.row_trim import TrimmedStep
 from deepinfer_core.models.v41_compressor import (
     batched_entry_bound,
     closed_groups,
@@ -53,7 +54,6 @@ from deepinfer_core.models.v41_compressor import (
 )
 from deepinfer_core.models.v41_modules import Block
 from deepinfer_core.models.v41_plan import V41LayerPlan, build_v41_plan
-from deepinfer_core.models.v41_trim import TrimmedStep
 from deepinfer_core.reference.layer_ops import ReferenceLayerOps, collapse, hyper_residual, write_rings
 
 
@@ -215,7 +215,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             is_trim_point = i == self.trim_layer and ctx.keep_from is not None
             if is_trim_point:  # every row's compressed entries and index keys, then only the kept rows
                 self.compress(i, x, ctx, caches[i])
-                trim = TrimmedStep.build(ctx)
+                trim = TrimmedStep.build(ctx, ctx.keep_from)
                 if trim.is_empty:
                     return self.no_logits(x, logits_indices)
                 streams, pre_a, post_a, comb_a, x, image_mask = map(trim.take, (streams, pre_a, post_a, comb_a, x,

@@ -56,6 +56,10 @@ class ForwardContext:
     keep_from: list[int] | None = None
     """Decoder-side trimming (DeepSeek-V4.1, `models/v41_trim.py`): per request, the first position that
     runs the layers after the model's trim point; None: every row runs every layer."""
+    replay_hits: list[int] | None = None
+    """Exact SWA replay (V4, `row_trim.replay_keep_from`): per request, the prefix-cache hit its replay
+    rebuilds the windows up to (0: none); layer `l` then runs only the rows it needs. None: no request of
+    the step replays below a hit (or the model runs every row)."""
 
 
 @runtime_checkable

@@ -226,12 +226,28 @@ def test_exact_replay_recomputes_layers_times_window_and_equals_cold_bit_for_bit
     assert engine.config.swa_replay == "exact"  # V4's default
     run(engine, [SHARED + [9, 9]], [1])
     replayed = engine.stats()["prefix_cache_replay_tokens"]
+    rows = record_attention_rows(engine)
     warm = run(engine, [prompt], [6])["0"]
     assert warm.num_cached_tokens == 256
     assert engine.stats()["prefix_cache_replay_tokens"] - replayed == span  # not the whole 256-token hit
+    # layer l runs the replay from 256 - (3 - l) x 16 only: the rows its window keys and the next layer need
+    window, layers = CONFIG["sliding_window"], CONFIG["num_hidden_layers"]
+    assert [min(first) for first in rows] == [256 - (layers - layer) * window for layer in range(layers)]
+    assert [len(prompt) + 5 - min(first) for first in rows] == [len(first) for first in rows]  # every row after it
     assert warm.outputs[0].token_ids == cold.token_ids
     assert [e[t].logprob for e, t in zip(warm.outputs[0].logprobs, cold.token_ids)] == \
         [e[t].logprob for e, t in zip(cold.logprobs, cold.token_ids)]
+
+
+def record_attention_rows(engine: Engine) -> list[list[int]]:
+    """From now on, per layer, the position of every row its attention computes."""
+    rows = [[] for _ in engine.runner.model.model.layers]
+    for layer, seen in zip(engine.runner.model.model.layers, rows):
+        def forward(x, ctx, *args, seen=seen, inner=layer.self_attn.forward):
+            seen += ctx.metadata.positions.tolist()
+            return inner(x, ctx, *args)
+        layer.self_attn.forward = forward
+    return rows
 
 
 def test_exact_replay_under_batching_gives_the_cold_tokens(tmp_path):
@@ -240,7 +256,10 @@ def test_exact_replay_under_batching_gives_the_cold_tokens(tmp_path):
     engine = make_engine(tmp_path, max_num_seqs=4, max_num_batched_tokens=128, num_kv_blocks=24,
                          enable_prefix_caching=True)
     run(engine, [SHARED + [9, 9]], [1])
+    rows = record_attention_rows(engine)
     warm = run(engine, prompts, [6] * 3)
+    window = CONFIG["sliding_window"]  # each request's replay: one window fewer a layer up
+    assert [len(rows[0]) - len(seen) for seen in rows] == [3 * layer * window for layer in range(len(rows))]
     for i in range(3):
         mine, theirs = warm[str(i)].outputs[0], cold[str(i)].outputs[0]
         assert warm[str(i)].num_cached_tokens == 256 and mine.token_ids == theirs.token_ids

@@ -14,7 +14,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.backends import AttentionMetadata
 from deepinfer_core.config import ConfigError, EngineConfig
-from deepinfer_core.models import v41_trim
+from deepinfer_core.models import row_trim
 from deepinfer_core.models.interface import ForwardContext
 from deepinfer_core.models.v41_config import V41Config
 from deepinfer_core.models.v41_tiny import tiny_v41_config
@@ -192,10 +192,10 @@ def test_prompt_logprob_requests_and_short_prompts_are_never_trimmed(checkpoint)
 def test_trimming_is_off_by_default_and_leaves_the_untrimmed_path_alone(checkpoint, monkeypatch):
     assert EngineConfig(model=str(checkpoint[0])).decoder_trimming is False
 
-    def refuse(ctx):
+    def refuse(ctx, keep_from):
         raise AssertionError("trimmed with decoder_trimming off")
 
-    monkeypatch.setattr(v41_trim.TrimmedStep, "build", refuse)
+    monkeypatch.setattr(row_trim.TrimmedStep, "build", refuse)
     engine = make_engine(*checkpoint, max_num_batched_tokens=16)
     assert engine.runner.model.trim_layer is None
     outputs = run(engine, [random_prompt(37, seed=1)], 2)

@@ -1,8 +1,8 @@
 """The prefix tiers on an agent trace (`bench/prefix_cache.py --store DIR` runs this).
 
-The trace (seeded): `--sessions` agent sessions share one system prompt; each turn resends the whole
-history plus a tool result of 300-1000 tokens, and the greedy answer (32-64 tokens) joins the history,
-so by the last of `--turns` turns a history is past 16K tokens. Sessions interleave: each round serves
+The trace (seeded): `--agent-sessions` agent sessions (8) share one system prompt; each turn resends the
+whole history plus a tool result of 300-1000 tokens, and the greedy answer (32-64 tokens) joins the
+history, so by the last of `--agent-turns` turns (36) a history is near 30K tokens. Sessions interleave: each round serves
 turn t of every session, `--concurrency` at a time, in a fresh (seeded) order, so a session comes back
 after a varying number of others: the device cache (`--device-blocks`, sized to hold a few histories)
 has evicted its blocks, which come back from the host tier (`--host-gib`, half the trace: the recent
@@ -64,8 +64,10 @@ class AgentTrace:
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("agent trace (with --store)")
     group.add_argument("--store", default=None, help="prefix store directory (wiped): runs the agent trace")
-    group.add_argument("--agent-sessions", type=int, default=16)
-    group.add_argument("--agent-turns", type=int, default=24)
+    group.add_argument("--agent-sessions", type=int, default=8)
+    group.add_argument("--agent-turns", type=int, default=36,
+                       help="turns a session (default 36: histories reach ~30K tokens, and a cache of "
+                            "128-token blocks can serve at most 95.2%% of the input tokens)")
     group.add_argument("--concurrency", type=int, default=4, help="sessions served at once")
     group.add_argument("--scale", type=float, default=1.0, help="multiply every length (0.1 for CPU)")
     group.add_argument("--device-blocks", type=int, default=None,

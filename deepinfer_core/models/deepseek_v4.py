@@ -27,7 +27,13 @@ from deepinfer_core.models.layers import (
     SharedExpert,
 )
 from deepinfer_core.models.rope import Rotary
-from deepinfer_core.models.row_trim import TrimmedStep, drops_rows, kept_logits_rows, replay_keep_from
+from deepinfer_core.models.row_trim import (
+    TrimmedStep,
+    drops_rows,
+    kept_logits_rows,
+    no_logits,
+    replay_keep_from,
+)
 from deepinfer_core.reference.layer_ops import hyper_residual
 
 
@@ -261,11 +267,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _no_logits(self, x: torch.Tensor, logits_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """A step whose every row a replay dropped before the last layer: it computes no logits."""
-        if len(logits_indices):
-            raise RuntimeError("a replay dropped every row of a step that computes logits")
+        logits = no_logits(logits_indices, self.config.vocab_size, x.device)
         if self.keeps_final_streams:
             self.final_streams = x.new_zeros(num_tokens, self.hc_mult, x.shape[-1])
-        return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
+        return logits
 
     @staticmethod
     def _all_rows(streams: torch.Tensor, kept_rows: torch.Tensor | None, num_tokens: int) -> torch.Tensor:

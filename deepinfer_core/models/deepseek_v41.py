@@ -44,7 +44,7 @@ from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher, EngramPr
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layers import RMSNorm
 from deepinfer_core.models.rope import Rotary
-from deepinfer_core.models.row_trim import TrimmedStep
+from deepinfer_core.models.row_trim import TrimmedStep, no_logits
 from deepinfer_core.models.v41_compressor import (
     batched_entry_bound,
     closed_groups,
@@ -217,7 +217,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 self.compress(i, x, ctx, caches[i])
                 trim = TrimmedStep.build(ctx, ctx.keep_from)
                 if trim.is_empty:
-                    return self.no_logits(x, logits_indices)
+                    return no_logits(logits_indices, self.config.vocab_size, x.device)
                 streams, pre_a, post_a, comb_a, x, image_mask = map(trim.take, (streams, pre_a, post_a, comb_a, x,
                                                                                 image_mask))
                 shared = {key: trim.take(value) for key, value in shared.items()}
@@ -230,12 +230,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             logits_indices = trim.logits_rows(logits_indices)
         rows = [t[logits_indices] for t in (streams, *pending, pre)]
         return self.ops.map_rows(self.head_logits, *rows)
-
-    def no_logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The logits of a step whose every row was trimmed: it may ask for none."""
-        if len(logits_indices):
-            raise RuntimeError("decoder-side trimming dropped every row, yet the step asks for logits")
-        return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
 
     def head_logits(self, streams, block_out, post, comb, pre) -> torch.Tensor:
         """The last FFN's fold, the collapse with its site's `pre`, the norm and the fp32 head (per row)."""

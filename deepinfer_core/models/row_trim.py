@@ -101,6 +101,13 @@ class TrimmedStep:
         return kept_logits_rows(self.rows, self.num_tokens, logits_indices)
 
 
+def no_logits(logits_indices: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The logits of a step whose every row was dropped before the last layer: it may ask for none."""
+    if len(logits_indices):
+        raise RuntimeError("a trimmed step dropped every row, yet it computes logits")
+    return torch.empty(0, vocab_size, dtype=torch.float32, device=device)
+
+
 def kept_logits_rows(rows: torch.Tensor, num_tokens: int, logits_indices: torch.Tensor) -> torch.Tensor:
     """`logits_indices` (rows of a `num_tokens`-row step) as indices into its kept `rows`. Raises when a
     logits row was dropped (a rule above kept too little)."""

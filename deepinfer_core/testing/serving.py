@@ -12,6 +12,19 @@ if TYPE_CHECKING:
     from deepinfer_core.outputs import RequestOutput
 
 
+def record_attention_rows(engine: Engine) -> list[list[int]]:
+    """From now on, per decoder layer of `engine`'s model, the position of every row its attention
+    computes (tests of which rows a layer runs: exact replay's trimming)."""
+    layers = engine.runner.model.model.layers
+    rows = [[] for _ in layers]
+    for layer, seen in zip(layers, rows):
+        def forward(x, ctx, *args, seen=seen, inner=layer.self_attn.forward):
+            seen += ctx.metadata.positions.tolist()
+            return inner(x, ctx, *args)
+        layer.self_attn.forward = forward
+    return rows
+
+
 def serve(engine: Engine, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
           request_ids: Sequence[str] | None = None) -> list[RequestOutput]:
     """Serve `prompts` together to the end; their final outputs, in prompt order.

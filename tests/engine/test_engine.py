@@ -11,7 +11,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.testing.serving import serve
+from deepinfer_core.testing.serving import record_attention_rows, serve
 from tests.oracle import hf_greedy, hf_logprobs, hf_model, parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")  # window 16, CSA rate 4, HCA rate 128: one HCA entry per block
@@ -237,17 +237,6 @@ def test_exact_replay_recomputes_layers_times_window_and_equals_cold_bit_for_bit
     assert warm.outputs[0].token_ids == cold.token_ids
     assert [e[t].logprob for e, t in zip(warm.outputs[0].logprobs, cold.token_ids)] == \
         [e[t].logprob for e, t in zip(cold.logprobs, cold.token_ids)]
-
-
-def record_attention_rows(engine: Engine) -> list[list[int]]:
-    """From now on, per layer, the position of every row its attention computes."""
-    rows = [[] for _ in engine.runner.model.model.layers]
-    for layer, seen in zip(engine.runner.model.model.layers, rows):
-        def forward(x, ctx, *args, seen=seen, inner=layer.self_attn.forward):
-            seen += ctx.metadata.positions.tolist()
-            return inner(x, ctx, *args)
-        layer.self_attn.forward = forward
-    return rows
 
 
 def test_exact_replay_under_batching_gives_the_cold_tokens(tmp_path):

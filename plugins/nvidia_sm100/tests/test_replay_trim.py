@@ -12,7 +12,7 @@ from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
-from deepinfer_core.testing.serving import serve
+from deepinfer_core.testing.serving import record_attention_rows, serve
 
 CONFIG = tiny_config("hca128", index_n_heads=32)  # window 16, CSA rate 4, HCA rate 128, 3 layers
 WEIGHTS = random_state_dict(CONFIG, seed=11)
@@ -45,16 +45,11 @@ def test_trimmed_replay_gives_the_cold_answers(cuda_device, tmp_path) -> None:
     cold = generate(make_engine(tmp_path), BATCH, "cold")
     engine = make_engine(tmp_path, enable_prefix_caching=True, max_num_batched_tokens=128)
     generate(engine, [SHARED + [9, 9]], "warm-up")
-    rows = [0] * len(engine.runner.model.model.layers)
-    for i, layer in enumerate(engine.runner.model.model.layers):
-        def forward(x, *args, i=i, inner=layer.self_attn.forward):
-            rows[i] += x.shape[0]
-            return inner(x, *args)
-        layer.self_attn.forward = forward
+    rows = record_attention_rows(engine)
     warm = generate(engine, BATCH, "warm")
     assert engine.stats()["prefix_cache_hit_tokens"] >= 4 * 256
     window = CONFIG["sliding_window"]  # every request's replay: one window fewer a layer up
-    assert [rows[0] - n for n in rows] == [4 * i * window for i in range(len(rows))]
+    assert [len(rows[0]) - len(seen) for seen in rows] == [4 * i * window for i in range(len(rows))]
     for (tokens, logprobs), (cold_tokens, cold_logprobs) in zip(warm, cold):
         assert tokens == cold_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, cold_logprobs)) < 1e-4  # other step shapes, fp32

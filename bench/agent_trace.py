@@ -206,7 +206,7 @@ def main_agent(args, workload_config, write_checkpoint, git_commit) -> list[dict
     import tempfile
 
     from deepinfer_core.config import ModelConfig
-    from deepinfer_core.engine.kv_blocks import block_layout, layout_bytes
+    from deepinfer_core.kv.blocks import block_layout, layout_bytes
     from deepinfer_core.models import registry
 
     trace = make_agent_trace(args, args.vocab)

@@ -48,10 +48,10 @@ import torch
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from deepinfer_core.testing.checkpoints import tiny_config, write_checkpoint
+from deepinfer_core.worker.graphs import DecodeGraphs
 
 PROMPT_LEN = 16
 VOCAB = 1024

@@ -213,8 +213,8 @@ decode sizes (at most 16 rows an expert) and beyond."""
 def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
     from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
 
+    from deepinfer_core.backends import quant
     from deepinfer_core.backends.moe import MoESpec, MoEWeights
-    from deepinfer_core.models import quant
 
     hidden, inter, experts, top_k = sizes.hidden, sizes.moe_intermediate, sizes.experts, sizes.top_k
     spec = MoESpec(hidden, inter, experts, top_k, "sqrtsoftplus", 1.5, 10.0, False, torch.bfloat16,

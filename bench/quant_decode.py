@@ -36,8 +36,8 @@ import time
 import gpu_decode as base
 import torch
 
-from deepinfer_core.models import quant
-from deepinfer_core.models.layers import FP8Linear
+from deepinfer_core.backends import quant
+from deepinfer_core.models.deepseek_v4.layers import FP8Linear
 
 EXPERT_NAMES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 FP8_NAMES = (  # the projections DeepSeek ships in FP8

@@ -194,7 +194,7 @@ def run_ngram(args, plain, spec, vocab) -> None:
     """The n-gram drafter on the agent trace, with the fixed policy (every step waits for its tokens to
     look drafts up) and the confidence policy (a request drafts only while its estimates say it pays, so
     other steps stay overlapped; probes look again now and then)."""
-    from deepinfer_core.engine.spec.proposer import NgramDrafter
+    from deepinfer_core.speculative.proposer import NgramDrafter
 
     for batch in args.batches:
         prompts = agent_trace(batch, vocab)

@@ -52,7 +52,7 @@ TINY_V4 = {"vocab_size": 129280, "hidden_size": 128, "moe_intermediate_size": 64
 
 
 def v41_config(layers: int, experts: int, tiny: bool) -> dict:
-    from deepinfer_core.models.engram import engram_primes
+    from deepinfer_core.models.deepseek_v41.engram import engram_primes
 
     if layers < 7:
         raise SystemExit("--model v41 needs --layers >= 7 to cover every role")
@@ -126,7 +126,8 @@ def build_side(config_dict: dict, device: str, dtype: torch.dtype, max_batch: in
     `EngineConfig` (the V4.1 side's Engram placement and prefetch)."""
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
-    from deepinfer_core.models import registry, weight_formats
+    from deepinfer_core.models import registry
+    from deepinfer_core.models.layer_plan import with_expert_format
 
     directory = Path(tempfile.mkdtemp(prefix=f"{config_dict['model_type']}-"))
     (directory / "config.json").write_text(json.dumps(config_dict))
@@ -134,7 +135,7 @@ def build_side(config_dict: dict, device: str, dtype: torch.dtype, max_batch: in
     (directory / "tokenizer.json").write_text(synthetic_tokenizer_json(config.vocab_size), encoding="utf-8")
     token_map = synthetic_token_map(config) if config_dict["model_type"] == "deepseek_v41" else None
     cls = registry.model_class(config)
-    plans = weight_formats.with_expert_format(cls.layer_plan(config, dtype), "fp4")
+    plans = with_expert_format(cls.layer_plan(config, dtype), "fp4")
     with torch.device("meta"):
         meta_model = cls(config, plans, dtype)
     weights = random_weights(meta_model, device, token_map)

@@ -58,7 +58,7 @@ def representative_specs(config: ModelConfig, dtype: torch.dtype) -> dict[str, l
     from deepinfer_core.backends import EplbSpec, SamplingSpec, VerifySpec
     from deepinfer_core.models import registry
     from deepinfer_core.models.layer_plan import layer_ops_spec
-    from deepinfer_core.models.weight_formats import fp8_linear_specs
+    from deepinfer_core.models.loading.weight_formats import fp8_linear_specs
 
     plans = registry.model_class(config).layer_plan(config, dtype)
     return {

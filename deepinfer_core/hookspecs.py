@@ -226,7 +226,7 @@ def register_prefix_stores(register: Callable[..., None]) -> None:
     native USRBIO client, Mooncake Store, ...); a plain directory path always uses POSIX files.
 
     Call `register(scheme, factory)` where `factory(location: str)` returns an object satisfying
-    `deepinfer_core.engine.store_backends.StoreBackend` (named objects written atomically: `put`, `get`,
+    `deepinfer_core.kv.store_backends.StoreBackend` (named objects written atomically: `put`, `get`,
     `contains`, `delete`, `touch`, `scan`). When two plugins register one scheme, the first asked wins.
 
     :param register: the registration callback.

@@ -14,8 +14,10 @@ from tqdm.auto import tqdm
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.data_parallel import build_engine
-from deepinfer_core.engine.sampling import check_sampling_params, finished_text
-from deepinfer_core.models.weight_formats import check_quantization
+from deepinfer_core.engine.input import check_sampling_params
+from deepinfer_core.engine.output import finished_text
+from deepinfer_core.models import registry
+from deepinfer_core.models.loading.weight_formats import check_quantization
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -43,7 +45,7 @@ class LLM:
         `deterministic` (batch-invariant outputs), `engram_placement`, `engram_prefetch` and
         `decoder_trimming` (DeepSeek-V4.1), and the parallel layout
         `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
-        `eplb_config` (see `EngineConfig` and `deepinfer_core.engine.parallel`); a layout this build
+        `eplb_config` (see `EngineConfig` and `deepinfer_core.backends.parallel`); a layout this build
         cannot run raises `NotImplementedError` naming it.
     """
 
@@ -66,7 +68,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown options {sorted(unknown)}; valid: {sorted(EngineConfig.model_fields)}")
         config = EngineConfig(model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len,
                               tensor_parallel_size=tensor_parallel_size, **engine_options)
-        check_quantization(quantization, config.load_model_config())
+        check_quantization(quantization, registry.load_model_config(config.model))
         self.engine = build_engine(config)  # one engine core per data-parallel rank when there are several
         self.decode_sequence = decode_sequence
         self._counter = 0

@@ -435,15 +435,14 @@ def prefix_store_backends() -> dict[str, Callable[[str], Any]]:
     return backends
 
 
-def model_entries() -> list:
-    """Model families registered by plugins (`register_models`), as `ModelEntry`s in call order."""
-    from deepinfer_core.models.registry import ModelEntry
-
+def model_entries() -> list[tuple[str, tuple[str, ...], str, str]]:
+    """Model families registered by plugins (`register_models`), in call order, each as
+    `(model_type, architectures, model_class, config_class)` (`models.registry.ModelEntry`'s fields)."""
     entries = []
 
     def register(model_type: str, architectures, model_class: str,
                  config_class: str = "deepinfer_core.config:ModelConfig") -> None:
-        entries.append(ModelEntry(model_type, tuple(architectures), model_class, config_class))
+        entries.append((model_type, tuple(architectures), model_class, config_class))
 
     get_plugin_manager().hook.register_models(register=register)
     return entries

@@ -23,7 +23,7 @@ MAX_N = 128
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id (or `top_k`) a request may name; the model's vocabulary bounds ids further when the
-request reaches the engine (`deepinfer_core.engine.sampling.check_sampling_params`)."""
+request reaches the engine (`deepinfer_core.engine.input.check_sampling_params`)."""
 
 MAX_PENALTY = 2.0
 """`presence_penalty` and `frequency_penalty` lie in [-MAX_PENALTY, MAX_PENALTY], as in vLLM."""
@@ -184,12 +184,12 @@ class SamplingParams:
     engine's `prefix_store_ttl_s` names); None: the engine's `default_traffic_class`."""
     kv_transfer_params: dict | None = None
     """Prefill/decode disaggregation (vLLM's name): the handle a prefill instance returned for this
-    prompt's blocks (`deepinfer_core.engine.kv_transfer`); a decode instance reads them before admitting
+    prompt's blocks (`deepinfer_core.kv.nixl_transfer`); a decode instance reads them before admitting
     the request. None: computed here."""
 
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences; set when the request reaches the engine, which has the
-    tokenizer (`deepinfer_core.engine.sampling.check_sampling_params`)."""
+    tokenizer (`deepinfer_core.engine.input.check_sampling_params`)."""
 
     # DeepInfer 0.1 spellings, folded into the fields above by __post_init__.
     seq_seed: int | None = None
@@ -392,3 +392,19 @@ def _check_int(name: str, value: object, *, low: int, high: int | None = None, h
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an integer {bounds}{hint}, got {value!r}")
     return int(value)
+
+
+def needs_token_history(params: SamplingParams) -> bool:
+    """Whether the sampler needs the request's generated ids (penalties, bad words of several tokens):
+    the runner passes them to `prepare_sampling_tensors`, and overlapped decode must not leave the
+    last one on the device only. Call after `check_sampling_params` (it resolves `bad_words`)."""
+    return any(history_fields(params))
+
+
+def history_fields(params: SamplingParams) -> list[str]:
+    return [
+        "presence_penalty" if params.presence_penalty else "",
+        "frequency_penalty" if params.frequency_penalty else "",
+        "repetition_penalty" if params.repetition_penalty != 1 else "",
+        "bad_words of several tokens" if any(len(ids) > 1 for ids in params.bad_words_token_ids or []) else "",
+    ]

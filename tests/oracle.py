@@ -11,10 +11,10 @@ import torch
 
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
-from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
 from deepinfer_core.testing.serving import serve
+from deepinfer_core.worker.runner import ModelRunner
 
 transformers = __import__("pytest").importorskip("transformers", minversion="5.23")
 

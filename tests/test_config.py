@@ -7,6 +7,7 @@ import transformers
 from pydantic import ValidationError
 
 from deepinfer_core.config import CSA, HCA, SLIDING, ConfigError, EngineConfig, ModelConfig
+from deepinfer_core.models import registry
 
 transformers.logging.set_verbosity_error()
 
@@ -174,7 +175,7 @@ def model_dir(tmp_path):
 
 def test_engine_config_resolves_defaults(model_dir):
     engine = EngineConfig(model=str(model_dir))
-    model = engine.load_model_config()
+    model = registry.load_model_config(engine.model)
     resolved = engine.resolve(model)
     assert resolved.max_model_len == 4096
     assert resolved.max_num_batched_tokens == 8192
@@ -199,7 +200,7 @@ def test_engine_config_errors_are_actionable(model_dir, tmp_path_factory):
         EngineConfig(model=str(model_dir), max_num_sequences=4)
     engine = EngineConfig(model=str(model_dir), max_model_len=10_000)
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
-        engine.resolve(engine.load_model_config())
+        engine.resolve(registry.load_model_config(engine.model))
 
 
 def test_engram_options_name_their_field_and_host_tables_need_a_model_with_engram(model_dir):
@@ -209,17 +210,17 @@ def test_engram_options_name_their_field_and_host_tables_need_a_model_with_engra
         EngineConfig(model=str(model_dir), engram_prefetch="sometimes")
     engine = EngineConfig(model=str(model_dir), engram_placement="host")
     with pytest.raises(ConfigError, match="engram_placement='host': deepseek_v4 has no Engram tables"):
-        engine.resolve(engine.load_model_config())
+        engine.resolve(registry.load_model_config(engine.model))
     # prefetching is about host tables only: for V4 it is accepted and changes nothing
     engine = EngineConfig(model=str(model_dir), engram_prefetch=False)
-    assert engine.resolve(engine.load_model_config()).engram_prefetch is False
+    assert engine.resolve(registry.load_model_config(engine.model)).engram_prefetch is False
 
 
 def test_decoder_trimming_is_off_by_default_and_refused_for_a_model_without_it(model_dir):
     assert EngineConfig(model=str(model_dir)).decoder_trimming is False
     engine = EngineConfig(model=str(model_dir), decoder_trimming=True)
     with pytest.raises(ConfigError, match="decoder_trimming=True: deepseek_v4 has no decoder-side trimming"):
-        engine.resolve(engine.load_model_config())
+        engine.resolve(registry.load_model_config(engine.model))
 
 
 # ------------------------------------------------------------------------------------------------ bad config.json

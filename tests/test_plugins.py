@@ -371,12 +371,11 @@ def test_model_entries_come_from_register_models(isolated_plugin_manager):
 
     isolated_plugin_manager.register(Family(), name="family")
     (entry,) = plugins.model_entries()
-    assert (entry.model_type, entry.architectures, entry.model_class, entry.config_class) == (
-        "my_model", ("MyForCausalLM",), "my_pkg.model:MyForCausalLM", "deepinfer_core.config:ModelConfig")
+    assert entry == ("my_model", ("MyForCausalLM",), "my_pkg.model:MyForCausalLM", "deepinfer_core.config:ModelConfig")
 
 
 def test_prefix_store_backends_come_from_register_prefix_stores(isolated_plugin_manager, tmp_path):
-    from deepinfer_core.engine.store_backends import PosixBackend, open_backend
+    from deepinfer_core.kv.store_backends import PosixBackend, open_backend
 
     class Usrbio:
         @hookimpl

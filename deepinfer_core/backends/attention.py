@@ -1,6 +1,6 @@
 """Attention contract: sliding-window + compressed (CSA/HCA) attention with sinks, and the CSA indexer.
 
-Cache layout the backend reads (built by `deepinfer_core.engine.kv_cache`):
+Cache layout the backend reads (built by `deepinfer_core.kv.cache`):
 
 - `window`: `[num_slots, sliding_window, head_dim]`, one ring per request state slot; the key of the
   token at absolute position `p` lives at `window[slot, p % sliding_window]`. Shared K=V (MQA, one head).

@@ -53,3 +53,18 @@ class GraphApi:
     """The current stream (`.wait_stream(other)`)."""
     synchronize: Callable
     """Wait for the device."""
+
+
+def capture_graph(api, forward, pool=None):
+    """Run `forward` twice on a side stream (kernels compile, the allocator grows), then capture it into
+    a graph of `pool` through the device's `GraphApi`; return the graph and what the captured call returned."""
+    stream = api.Stream()
+    stream.wait_stream(api.current_stream())
+    with api.stream(stream):
+        for _ in range(2):
+            forward()
+    api.current_stream().wait_stream(stream)
+    graph = api.Graph()
+    with api.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs

@@ -4,7 +4,7 @@ Dense projections (weights in the compute dtype) run as `F.linear` in the model,
 projections whose checkpoint weights are block-scaled FP8 (`quantized_weights="native"`) go through a
 `LinearBackend`, built once per distinct `LinearSpec` by the `make_linear` hook.
 
-FP8 layout (`deepinfer_core.models.quant`): `weight[out, in]` float8_e4m3fn and one float32 scale per
+FP8 layout (`deepinfer_core.backends.quant`): `weight[out, in]` float8_e4m3fn and one float32 scale per
 `block[0] x block[1]` tile (`scale[ceil(out / block[0]), ceil(in / block[1])]`), `W = weight * scale`.
 DeepSeek-V4 ships 128x128 tiles with float32 scales, V4.1 32x32 tiles with power-of-two ("ue8m0")
 scales; either way the model holds the scales as float32 (exact for ue8m0).

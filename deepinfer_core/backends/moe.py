@@ -38,7 +38,7 @@ class MoESpec:
     """Activation dtype, and the routed experts' weight dtype when `expert_format` is "dense"."""
     expert_format: Literal["dense", "fp4"] = "dense"
     """Routed-expert storage: "dense" (in `dtype`) or "fp4" (packed e2m1 codes with one power-of-two
-    scale per 32 inputs, the checkpoint's own bytes; see `MoEWeights` and `deepinfer_core.models.quant`).
+    scale per 32 inputs, the checkpoint's own bytes; see `MoEWeights` and `deepinfer_core.backends.quant`).
     A backend that cannot read a format declines the spec."""
     deterministic: bool = False
     """Batch-invariant mode (`EngineConfig.deterministic`): a token's output must be bit-identical

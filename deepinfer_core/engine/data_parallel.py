@@ -30,10 +30,10 @@ from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine import engine as engine_module
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.engine.executor import make_executor, parallel_stats
-from deepinfer_core.engine.plan import StepPlan, StepResult
+from deepinfer_core.executor.executor import make_executor, parallel_stats
 from deepinfer_core.models import registry
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.plan import StepPlan, StepResult
 from deepinfer_core.sampling_params import SamplingParams
 
 _AFFINITY_ENTRIES = 4096

@@ -39,22 +39,23 @@ import torch
 from deepinfer_core import plugins
 from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.engine.block_manager import BlockManager
 from deepinfer_core.engine.detokenizer import IncrementalText
-from deepinfer_core.engine.executor import can_defer_bitmask, can_launch, make_executor, parallel_stats
-from deepinfer_core.engine.kv_blocks import layout_bytes
-from deepinfer_core.engine.kv_transfer import first_token_of, first_token_output
+from deepinfer_core.engine.input import check_sampling_params
+from deepinfer_core.engine.output import build_logprobs_entry, check_stop
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
-from deepinfer_core.engine.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
-from deepinfer_core.engine.prefix_tiers import make_prefix_tiers
-from deepinfer_core.engine.sampling import build_logprobs_entry, check_sampling_params, check_stop
-from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer_core.engine.sequence import Sequence, SequenceStatus
-from deepinfer_core.engine.spec.proposer import Speculator
-from deepinfer_core.engine.structured_output import GrammarError, StructuredOutputManager
+from deepinfer_core.executor.executor import can_defer_bitmask, can_launch, make_executor, parallel_stats
+from deepinfer_core.kv.blocks import layout_bytes
+from deepinfer_core.kv.nixl_transfer import first_token_of, first_token_output
+from deepinfer_core.kv.tiers import make_prefix_tiers
 from deepinfer_core.models import registry
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
+from deepinfer_core.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sched.block_manager import BlockManager
+from deepinfer_core.sched.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.sched.sequence import Sequence, SequenceStatus
+from deepinfer_core.speculative.proposer import Speculator
+from deepinfer_core.structured_output.manager import GrammarError, StructuredOutputManager
 from deepinfer_core.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from deepinfer_core.backends import SamplerOutput
-from deepinfer_core.engine.plan import StepPlan, StepResult
-from deepinfer_core.engine.sampling import ends_by_length
-from deepinfer_core.engine.scheduler import Scheduler
-from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.engine.output import ends_by_length
+from deepinfer_core.plan import StepPlan, StepResult
+from deepinfer_core.sched.scheduler import Scheduler
+from deepinfer_core.sched.sequence import Sequence
 
 
 @dataclass

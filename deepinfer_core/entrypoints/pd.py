@@ -102,7 +102,7 @@ async def _prompt_of(state: ServerState, api: str, request: Request) -> tuple[li
 async def _prefill(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """Run the prompt and sample its first token with the request's own parameters (so the decode
     instance's answer is the one a single instance gives), then export blocks, state and token."""
-    from deepinfer_core.engine.kv_transfer import continues_from_first_token, export_prompt
+    from deepinfer_core.kv.nixl_transfer import continues_from_first_token, export_prompt
 
     if continues_from_first_token(params):
         run = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),  # EOS banned as it would be

@@ -129,7 +129,7 @@ def _class_ttl(text: str) -> tuple[str, float]:
 
 
 def add_parallel_arguments(group: Any) -> None:
-    """The parallel layout's options (vLLM's spellings; `deepinfer_core.engine.parallel`)."""
+    """The parallel layout's options (vLLM's spellings; `deepinfer_core.backends.parallel`)."""
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                        help="ranks splitting attention heads and dense projections")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
@@ -209,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from deepinfer_core.models.tiny import embedded_tiny_model_dir
+        from deepinfer_core.testing.tiny import embedded_tiny_model_dir
 
         model_dir = str(embedded_tiny_model_dir())
     require_chat_encoding(model_dir)

@@ -2,7 +2,7 @@
 
 A model class (found through `deepinfer_core.models.registry`) is built on the meta device as
 `cls(config, plans, dtype, parallel=groups)` from `cls.layer_plan(config, dtype)` (`groups`: the rank's
-`deepinfer_core.engine.parallel.ParallelGroups`), loaded with `load_state_dict`, bound
+`deepinfer_core.backends.parallel.ParallelGroups`), loaded with `load_state_dict`, bound
 to its backends once, and then run one step at a time on a `ForwardContext` and the cache's
 `LayerCache`s. Nothing else of it is read outside `deepinfer_core/models/`.
 """
@@ -19,13 +19,13 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from deepinfer_core.backends import AttentionBackend, AttentionMetadata, LayerOps, MoEBackend
-from deepinfer_core.engine.parallel import ParallelGroups
+from deepinfer_core.backends.parallel import ParallelGroups
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
 
 @dataclass
 class LayerCache:
-    """One layer's cache tensors (see `deepinfer_core.engine.kv_cache`); None where the layer has none."""
+    """One layer's cache tensors (see `deepinfer_core.kv.cache`); None where the layer has none."""
 
     window: torch.Tensor
     compressed: torch.Tensor | None = None
@@ -52,7 +52,7 @@ class ForwardContext:
     """`[num_seqs]` int64: per request, entries of windows ending at or before this position are
     already cached and must not be rewritten."""
     parallel: ParallelGroups | None = None
-    """This rank's parallel groups (`deepinfer_core.engine.parallel`); None: a world of one rank."""
+    """This rank's parallel groups (`deepinfer_core.backends.parallel`); None: a world of one rank."""
     keep_from: list[int] | None = None
     """Decoder-side trimming (DeepSeek-V4.1, `models/v41_trim.py`): per request, the first position that
     runs the layers after the model's trim point; None: every row runs every layer."""

@@ -128,3 +128,10 @@ def deterministic_plans(plans: list[LayerPlan], deterministic: bool) -> list[Lay
         return plans
     return [replace(plan, attention=replace(plan.attention, deterministic=True),
                     moe=replace(plan.moe, deterministic=True)) for plan in plans]
+
+
+def with_expert_format(plans: list[LayerPlan], fmt: str) -> list[LayerPlan]:
+    """`plans` with every layer's `MoESpec.expert_format` set to `fmt`."""
+    if fmt == "dense":
+        return plans
+    return [replace(plan, moe=replace(plan.moe, expert_format=fmt)) for plan in plans]

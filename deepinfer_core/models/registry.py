@@ -30,9 +30,9 @@ class ModelEntry:
 
 
 BUILTIN_MODELS = (
-    ModelEntry("deepseek_v4", ("DeepseekV4ForCausalLM",), "deepinfer_core.models.deepseek_v4:DeepseekV4ForCausalLM"),
-    ModelEntry("deepseek_v41", ("DeepseekV41ForCausalLM",), "deepinfer_core.models.deepseek_v41:DeepseekV41ForCausalLM",
-               "deepinfer_core.models.v41_config:V41Config"),
+    ModelEntry("deepseek_v4", ("DeepseekV4ForCausalLM",), "deepinfer_core.models.deepseek_v4.model:DeepseekV4ForCausalLM"),
+    ModelEntry("deepseek_v41", ("DeepseekV41ForCausalLM",), "deepinfer_core.models.deepseek_v41.model:DeepseekV41ForCausalLM",
+               "deepinfer_core.models.deepseek_v41.config:V41Config"),
 )
 
 
@@ -40,7 +40,7 @@ def model_entries() -> list[ModelEntry]:
     """Every known entry: plugins' first (so a plugin can replace a built-in family), then built-ins."""
     from deepinfer_core import plugins
 
-    return [*plugins.model_entries(), *BUILTIN_MODELS]
+    return [*(ModelEntry(*fields) for fields in plugins.model_entries()), *BUILTIN_MODELS]
 
 
 def find_model(config: dict[str, Any]) -> ModelEntry:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.backends import quant
 from deepinfer_core.config import ConfigError, ModelConfig
-from deepinfer_core.models import quant
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.backends import quant
 from deepinfer_core.backends.linear import LinearSpec
-from deepinfer_core.models import quant
 
 
 class ReferenceLinear:

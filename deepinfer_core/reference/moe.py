@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.backends import MoESpec, MoEWeights
-from deepinfer_core.models import quant
+from deepinfer_core.backends import MoESpec, MoEWeights, quant
 from deepinfer_core.reference.moe_dispatch import expert_parallel_forward
 
 GATHER_LIMIT = 2**25

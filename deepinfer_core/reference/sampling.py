@@ -1,5 +1,5 @@
 """Reference sampler: logit adjustments, temperature, top-k, top-p, min-p and batch-invariant seeded
-draws in PyTorch (the shared steps live in `deepinfer_core.sampling_ops`).
+draws in PyTorch (the shared steps live in `deepinfer_core.backends.sampling_ops`).
 
 Seeded draws are Gumbel-max in vocabulary-id space with counter-based noise: the uniform for token `v`
 of a row drawing its token number `step` under `seed` is a pure function of `(seed, step, v)`, so a
@@ -19,14 +19,14 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
-from deepinfer_core.reference.invariant import log_softmax_rows
-from deepinfer_core.sampling_ops import (
+from deepinfer_core.backends.sampling_ops import (
     adjust_logits,
     apply_min_p,
     apply_top_k_top_p,
     check_sampler_inputs,
     sampler_output,
 )
+from deepinfer_core.reference.invariant import log_softmax_rows
 
 # SplitMix64's unsigned constants, as the int64 values with the same bits.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64

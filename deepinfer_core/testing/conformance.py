@@ -161,7 +161,7 @@ def check_moe(backend: MoEBackend, device: torch.device, dtype: torch.dtype | No
 
 def fp4_moe_weights(weights: MoEWeights) -> MoEWeights:
     """`weights` with the routed experts quantised to packed FP4 with e8m0 scales (`quant.quantize_fp4`)."""
-    from deepinfer_core.models import quant
+    from deepinfer_core.backends import quant
 
     gate_up, gate_up_scale = quant.quantize_fp4(weights.gate_up)
     down, down_scale = quant.quantize_fp4(weights.down)
@@ -200,7 +200,7 @@ FP8_ACTIVATION_ERROR = 2.0**-4
 def fp8_linear_case(spec: Any, num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(x, weight, scale)` for `spec`: a random weight (std 0.05) quantised to FP8 with `spec.block` tiles
     (power-of-two scales for "ue8m0"), and random fp32 activations of the spec's input shape."""
-    from deepinfer_core.models import quant
+    from deepinfer_core.backends import quant
 
     gen = torch.Generator().manual_seed(seed)
     dense = torch.randn(spec.out_features, spec.in_features, generator=gen) * 0.05

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer_core import plugins
-from deepinfer_core.backends import LinearBackend, LinearSpec
+from deepinfer_core.backends import LinearBackend, LinearSpec, quant
 from deepinfer_core.backends.linear import LinearSpecError
-from deepinfer_core.models import quant
-from deepinfer_core.models.layers import ConcatenatedLinears, FP8Linear, GroupedLinear
+from deepinfer_core.models.deepseek_v4.layers import ConcatenatedLinears, FP8Linear, GroupedLinear
 from deepinfer_core.reference.linear import ReferenceLinear
 from deepinfer_core.testing import conformance
 

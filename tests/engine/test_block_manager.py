@@ -2,10 +2,11 @@
 
 import pytest
 
-from deepinfer_core.engine import block_manager as bm_module
-from deepinfer_core.engine.block_manager import BlockManager, NoFreeBlocksError, blocks_for
-from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.kv.blocks import blocks_for
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sched import block_manager as bm_module
+from deepinfer_core.sched.block_manager import BlockManager, NoFreeBlocksError
+from deepinfer_core.sched.sequence import Sequence
 
 BS = 4
 
@@ -338,7 +339,7 @@ def test_block_keys_are_content_hashes_equal_in_another_process():
     tokens = list(range(100, 100 + BS))
     root = bm_module.block_key(b"fingerprint", tokens)
     child = bm_module.block_key(root, [7] * BS)
-    code = ("from deepinfer_core.engine.block_manager import block_key as k; "
+    code = ("from deepinfer_core.sched.block_manager import block_key as k; "
             f"r = k(b'fingerprint', {tokens!r}); print(r.hex(), k(r, [7] * {BS}).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [root.hex(), child.hex()]  # Python's hash() would differ between processes
@@ -378,8 +379,8 @@ class _SlowCopy:
 
 
 def test_a_block_is_evictable_only_once_its_save_finished():
-    from deepinfer_core.engine.host_cache import HostCache
-    from deepinfer_core.engine.prefix_tiers import PrefixTiers
+    from deepinfer_core.kv.host_cache import HostCache
+    from deepinfer_core.kv.tiers import PrefixTiers
 
     tiers = PrefixTiers(HostCache(1 << 12, 8, pin=False), None)
     manager = BlockManager(3, BS, enable_prefix_caching=True, tiers=tiers)

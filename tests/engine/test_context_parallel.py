@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.engine.context_parallel import StepLayout, balanced_pieces, piece_owner
-from deepinfer_core.engine.plan import ScheduledRequest, StepPlan
-from deepinfer_core.engine.runner import RequestState
+from deepinfer_core.distributed.context_parallel import StepLayout, balanced_pieces, piece_owner
+from deepinfer_core.plan import ScheduledRequest, StepPlan
+from deepinfer_core.worker.runner import RequestState
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer_core import SamplingParams
+from deepinfer_core.backends.parallel import build_groups
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.engine.parallel import build_groups
-from deepinfer_core.engine.plan import NewRequest, ScheduledRequest, StepPlan
-from deepinfer_core.engine.runner import ModelRunner
+from deepinfer_core.plan import NewRequest, ScheduledRequest, StepPlan
+from deepinfer_core.worker.runner import ModelRunner
 from tests.oracle import parity_config, random_state_dict, write_config
 
 CONFIG = parity_config("hca128")  # sliding window 16, CSA rate 4, HCA rate 128

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_core.engine.cuda_graph import (
+from deepinfer_core.plan import PENDING_TOKEN
+from deepinfer_core.worker.graphs import (
     NO_WRITE,
     DecodeGraphs,
     SlotBlockTables,
     batch_ladder,
     capture_sizes,
 )
-from deepinfer_core.engine.plan import PENDING_TOKEN
-from deepinfer_core.engine.runner import CarriedTokens
+from deepinfer_core.worker.runner import CarriedTokens
 from tests.models.test_v41_decode_graphs import RaiseOnHostReads
 from tests.oracle import (
     FakeSeq,

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer_core.backends.moe import ExpertPlacement, MoESpec, MoEWeights
-from deepinfer_core.engine.eplb_state import placement_maps
-from deepinfer_core.engine.executor import _free_port
+from deepinfer_core.distributed.eplb_state import placement_maps
+from deepinfer_core.executor.executor import _free_port
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.reference.moe_dispatch import choose_slots
 

@@ -1,6 +1,6 @@
 """Expert moves between EP ranks: the transfer list every rank derives from the old and new placement."""
 
-from deepinfer_core.engine.expert_moves import layer_transfers
+from deepinfer_core.distributed.expert_moves import layer_transfers
 
 
 def test_transfers_copy_locally_when_possible_and_fetch_from_the_lowest_holder():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.engine.host_cache import HostCache
+from deepinfer_core.kv.host_cache import HostCache
 
 
 def row(value: int) -> torch.Tensor:

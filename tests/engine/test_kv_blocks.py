@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.engine.kv_blocks import (
+from deepinfer_core.kv.blocks import (
     LOAD,
     LOAD_STATE,
     SAVE,
@@ -18,9 +18,9 @@ from deepinfer_core.engine.kv_blocks import (
     describe_layout,
     layout_bytes,
 )
-from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block
-from deepinfer_core.engine.plan import CacheOp
+from deepinfer_core.kv.cache import KVCache, bytes_per_block
 from deepinfer_core.models.layer_plan import build_layer_plan
+from deepinfer_core.plan import CacheOp
 from tests.oracle import parity_config
 
 CONFIG = ModelConfig.from_dict(parity_config("hca128"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.engine.kv_cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.kv.cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.models.layer_plan import build_layer_plan
 from tests.oracle import parity_config
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deepinfer_core.engine import kv_transfer
+from deepinfer_core.kv import nixl_transfer as kv_transfer
 from deepinfer_core.sampling_params import SamplingParams
 from tests.entrypoints.live import tiny_engine
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer_core.backends.parallel import EplbConfig, ParallelConfig, ParallelGroups, build_groups
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.parallel import EplbConfig, ParallelConfig, ParallelGroups, build_groups
 from tests.oracle import parity_config, write_config
 
 
@@ -71,7 +71,7 @@ def _group_sums(rank: int, world: int, port: int, results) -> None:
 
 
 def test_groups_built_on_four_gloo_ranks_reduce_over_the_right_ranks():
-    from deepinfer_core.engine.executor import _free_port
+    from deepinfer_core.executor.executor import _free_port
 
     with mp.Manager() as manager:
         results = manager.dict()

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core.engine.block_manager import block_key
-from deepinfer_core.engine.prefix_store import (
+from deepinfer_core.kv.prefix_store import (
     DAY_S,
     CorruptBlockError,
     PrefixStore,
     decode_block,
     encode_block,
 )
-from deepinfer_core.engine.store_backends import PosixBackend, StoreBackend, open_backend
+from deepinfer_core.kv.store_backends import PosixBackend, StoreBackend, open_backend
+from deepinfer_core.sched.block_manager import block_key
 
 FINGERPRINT = b"f" * 32
 LAYOUT = "0.compressed[32,8]float32"
@@ -161,9 +161,9 @@ _SHARER = textwrap.dedent("""
     import sys
     import time
     from pathlib import Path
-    from deepinfer_core.engine.block_manager import block_key
-    from deepinfer_core.engine.prefix_store import PrefixStore
-    from deepinfer_core.engine.store_backends import PosixBackend
+    from deepinfer_core.sched.block_manager import block_key
+    from deepinfer_core.kv.prefix_store import PrefixStore
+    from deepinfer_core.kv.store_backends import PosixBackend
 
     root, me, other, rounds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     store = PrefixStore(PosixBackend(root), b"f" * 32, "0.compressed[32,8]float32")
@@ -251,8 +251,8 @@ def test_blocks_evicted_while_a_store_read_runs_are_read_again(tmp_path):
     left host memory meanwhile (other requests' saves). Admission must not stop the prefix at that hole."""
     import torch
 
-    from deepinfer_core.engine.host_cache import HostCache
-    from deepinfer_core.engine.prefix_tiers import BlockRef, PrefixTiers
+    from deepinfer_core.kv.host_cache import HostCache
+    from deepinfer_core.kv.tiers import BlockRef, PrefixTiers
 
     store, chain, parent = make_store(tmp_path), [], FINGERPRINT
     for i in range(4):

@@ -16,8 +16,8 @@ import torch
 from deepinfer_core import SamplingParams, hookimpl
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.engine.prefix_store import PrefixStore, encode_block
-from deepinfer_core.engine.store_backends import PosixBackend
+from deepinfer_core.kv.prefix_store import PrefixStore, encode_block
+from deepinfer_core.kv.store_backends import PosixBackend
 from deepinfer_core.testing.checkpoints import write_checkpoint
 from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict

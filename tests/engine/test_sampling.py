@@ -6,18 +6,12 @@ import pytest
 import torch
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec
-from deepinfer_core.engine.sampling import (
-    bad_words_token_ids,
-    banned_token_ids,
-    build_logprobs_entry,
-    check_sampling_params,
-    check_stop,
-    needs_token_history,
-    prepare_sampling_tensors,
-)
+from deepinfer_core.backends.sampling_tensors import banned_token_ids, prepare_sampling_tensors
+from deepinfer_core.engine.input import bad_words_token_ids, check_sampling_params
+from deepinfer_core.engine.output import build_logprobs_entry, check_stop
 from deepinfer_core.outputs import Logprob
 from deepinfer_core.reference.sampling import ReferenceSampler
-from deepinfer_core.sampling_params import MAX_SEED, SamplingParams
+from deepinfer_core.sampling_params import MAX_SEED, SamplingParams, needs_token_history
 
 EOS = [1]
 CPU = torch.device("cpu")

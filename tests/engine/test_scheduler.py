@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from deepinfer_core.engine.block_manager import BlockManager
-from deepinfer_core.engine.plan import StepPlan
-from deepinfer_core.engine.scheduler import Scheduler, SchedulerConfig
-from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+from deepinfer_core.plan import StepPlan
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sched.block_manager import BlockManager
+from deepinfer_core.sched.scheduler import Scheduler, SchedulerConfig
+from deepinfer_core.sched.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from deepinfer_core.engine.sequence import Sequence, SequenceStatus
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sched.sequence import Sequence, SequenceStatus
 
 
 def make_seq(prompt=(1, 2, 3), **kwargs) -> Sequence:
@@ -90,7 +90,7 @@ def test_reset_cache_state_keeps_tokens():
 
 
 def test_a_grammar_waits_for_the_host_unless_its_mask_is_deferred():
-    from deepinfer_core.engine.plan import PENDING_TOKEN
+    from deepinfer_core.plan import PENDING_TOKEN
     from deepinfer_core.sampling_params import StructuredOutputsParams
 
     shaped = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))

@@ -1,10 +1,10 @@
-"""Per-request draft estimates and the probe schedule (`deepinfer_core.engine.spec.gate`)."""
+"""Per-request draft estimates and the probe schedule (`deepinfer_core.speculative.gate`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepinfer_core.engine.spec.gate import MAX_PROBE_INTERVAL, PROBE_INTERVAL, DraftEstimate
+from deepinfer_core.speculative.gate import MAX_PROBE_INTERVAL, PROBE_INTERVAL, DraftEstimate
 
 
 def test_rejected_drafts_lower_the_confidence_and_accepted_ones_raise_it():
@@ -71,11 +71,11 @@ class _AlwaysProposes:
 def test_a_probe_step_takes_the_requests_half_way_to_theirs_and_no_others():
     """Requests that started decoding on different steps: when one falls due, those at least half way
     probe with it (one wait for all), the one that just started does not, and nothing probes before."""
-    from deepinfer_core.engine.sequence import Sequence
-    from deepinfer_core.engine.spec.config import SpeculativeConfig
-    from deepinfer_core.engine.spec.proposer import Speculator
+    from deepinfer_core.config.speculative import SpeculativeConfig
     from deepinfer_core.outputs import SpecDecodeMetrics
     from deepinfer_core.sampling_params import SamplingParams
+    from deepinfer_core.sched.sequence import Sequence
+    from deepinfer_core.speculative.proposer import Speculator
 
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     speculator = Speculator(config, _AlwaysProposes())
@@ -94,8 +94,8 @@ def test_a_probe_step_takes_the_requests_half_way_to_theirs_and_no_others():
 def test_a_new_requests_estimates_start_from_every_requests_recent_record():
     """A drafter that has been failing is not verified for a new request's first step (the default
     costs, one request), one that has been right is, and with no record a new request starts even."""
-    from deepinfer_core.engine.spec.config import SpeculativeConfig
-    from deepinfer_core.engine.spec.policy import confidence_draft_lengths
+    from deepinfer_core.config.speculative import SpeculativeConfig
+    from deepinfer_core.speculative.policy import confidence_draft_lengths
 
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     assert DraftEstimate.seeded(DraftEstimate()).confidence == 0.5

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_core.engine.cuda_graph import DecodeGraphs
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
+from deepinfer_core.worker.graphs import DecodeGraphs
 from tests.engine.test_spec_decode import MIXED, ScriptedDrafter, generate, make_engine, tokens
 from tests.engine.test_spec_mtp import WEIGHTS as MTP_WEIGHTS
 from tests.engine.test_spec_mtp import make_engine as make_mtp_engine

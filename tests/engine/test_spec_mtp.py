@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer_core.backends import quant
 from deepinfer_core.config import CheckpointError, EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.models import quant
-from deepinfer_core.models.layers import FP4Experts, FP8Linear
-from deepinfer_core.models.mtp import MTPWeightsMissingError
-from deepinfer_core.models.tiny import write_checkpoint
+from deepinfer_core.models.deepseek_v4.layers import FP4Experts, FP8Linear
+from deepinfer_core.models.deepseek_v4.mtp import MTPWeightsMissingError
+from deepinfer_core.testing.tiny import write_checkpoint
 from tests.engine.test_spec_decode import CONFIG, MIXED, generate, tokens
 from tests.oracle import random_state_dict, write_config
 
@@ -197,7 +197,7 @@ def test_deeper_drafts_sampling_tensors_equal_a_rebuild_at_their_positions():
     from types import SimpleNamespace
 
     from deepinfer_core import SamplingParams
-    from deepinfer_core.engine.spec.mtp_drafter import MTPDrafter
+    from deepinfer_core.speculative.mtp_drafter import MTPDrafter
 
     drafter = MTPDrafter.__new__(MTPDrafter)
     drafter.device = torch.device("cpu")

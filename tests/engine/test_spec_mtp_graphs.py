@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.engine.spec.mtp_graphs import MTPGraphs
+from deepinfer_core.speculative.mtp_graphs import MTPGraphs
 from tests.engine.test_spec_decode import MIXED, generate, tokens
 from tests.engine.test_spec_mtp import echo_weights, make_engine
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from deepinfer_core.engine.spec.config import SpeculativeConfig
-from deepinfer_core.engine.spec.ngram import propose_ngram
-from deepinfer_core.engine.spec.policy import confidence_draft_lengths, fixed_draft_lengths
+from deepinfer_core.config.speculative import SpeculativeConfig
+from deepinfer_core.speculative.ngram import propose_ngram
+from deepinfer_core.speculative.policy import confidence_draft_lengths, fixed_draft_lengths
 
 
 def test_fixed_lengths_take_every_proposal_within_the_budget():

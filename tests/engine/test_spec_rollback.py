@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.engine.spec.rollback import (
+from deepinfer_core.models.layer_plan import BLOCK_SIZE
+from deepinfer_core.speculative.rollback import (
     DraftRollback,
     DraftRows,
     RingTooSmallError,
     check_ring_sizes,
     kept_blocks,
 )
-from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from tests.engine.test_spec_decode import (  # noqa: F401 (fixture)
     MIXED,
     VOCAB,

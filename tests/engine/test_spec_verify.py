@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec
+from deepinfer_core.backends.sampling_tensors import prepare_sampling_tensors
 from deepinfer_core.backends.verify import VerifySpec
-from deepinfer_core.engine.plan import ScheduledRequest, StepPlan
-from deepinfer_core.engine.sampling import prepare_sampling_tensors
-from deepinfer_core.engine.spec import verify
+from deepinfer_core.plan import ScheduledRequest, StepPlan
 from deepinfer_core.reference.sampling import ReferenceSampler
 from deepinfer_core.reference.verify import ReferenceVerifier
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.speculative import verify
 
 VOCAB, NUM_SEEDS = 4, 6000
 FIRST = torch.tensor([1.2, 0.3, -0.5, 0.0])  # logits of the first generated token

@@ -15,8 +15,8 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.engine.structured_output import GrammarError, StructuredOutputManager
 from deepinfer_core.sampling_params import StructuredOutputsParams
+from deepinfer_core.structured_output.manager import GrammarError, StructuredOutputManager
 from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -271,7 +271,7 @@ def test_accept_many_advances_matchers_as_accept_does(llm: LLM) -> None:
 def test_a_constrained_rows_mask_row_is_its_logits_row(overlapped_engine: Engine, monkeypatch) -> None:
     """Mixed batches: each constrained request's mask row is its logits row, so the runner applies the
     mask without rearranging it (and reads only the constrained rows)."""
-    from deepinfer_core.engine import runner as runner_module
+    from deepinfer_core.worker import runner as runner_module
 
     seen, apply = [], runner_module.apply_bitmask
 

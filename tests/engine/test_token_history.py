@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.engine.plan import PENDING_TOKEN
+from deepinfer_core.plan import PENDING_TOKEN
 from deepinfer_core.testing.serving import serve
 from tests.engine.test_engine import CONFIG, make_engine, random_prompts
 from tests.oracle import hf_model, random_state_dict

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from deepinfer_core.config import CSA, HCA, SLIDING, ModelConfig
-from deepinfer_core.models.checkpoint_layout import (
+from deepinfer_core.models.loading.checkpoint_layout import (
     CheckpointError,
     detect_layout,
     expected_tensors,

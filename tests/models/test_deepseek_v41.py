@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_core.models import deepseek_v41
+from deepinfer_core.models.deepseek_v41 import model as deepseek_v41
 from deepinfer_core.reference.layer_ops import collapse, hyper_mix, hyper_residual
 from tests.models.v41_helpers import make_runner, random_prompt, tiny_checkpoint
 from tests.oracle import FakeSeq, all_position_logprobs, run_chunked

@@ -13,8 +13,12 @@ import torch
 from pydantic import ValidationError
 
 from deepinfer_core import SamplingParams
-from deepinfer_core.models.engram import EngramTable
-from deepinfer_core.models.engram_prefetch import THREAD_NAME, EngramGatherError, EngramPrefetcher
+from deepinfer_core.models.deepseek_v41.engram import EngramTable
+from deepinfer_core.models.deepseek_v41.engram_prefetch import (
+    THREAD_NAME,
+    EngramGatherError,
+    EngramPrefetcher,
+)
 from tests.models.v41_helpers import make_engine, random_prompt, tiny_checkpoint
 from tests.oracle import greedy_tokens_and_logprobs
 
@@ -107,7 +111,7 @@ def test_bad_values_name_the_field(checkpoint, field, value):
 def test_host_tables_are_read_into_host_memory_and_never_copied(checkpoint, monkeypatch):
     """The loader gets the Engram tables' names to keep in host memory (so the release's tables never
     pass through the device), and the tables the layers gather from are those tensors themselves."""
-    from deepinfer_core.models import v41_weights
+    from deepinfer_core.models.deepseek_v41 import weights as v41_weights
 
     asked, load = [], v41_weights.load_v41_checkpoint
 
@@ -136,8 +140,8 @@ def test_layer_ops_that_read_host_rows_serve_the_tables_graph_safe(checkpoint, o
     reader: every row of every step comes through it, the model lists no graph-unsafe host tables,
     and the tokens and logprobs equal the tables' on the device."""
     from deepinfer_core.backends import HostRowGather
-    from deepinfer_core.models.deepseek_v41 import HOST_ENGRAM_TABLES
-    from deepinfer_core.models.engram_prefetch import DeviceReadPrefetcher
+    from deepinfer_core.models.deepseek_v41.engram_prefetch import DeviceReadPrefetcher
+    from deepinfer_core.models.deepseek_v41.model import HOST_ENGRAM_TABLES
     from deepinfer_core.reference.layer_ops import ReferenceLayerOps
 
     reads = []

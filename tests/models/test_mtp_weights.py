@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer_core.backends import quant
 from deepinfer_core.config import CheckpointError, ModelConfig
-from deepinfer_core.models import quant
-from deepinfer_core.models.mtp_weights import load_mtp_weights, num_mtp_layers
-from deepinfer_core.models.tiny import random_state_dict, tiny_config, write_checkpoint
+from deepinfer_core.models.loading.mtp_weights import load_mtp_weights, num_mtp_layers
+from deepinfer_core.testing.tiny import random_state_dict, tiny_config, write_checkpoint
 
 CONFIG = tiny_config()
 WEIGHTS = random_state_dict(CONFIG, seed=5, mtp_layers=1)
@@ -101,7 +101,7 @@ def test_a_missing_or_misshaped_mtp_scale_is_named(tmp_path, edit, message):
 
 
 def test_an_unexpected_mtp_tensor_is_named_and_the_model_loader_ignores_mtp(tmp_path):
-    from deepinfer_core.models.weights import load_weights
+    from deepinfer_core.models.loading.weights import load_weights
 
     model_dir, config = written(tmp_path)
     path = next(model_dir.glob("*.safetensors"))

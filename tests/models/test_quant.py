@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from deepinfer_core.models import quant
+from deepinfer_core.backends import quant
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])

@@ -10,9 +10,9 @@ import torch
 from deepinfer_core import hookimpl
 from deepinfer_core.config import ConfigError, ModelConfig
 from deepinfer_core.models import registry
-from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_core.models.interface import CausalLM
-from deepinfer_core.models.tiny import tiny_config
+from deepinfer_core.testing.tiny import tiny_config
 
 
 def test_v4_is_found_by_model_type_or_by_architecture():
@@ -38,7 +38,7 @@ def test_an_unknown_family_is_an_error_naming_the_known_ones(tmp_path):
 class _MyModels:
     @hookimpl
     def register_models(self, register):
-        register("my_family", ["MyForCausalLM"], "deepinfer_core.models.deepseek_v4:DeepseekV4ForCausalLM")
+        register("my_family", ["MyForCausalLM"], "deepinfer_core.models.deepseek_v4.model:DeepseekV4ForCausalLM")
         register("deepseek_v4", ["DeepseekV4ForCausalLM"], "json:JSONDecoder")  # replaces the built-in
 
 

@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from deepinfer_core.backends import AttentionMetadata
+from deepinfer_core.models.deepseek_v4.row_trim import (
+    TrimmedStep,
+    drops_rows,
+    kept_logits_rows,
+    replay_keep_from,
+)
 from deepinfer_core.models.interface import ForwardContext
-from deepinfer_core.models.row_trim import TrimmedStep, drops_rows, kept_logits_rows, replay_keep_from
 
 
 def step(starts: list[int], lens: list[int], window_starts: list[int] | None = None) -> ForwardContext:

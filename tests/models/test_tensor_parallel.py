@@ -7,10 +7,11 @@ import torch
 
 from deepinfer_core.config import ConfigError, ModelConfig
 from deepinfer_core.models import tensor_parallel
-from deepinfer_core.models.checkpoint_files import SafetensorsReader
-from deepinfer_core.models.checkpoint_layout import meta_model, tensor_schema
-from deepinfer_core.models.mtp import MultiTokenPredictor
-from deepinfer_core.models.mtp_weights import load_mtp_weights
+from deepinfer_core.models.deepseek_v4.mtp import MultiTokenPredictor
+from deepinfer_core.models.loading.checkpoint_files import SafetensorsReader
+from deepinfer_core.models.loading.checkpoint_layout import meta_model, tensor_schema
+from deepinfer_core.models.loading.mtp_weights import load_mtp_weights
+from deepinfer_core.models.loading.weights import load_weights
 from deepinfer_core.models.tensor_parallel import (
     Shard,
     mtp_tensor_shards,
@@ -18,7 +19,6 @@ from deepinfer_core.models.tensor_parallel import (
     shard_weights,
     tensor_shards,
 )
-from deepinfer_core.models.weights import load_weights
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
 
 CONFIG = tiny_config("sliding_csa_hca", moe_intermediate_size=64, o_groups=4)

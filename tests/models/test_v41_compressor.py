@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import AttentionMetadata
-from deepinfer_core.models.v41_compressor import (
+from deepinfer_core.models.deepseek_v41.compressor import (
     candidate_mask,
     closed_groups,
     index_scores,

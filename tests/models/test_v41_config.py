@@ -8,8 +8,8 @@ import pytest
 
 from deepinfer_core.config import ConfigError, ModelConfig
 from deepinfer_core.models import registry
-from deepinfer_core.models.v41_config import V41Config
-from deepinfer_core.models.v41_release import released_tensors
+from deepinfer_core.models.deepseek_v41.config import V41Config
+from deepinfer_core.models.deepseek_v41.release import released_tensors
 
 QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
          "weight_block_size": [32, 32], "expert_dtype": "fp4"}

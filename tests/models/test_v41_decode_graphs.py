@@ -11,9 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core.backends import AttentionMetadata, supports_cuda_graphs
-from deepinfer_core.engine.cuda_graph import DecodeGraphs
-from deepinfer_core.models import deepseek_v41
-from deepinfer_core.models.v41_compressor import two_level_topk_batched, two_level_topk_per_request
+from deepinfer_core.models.deepseek_v41 import model as deepseek_v41
+from deepinfer_core.models.deepseek_v41.compressor import two_level_topk_batched, two_level_topk_per_request
+from deepinfer_core.worker.graphs import DecodeGraphs
 from tests.models.v41_helpers import make_runner, random_prompt, tiny_checkpoint
 from tests.oracle import FakeSeq, all_position_logprobs, step_plan
 

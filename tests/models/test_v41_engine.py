@@ -85,7 +85,7 @@ def test_a_prefix_block_back_from_host_memory_carries_its_token_ids(checkpoint):
 def test_a_blocks_bytes_carry_its_token_ids(checkpoint):
     """What the host tier, the store and prefill/decode transfers move of a block includes V4.1's token
     ids (a decode instance that loads a prompt's blocks with no replay looks back into them)."""
-    from deepinfer_core.engine.kv_blocks import BlockIO
+    from deepinfer_core.kv.blocks import BlockIO
 
     engine = make_engine(*checkpoint, enable_prefix_caching=True, max_num_seqs=1)
     run(engine, [SHARED + [9, 9]], [1])
@@ -117,7 +117,7 @@ def test_bounded_replay_is_the_default_and_never_rewrites_cached_entries(checkpo
 
 
 def test_engram_hashes_are_the_same_whole_chunked_and_after_a_prefix_hit(checkpoint, monkeypatch):
-    from deepinfer_core.models.engram import EngramHasher
+    from deepinfer_core.models.deepseek_v41.engram import EngramHasher
 
     seen: list[dict[int, torch.Tensor]] = []
     real = EngramHasher.hashes

@@ -7,7 +7,8 @@ import json
 import torch
 from tokenizers import Tokenizer
 
-from deepinfer_core.models.engram import (
+from deepinfer_core.models.deepseek_v41.config import V41Config
+from deepinfer_core.models.deepseek_v41.engram import (
     DEAD,
     EngramHasher,
     EngramTable,
@@ -16,8 +17,7 @@ from deepinfer_core.models.engram import (
     engram_gate,
     engram_primes,
 )
-from deepinfer_core.models.v41_config import V41Config
-from deepinfer_core.models.v41_tiny import tiny_v41_config, v41_tokenizer_json
+from deepinfer_core.testing.v41_tiny import tiny_v41_config, v41_tokenizer_json
 from tests.models.test_v41_config import RELEASE
 
 

@@ -39,7 +39,7 @@ def test_the_plugin_listing_reads_a_v41_checkpoint(tmp_path_factory):
     import torch
 
     from deepinfer_core.cli import representative_specs
-    from deepinfer_core.models.v41_config import V41Config
+    from deepinfer_core.models.deepseek_v41.config import V41Config
 
     directory, _ = tiny_checkpoint(tmp_path_factory)
     specs = representative_specs(V41Config.from_dir(directory), torch.float32)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer_core.backends import quant
 from deepinfer_core.config import CheckpointError
-from deepinfer_core.models import quant
-from deepinfer_core.models.v41_config import V41Config
-from deepinfer_core.models.v41_release import release_differences
-from deepinfer_core.models.v41_weights import load_v41_checkpoint
+from deepinfer_core.models.deepseek_v41.config import V41Config
+from deepinfer_core.models.deepseek_v41.release import release_differences
+from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 from tests.models.v41_helpers import make_runner, random_prompt, tiny_checkpoint
 from tests.oracle import run_chunked
 
@@ -89,7 +89,7 @@ def test_differences_from_the_release_are_listed(checkpoint, tmp_path):
     assert "  num_hidden_layers: 9 (release: 40)" in lines and "  hidden_size: 64 (release: 5120)" in lines
     assert any(line.startswith("tokenizer.json SHA-256") for line in lines)
     assert not any("added token" in line for line in lines)  # V4.1's renamed tokens are all there
-    from deepinfer_core.models.tiny import bundled_tokenizer_dir
+    from deepinfer_core.testing.tiny import bundled_tokenizer_dir
 
     shutil.copytree(directory, tmp_path / "v4tok")
     shutil.copyfile(bundled_tokenizer_dir() / "tokenizer.json", tmp_path / "v4tok" / "tokenizer.json")

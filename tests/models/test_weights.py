@@ -6,10 +6,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from deepinfer_core.backends import quant
 from deepinfer_core.config import ModelConfig
-from deepinfer_core.models import quant
-from deepinfer_core.models.checkpoint_layout import meta_model, tensor_schema
-from deepinfer_core.models.weights import CheckpointError, load_model, load_weights
+from deepinfer_core.models.loading.checkpoint_layout import meta_model, tensor_schema
+from deepinfer_core.models.loading.weights import CheckpointError, load_model, load_weights
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
 
 transformers.logging.set_verbosity_error()

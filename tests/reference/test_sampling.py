@@ -13,8 +13,8 @@ from deepinfer_core.backends.sampling import (
     SparseTokenValues,
     TokenPenalties,
 )
+from deepinfer_core.backends.sampling_ops import apply_penalties
 from deepinfer_core.reference.sampling import ReferenceSampler, seeded_uniforms
-from deepinfer_core.sampling_ops import apply_penalties
 
 VOCAB = 8
 MASK_64 = (1 << 64) - 1

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
+from deepinfer_core.backends import quant
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_core.models import quant
-from deepinfer_core.models.layers import FP8Linear
-from deepinfer_core.models.tiny import tiny_config, write_checkpoint
+from deepinfer_core.models.deepseek_v4.layers import FP8Linear
 from deepinfer_core.reference.linear import ReferenceLinear
 from deepinfer_core.testing.serving import serve
+from deepinfer_core.testing.tiny import tiny_config, write_checkpoint
+from deepinfer_core.worker.runner import ModelRunner
 from tests.oracle import run_chunked
 
 NEAR_TIE = 0.1

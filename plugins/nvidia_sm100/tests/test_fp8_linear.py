@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.backends import LinearSpec
-from deepinfer_core.models import quant
+from deepinfer_core.backends import LinearSpec, quant
 from deepinfer_core.testing import conformance
 
 V4 = LinearSpec(in_features=256, out_features=96, block=(128, 128), dtype=torch.float32)

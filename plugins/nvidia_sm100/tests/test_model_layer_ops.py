@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.engine.runner import ModelRunner
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.worker.runner import ModelRunner
 from tests.oracle import hf_logprobs, hf_model, parity_config, random_state_dict, run_chunked
 
 

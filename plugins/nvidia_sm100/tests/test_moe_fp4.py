@@ -11,8 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from deepinfer_core.backends import MoESpec
-from deepinfer_core.models import quant
+from deepinfer_core.backends import MoESpec, quant
 from deepinfer_core.testing import conformance
 from deepinfer_core.testing.cases import random_moe_case
 

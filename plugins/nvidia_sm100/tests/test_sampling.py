@@ -55,7 +55,7 @@ def test_logit_adjustments_draw_the_reference_tokens(kernel_device: torch.device
     """Penalties, logit bias, allowed ids and bad words, greedy and drawn, through the Triton draw."""
     from deepinfer_nvidia_sm100.sampling import CudaSampler
 
-    from deepinfer_core.engine.sampling import prepare_sampling_tensors
+    from deepinfer_core.backends.sampling_tensors import prepare_sampling_tensors
     from deepinfer_core.sampling_params import SamplingParams
 
     vocab = 4096

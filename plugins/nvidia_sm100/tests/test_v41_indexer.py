@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, AttentionSpec, IndexScorer
-from deepinfer_core.models.v41_compressor import (
+from deepinfer_core.models.deepseek_v41.compressor import (
     batched_entry_bound,
     select_two_level,
     two_level_topk_per_request,
 )
-from deepinfer_core.models.v41_plan import V41LayerPlan
+from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan
 
 HEADS, DIM, TOPK = 4, 32, 8
 CONFIG = type("Config", (), {"candidate_topk_blocks": 3, "candidate_block_size": 2})

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import IndexScorer
-from deepinfer_core.models.v41_config import V41Config
-from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
-from deepinfer_core.models.v41_weights import load_v41_checkpoint
+from deepinfer_core.models.deepseek_v41.config import V41Config
+from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
+from deepinfer_core.testing.v41_tiny import tiny_v41_config, write_v41_checkpoint
 
 TINY = {"hidden_size": 32, "moe_intermediate_size": 32, "hc_sinkhorn_iters": 3}
 """Off the GPU every kernel program runs in Triton's interpreter, and the mHC kernels' Sinkhorn loop (the
@@ -18,7 +18,7 @@ release's 20 iterations) was a third of it; 3 still run the loop."""
 
 def build(directory, device, **options):
     from deepinfer_core.config import EngineConfig
-    from deepinfer_core.engine.runner import ModelRunner
+    from deepinfer_core.worker.runner import ModelRunner
 
     config = V41Config.from_dir(directory)
     weights = load_v41_checkpoint(directory, config, torch.float32, "cpu")

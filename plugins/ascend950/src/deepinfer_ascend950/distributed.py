@@ -1,6 +1,6 @@
 """HCCL as the torch.distributed backend for NPU ranks.
 
-The engine's workers join their group in `deepinfer_core.engine.worker.init_group`, which today picks
+The engine's workers join their group in `deepinfer_core.executor.worker.init_group`, which today picks
 `"cpu:gloo,cuda:nccl"` on CUDA and `"gloo"` elsewhere; on the NPU the collectives of the model side
 (expert dispatch, all-reduce) must run on HCCL, with gloo kept for the host-side object collectives the
 executor uses (`broadcast_object_list`, `gather_object`). `process_group_backend` is that choice for

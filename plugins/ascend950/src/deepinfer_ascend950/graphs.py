@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from deepinfer_core.backends import GraphApi
-from deepinfer_core.engine.cuda_graph import capture_graph as capture  # noqa: F401 (the plugin's check captures through it)
+from deepinfer_core.backends.graphs import capture_graph as capture  # noqa: F401 (the plugin's check captures through it)
 
 
 def npu_graph_api(torch_npu: ModuleType) -> GraphApi:

@@ -1,7 +1,7 @@
 """Sampler on the Ascend 950: the reference's semantics, with its seeded draws reproduced bit for bit.
 
 Masks, logit bias, penalties and the top-k / top-p / min-p filters are the shared PyTorch steps of
-`deepinfer_core.sampling_ops`, run on the NPU (vllm-ascend avoids `npu_top_k_top_p` on A5, and its
+`deepinfer_core.backends.sampling_ops`, run on the NPU (vllm-ascend avoids `npu_top_k_top_p` on A5, and its
 k <= 1024 limit does not cover the contract). The draw is the reference's counter-based Gumbel-max
 (`deepinfer_core.reference.sampling`): SplitMix64 on int64 bit patterns (wrapping multiplication,
 logical shifts) and float64 logs. Whether the NPU computes exactly those bits is unknown (Ascend AI
@@ -17,14 +17,14 @@ import logging
 import torch
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
-from deepinfer_core.reference.sampling import _gumbel_argmax, seeded_uniforms
-from deepinfer_core.sampling_ops import (
+from deepinfer_core.backends.sampling_ops import (
     adjust_logits,
     apply_min_p,
     apply_top_k_top_p,
     check_sampler_inputs,
     sampler_output,
 )
+from deepinfer_core.reference.sampling import _gumbel_argmax, seeded_uniforms
 
 logger = logging.getLogger(__name__)
 PROBE_VOCAB = 4099

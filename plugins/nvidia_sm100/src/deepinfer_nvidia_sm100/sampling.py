@@ -4,7 +4,7 @@ The reference (`deepinfer_core.reference.sampling`) draws by Gumbel-max with cou
 noise; `gumbel_argmax_kernel` computes the same noise bit for bit and the argmax of
 `filtered / temperature + gumbel` in float64 in one pass over each row, instead of materialising
 `[B, vocab]` float64 noise. Allowed and banned ids, logit bias, penalties and the top-k / top-p /
-min-p filters run as the shared PyTorch steps of `deepinfer_core.sampling_ops` on the device (only
+min-p filters run as the shared PyTorch steps of `deepinfer_core.backends.sampling_ops` on the device (only
 when some row asks for them). For a deterministic spec (`SamplingSpec.deterministic`) the logprobs come
 from `log_softmax_kernel`: one program a row, `BLOCK_V`-wide chunks of the vocabulary in ascending order,
 one fixed reduction across the lanes, so a row's logprobs never depend on its batch.
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
-from deepinfer_core.sampling_ops import (
+from deepinfer_core.backends.sampling_ops import (
     adjust_logits,
     apply_min_p,
     apply_top_k_top_p,

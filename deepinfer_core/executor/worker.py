@@ -1,0 +1,266 @@
+"""Worker ranks: the process side of `MultiprocExecutor`, and the `torchrun` launch.
+
+A worker joins the torch.distributed group (`cpu:gloo`, plus `cuda:nccl` on GPUs), builds its
+`ModelRunner` (the ranks agree on the smallest cache that fits every one), then answers plans until
+told to stop. Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)`
+returns an engine whose `TorchrunExecutor` broadcasts each plan; on every other rank that call serves
+plans and exits the process when rank 0 shuts down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import sys
+import time
+import traceback
+from dataclasses import asdict, fields, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from deepinfer_core.backends.parallel import build_groups
+from deepinfer_core.config import EngineConfig, ModelConfig
+from deepinfer_core.executor.executor import ModelSideInfo, WorkerError, dp_leaders, dp_rank_of, runner_info
+from deepinfer_core.plan import StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+_ACCELERATOR_BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "npu": "cpu:gloo,npu:hccl"}
+"""torch.distributed backend per device type: gloo for host tensors, the vendor's library for device ones."""
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """Rank `local_rank`'s device: its own accelerator (GPU, NPU), else `device` itself (the CPU)."""
+    return torch.device(device.type, local_rank) if device.type in _ACCELERATOR_BACKENDS else device
+
+
+MIN_COLLECTIVE_TIMEOUT_S = 60.0
+"""Floor of the rendezvous and collective timeout: a loaded machine may take seconds to start a rank,
+and a rank that fails is ended by the executor (`worker_timeout_s`) long before its collectives time out."""
+
+
+def init_group(device: torch.device, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    """Join the world; collectives time out after `timeout_s` (at least `MIN_COLLECTIVE_TIMEOUT_S`)."""
+    backend = _ACCELERATOR_BACKENDS.get(device.type, "gloo")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=max(timeout_s, MIN_COLLECTIVE_TIMEOUT_S)))
+
+
+def _set_device(device: torch.device) -> None:
+    if device.type in _ACCELERATOR_BACKENDS:  # torch.cuda / torch.npu (torch_npu registers the latter)
+        getattr(torch, device.type).set_device(device)
+
+
+def build_runner(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device, weights):
+    """This rank's `ModelRunner`, with its parallel groups (built here, collectively, on every rank)."""
+    from deepinfer_core.worker.runner import ModelRunner
+
+    groups = build_groups(engine_config.parallel_config, dist.get_rank(),
+                          max(engine_config.worker_timeout_s, MIN_COLLECTIVE_TIMEOUT_S))
+
+    def agree(num_blocks: int) -> int:  # the ranks of one plan (a DP rank's TP x CP ranks) share one pool
+        value = torch.tensor([num_blocks], dtype=torch.int64)
+        for info in (groups.tp, groups.cp):  # a world of replicas: group None, i.e. every rank
+            if info.size > 1 or info.group is None:
+                dist.all_reduce(value, op=dist.ReduceOp.MIN, group=info.group)
+        return int(value)
+
+    return ModelRunner(model_config, engine_config, device, weights=weights, agree_num_blocks=agree,
+                       parallel=groups)
+
+
+def run_plan(runner, plan: StepPlan) -> StepResult:
+    """One step on this rank: `plan`, or with no requests a dummy step that still joins the MoE layers'
+    collectives (a data-parallel rank with nothing to do); then the EPLB bookkeeping."""
+    if plan.requests:
+        result = runner.execute(plan)
+    else:
+        runner.update_states(plan)
+        if runner.experts is not None:  # only expert parallelism has collectives inside the model
+            runner.model.forward_idle()
+        result = StepResult([], None)
+    if runner.experts is not None:
+        runner.experts.after_step(runner.model.moe_weights)
+    return result
+
+
+class RankReport:
+    """What a rank tells the engine after each step: its step count and time (the device synchronised
+    only when `time_ep_dispatch` is on), time in the expert-parallel dispatch, and its EPLB figures."""
+
+    def __init__(self, runner, rank: int) -> None:
+        self.runner, self.rank = runner, rank
+        self.num_steps, self.step_s = 0, 0.0
+        self.is_timed = runner.engine_config.time_ep_dispatch and runner.device.type != "cpu"
+
+    def run(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        result = run_plan(self.runner, plan)
+        if self.is_timed:
+            getattr(torch, self.runner.device.type).synchronize(self.runner.device)
+        self.num_steps += 1
+        self.step_s += time.perf_counter() - start
+        return result
+
+    def as_dict(self) -> dict:
+        experts = self.runner.experts
+        return {"rank": self.rank, "num_steps": self.num_steps, "step_s": self.step_s,
+                "dispatch_s": experts.dispatch_s if experts is not None else 0.0,
+                "eplb": asdict(experts.stats) if experts is not None and experts.window is not None else None}
+
+
+def is_dp_leader(engine_config: EngineConfig, rank: int) -> bool:
+    """Whether `rank` answers for its data-parallel rank (rank 0 in a world of replicas)."""
+    layout = engine_config.parallel_config
+    return rank == 0 if layout.world_size == 1 else rank == layout.dp_leader(layout.coordinates(rank)[0])
+
+
+def host_result(result: StepResult) -> StepResult:
+    """`result` with every tensor on the host (what crosses a process boundary)."""
+    if result.output is not None:
+        values = {f.name: getattr(result.output, f.name) for f in fields(result.output)}
+        result.output = replace(result.output, **{name: value.cpu() for name, value in values.items()
+                                                  if isinstance(value, torch.Tensor)})
+    result.prompt_logits = {i: (first, logits.cpu()) for i, (first, logits) in result.prompt_logits.items()}
+    return result
+
+
+def worker_main(conn) -> None:
+    """A rank started by `MultiprocExecutor`: read its start-up arguments from `conn`, build the runner,
+    report, then answer plans from `conn` until `None`."""
+
+    def send(kind: str, payload) -> None:
+        conn.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    runner = None
+    try:
+        rank, world_size, init_method, model_config, engine_config, device, weights = pickle.loads(conn.recv_bytes())
+        local_device = rank_device(torch.device(device), rank)
+        _set_device(local_device)
+        init_group(local_device, rank, world_size, init_method, engine_config.worker_timeout_s)
+        runner = build_runner(model_config, engine_config, local_device, weights)
+        del weights
+        send("ready", runner_info(runner, rank))
+        is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
+        while (plan := pickle.loads(conn.recv_bytes())) is not None:
+            result = report.run(plan)
+            send("result", (host_result(result) if is_leader else None, report.as_dict()))
+    except Exception as err:  # noqa: BLE001 -- reported to the engine, which names the rank
+        traceback.print_exc()
+        try:
+            send("error", f"{type(err).__name__}: {err}")
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if runner is not None:
+            runner.close()  # its model's worker threads (V4.1's Engram prefetch)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # python -m deepinfer_core.executor.worker <fd of its socket>
+    from multiprocessing.connection import Connection
+
+    worker_main(Connection(int(sys.argv[1])))
+
+
+# -- torchrun ---------------------------------------------------------------------------------------
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a `torchrun` launch (its environment says so)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+class TorchrunExecutor:
+    """Rank 0's executor under torchrun: its own runner, plans broadcast to the other ranks."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
+                 weights=None) -> None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_device = rank_device(device, int(os.environ["LOCAL_RANK"]))
+        _set_device(local_device)
+        init_group(local_device, rank, world_size, "env://", engine_config.worker_timeout_s)
+        runner = build_runner(model_config, engine_config, local_device, weights)
+        infos = [None] * world_size if rank == 0 else None
+        dist.gather_object(runner_info(runner, rank), infos, dst=0)
+        if rank != 0:
+            serve_plans(runner, engine_config, rank)
+            raise SystemExit(0)
+        self.runner, self.world_size, self.layout = runner, world_size, engine_config.parallel_config
+        self.leaders = dp_leaders(self.layout)
+        self.infos: list[ModelSideInfo] = [infos[r] for r in self.leaders]
+        self.memory = [info.memory for info in infos]
+        self.info: ModelSideInfo = self.infos[0]
+        self.report = RankReport(runner, 0)
+        self.rank_reports: list[dict | None] = [None] * world_size
+        self._is_shut_down = False
+        atexit.register(self.shutdown)
+
+    def execute(self, plan) -> StepResult:
+        return self.execute_all([plan] * len(self.leaders))[0]
+
+    def execute_all(self, plans: list) -> list[StepResult]:
+        dist.broadcast_object_list([plans], src=0)
+        error, result = None, None
+        try:
+            result = self.report.run(plans[0])
+        except Exception as err:  # noqa: BLE001 -- the other ranks' answers are still collected
+            error = f"{type(err).__name__}: {err}"
+        answers = [None] * self.world_size
+        try:
+            dist.gather_object((error, None, self.report.as_dict()), answers, dst=0)
+        except Exception as err:
+            raise WorkerError(f"a worker rank did not answer a step: {err}") from err
+        for rank, (status, _, _) in enumerate(answers):
+            if status is not None:
+                self.shutdown()
+                raise WorkerError(f"worker rank {rank} raised during a step: {status}")
+        self.rank_reports = [answer[2] for answer in answers]
+        return [result if rank == 0 else answers[rank][1] for rank in self.leaders]
+
+    @property
+    def eplb_stats(self) -> dict | None:
+        return self.rank_reports[0]["eplb"] if self.rank_reports[0] else None
+
+    def shutdown(self) -> None:
+        if self._is_shut_down or not dist.is_initialized():
+            return
+        self._is_shut_down = True
+        try:
+            dist.broadcast_object_list([None], src=0)
+            dist.barrier()  # every rank has read the stop: no transfer is in flight when the group goes
+        except Exception:  # noqa: BLE001 -- a rank already gone; the others time out on their own
+            logger.warning("could not tell every worker rank to stop")
+        finally:
+            self.runner.close()
+            dist.destroy_process_group()
+
+
+def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
+    """A torchrun rank other than 0: run its DP rank's plan of every broadcast, report errors (and its
+    result when it answers for its DP rank), stop at `None`."""
+    is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
+    dp = dp_rank_of(engine_config.parallel_config, rank)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            break
+        error, result = None, None
+        try:
+            result = report.run(box[0][dp])
+        except Exception as err:  # noqa: BLE001 -- reported to rank 0
+            traceback.print_exc()
+            error = f"{type(err).__name__}: {err}"
+        answer = host_result(result) if is_leader and result is not None else None
+        dist.gather_object((error, answer, report.as_dict()), None, dst=0)  # after an error rank 0 stops everyone with `None`
+    runner.close()
+    dist.barrier()  # rank 0's shutdown waits here too, so neither side tears the group down mid-transfer
+    dist.destroy_process_group()

@@ -1,0 +1,133 @@
+"""Loading a DeepSeek-V4.1 checkpoint in the official layout into `DeepseekV41ForCausalLM`'s names.
+
+Every tensor on disk is checked against `v41_release.released_tensors(config)` (name, dtype, shape)
+before any is read; missing, unexpected, misshaped and mistyped tensors raise one `CheckpointError`
+naming all of them. DSpark (`mtp.*`) and vision tensors are skipped and reported (the text model does
+not run them). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
+dequantised to the compute dtype; FP4 experts are dequantised too, or kept packed (`keep_fp4`); the
+Engram tables stay in their FP8 bytes. The Engram token map is built from the checkpoint's own
+`tokenizer.json`. A config or tokenizer that differs from the release is reported (logged) at load.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Collection
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.backends import quant
+from deepinfer_core.config import CheckpointError
+from deepinfer_core.models.deepseek_v41.engram import ENGRAM_TABLE_SUFFIXES
+from deepinfer_core.models.deepseek_v41.release import is_skipped, release_differences, released_tensors
+from deepinfer_core.models.loading.checkpoint_files import SafetensorsReader, checkpoint_files
+from deepinfer_core.models.loading.weights import to_host
+
+logger = logging.getLogger(__name__)
+_PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
+"""Stored dtype the release uses -> what a checkpoint may store instead (F32 holds BF16 exactly)."""
+
+
+def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
+                        host: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`; those
+    named in `host` (the Engram tables placed in host memory) are read into host memory instead."""
+    model_dir = Path(model_dir)
+    differences = release_differences(model_dir, config)
+    if differences:
+        logger.warning("%s differs from the DeepSeek-V4.1-Flash release:\n%s", model_dir, "\n".join(differences))
+    expected = {t.name: t for t in released_tensors(config)}
+    with ExitStack() as stack:
+        reader = SafetensorsReader(checkpoint_files(model_dir), stack)
+        check_tensors(reader, expected, model_dir)
+        weights = {}
+        for name, tensor in expected.items():
+            is_scale = name.endswith(".scale") and not name.endswith(ENGRAM_TABLE_SUFFIXES)
+            if is_skipped(name) or is_scale or ".experts." in name:
+                continue
+            value = _read(reader, name, tensor.dtype, config, dtype)
+            weights[name] = to_host(value) if name in host else value.to(device)
+        for layer in range(config.num_hidden_layers):
+            weights.update(_experts(reader, config, layer, dtype, device, keep_fp4))
+    if config.engram_layer_ids:
+        weights["engram_token_map"] = torch.tensor(token_map(model_dir / "tokenizer.json"), dtype=torch.long)
+    return weights
+
+
+def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path) -> None:
+    """Raise one `CheckpointError` for every missing, unexpected, misshaped or mistyped tensor; log
+    the skipped DSpark and vision tensors."""
+    on_disk = reader.names
+    skipped = sorted(n for n in on_disk if is_skipped(n))
+    if skipped:
+        mtp = sum(n.startswith("mtp.") for n in skipped)
+        logger.info("%s: skipping %d DSpark (mtp.*) and %d vision tensors: the text model does not run them",
+                    model_dir, mtp, len(skipped) - mtp)
+    missing = sorted(n for n in expected if n not in on_disk and not is_skipped(n))
+    unexpected = sorted(n for n in on_disk if n not in expected and not is_skipped(n))
+    wrong = []
+    for name in sorted(set(expected) & on_disk):
+        want, shape, stored = expected[name], reader.shape(name), reader.dtype(name)
+        if shape != want.shape:
+            wrong.append(f"{name} has shape {list(shape)}, expected {list(want.shape)}")
+        if stored not in _PLAIN_FLOATS.get(want.dtype, (want.dtype,)):
+            wrong.append(f"{name} is stored as {stored}, expected {want.dtype}")
+    if missing or unexpected or wrong:
+        parts = [f"missing tensors: {missing[:20]}" + (f" (+{len(missing) - 20})" if len(missing) > 20 else "")] if missing else []
+        parts += [f"unexpected tensors: {unexpected[:20]}"] if unexpected else []
+        parts += wrong[:20]
+        raise CheckpointError(f"{model_dir} is not a DeepSeek-V4.1 checkpoint for its config.json: " + "; ".join(parts))
+
+
+def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torch.dtype) -> torch.Tensor:
+    tensor = reader.read(name)
+    if name.endswith(ENGRAM_TABLE_SUFFIXES):
+        return tensor.view(torch.uint8)  # the table stays in its own bytes
+    if stored == "F8_E4M3":
+        scale = reader.read(name.removesuffix(".weight") + ".scale")
+        return quant.dequantize_fp8(tensor, scale, config.fp8_block).to(dtype)
+    return tensor
+
+
+def _experts(reader, config, layer: int, dtype, device, keep_fp4: bool) -> dict[str, torch.Tensor]:
+    """One layer's routed experts stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale` packed)."""
+    prefix, out = f"layers.{layer}.ffn.experts.", {}
+    num = config.n_routed_experts
+    fp4 = config.expert_dtype == "fp4"
+    for target, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+        values, scales = [], []
+        for e in range(num):
+            names = [f"{prefix}{e}.{p}" for p in parts]
+            if fp4 and keep_fp4:
+                values.append(torch.cat([reader.read(n + ".weight") for n in names]))
+                scales.append(torch.cat([reader.read(n + ".scale") for n in names]))
+            elif fp4:
+                values.append(torch.cat([quant.dequantize_fp4(reader.read(n + ".weight"), reader.read(n + ".scale"))
+                                         for n in names]).to(dtype))
+            else:
+                values.append(torch.cat([quant.dequantize_fp8(reader.read(n + ".weight"), reader.read(n + ".scale"),
+                                                              config.fp8_block) for n in names]).to(dtype))
+        out[prefix + target] = torch.stack(values).to(device)
+        if scales:
+            out[prefix + target + "_scale"] = torch.stack(scales).to(device)
+    return out
+
+
+def token_map(tokenizer_file: Path) -> list[int]:
+    """The Engram compressed token map of a checkpoint's `tokenizer.json` (cached per file version)."""
+    if not tokenizer_file.is_file():
+        raise CheckpointError(f"{tokenizer_file} not found: Engram's token map is built from the checkpoint's tokenizer")
+    stat = tokenizer_file.stat()
+    return list(_token_map(str(tokenizer_file), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _token_map(path: str, size: int, mtime: int) -> tuple[int, ...]:
+    from tokenizers import Tokenizer
+
+    from deepinfer_core.models.deepseek_v41.engram import build_token_map
+
+    return tuple(build_token_map(Tokenizer.from_file(path))[0])

@@ -1,0 +1,145 @@
+"""The step plan: everything the model side needs to run one step, and the result it hands back.
+
+`Scheduler.schedule()` builds a `StepPlan` from its sequences; an executor sends it to every worker,
+whose runner updates its own per-request state from it (`NewRequest` once per admission, then the
+per-step `ScheduledRequest`s) and never sees a `Sequence`. Plans hold only plain values (ints,
+tuples, strings, `SamplingParams`), so they pickle to another process as they are.
+
+Where later features plug in: draft tokens are extra `token_ids` of a `ScheduledRequest` with
+`num_draft_tokens` set (every one of them gets a logits row, and the verifier's accepted counts come
+back in `StepResult.num_accepted`); a grammar's next-token mask is `StepPlan.grammar_bitmask`, one row
+per logits row of a request whose `grammar_row` is set; prefix-store transfers are `StepPlan.cache_ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_core.sampling_params import SamplingParams
+
+NONFINITE_TOKEN = -2
+"""Stands, in a step result, for the token of a row whose logits were not finite: the engine ends that
+request with finish reason "error" instead of appending a made-up token."""
+
+PENDING_TOKEN = -1
+"""Stands for a token the previous step sampled that the host has not read yet (overlapped decode):
+the engine appends it to the sequence, the plan carries it as an input id, and the runner that sampled
+it substitutes the real id from its device copy."""
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has no state for: just admitted, or readmitted after a preemption."""
+
+    request_id: str
+    slot: int
+    """Per-request state slot (sliding-window ring, compressor tails)."""
+    block_ids: tuple[int, ...]
+    """The whole block table at admission (prefix-cache hits included); later steps append."""
+    num_prompt_tokens: int
+    """The user's prompt length (generated tokens recomputed after a preemption are not prompt)."""
+    sampling_params: SamplingParams
+    seed: int
+    """The sequence's sampling seed in [0, 2**64)."""
+    token_ids: tuple[int, ...] = ()
+    """Every token so far (prompt, then generated), only for a request whose sampling reads its history
+    (penalties, bad words of several tokens: `needs_token_history`); the runner then extends it from
+    each step's `token_ids`. Empty otherwise."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's work in one step: compute `token_ids` at positions `start, start + 1, ...`."""
+
+    request_id: str
+    start: int
+    """Tokens already in the cache (the first position computed now)."""
+    token_ids: tuple[int, ...]
+    """Ids to compute: a prefill chunk, or the last sampled token (maybe `PENDING_TOKEN`) plus drafts."""
+    is_sampled: bool
+    """The chunk reaches the sequence's last known token, so the step samples (or verifies) for it."""
+    new_block_ids: tuple[int, ...] = ()
+    """Blocks appended to the request's table by this step."""
+    window_start: int = 0
+    """Window attention sees only positions >= this (SWA replay after a prefix hit; 0 normally)."""
+    no_write_before: int = 0
+    """Compressed entries of windows ending at or before this position are cached and shared: never
+    rewrite them (0 normally)."""
+    num_draft_tokens: int = 0
+    """Trailing `token_ids` that are speculative drafts to verify (0 without speculation)."""
+    grammar_row: int | None = None
+    """Row of `StepPlan.grammar_bitmask` that constrains this request's next token (None: free); with
+    drafts, its d + 1 logits rows take rows `grammar_row .. grammar_row + num_draft_tokens`."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """Tokens in the cache once this step ran."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class CacheOp:
+    """Move whole blocks between the device cache and a prefix store (`kind` "load" or "save")."""
+
+    kind: str
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    """The blocks' content keys (`deepinfer_core.sched.block_manager.block_key`)."""
+    data: Any = None
+    """"load": the blocks' bytes, `[len(block_ids), block_bytes]` uint8 on the host (layout:
+    `deepinfer_core.kv.blocks`); "load_state": a request's state bytes; None for the saving
+    kinds (the step result brings the bytes back)."""
+    slot: int | None = None
+    """"save_state" / "load_state": the request's state slot (`block_ids`: its partial last block, if any)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step, in the order the runner applies it: forget `freed_request_ids`, add `new_requests`,
+    then compute `requests` (logits rows follow this order)."""
+
+    requests: tuple[ScheduledRequest, ...]
+    new_requests: tuple[NewRequest, ...] = ()
+    freed_request_ids: tuple[str, ...] = ()
+    """Requests finished, aborted or preempted since the last plan: the runner drops their state."""
+    grammar_bitmask: Any = None
+    """Packed allowed-token bits `[rows, ceil(vocab / 32)]` int32, or None; or a function returning them,
+    which the runner calls once the step's forward is launched (overlapped decode in-process: a row's
+    input is `PENDING_TOKEN`; see `StructuredOutputManager.fill_bitmask`). Such a plan does not pickle."""
+    cache_ops: tuple[CacheOp, ...] = ()
+    """Prefix-tier transfers, run in order before the step's tokens (a block saved here may be
+    rewritten by this step). A plan may hold only cache ops (no requests)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def is_all_decodes(self) -> bool:
+        """Every request computes exactly its last sampled token and samples the next one."""
+        return all(r.is_sampled and r.num_tokens == 1 for r in self.requests)
+
+
+@dataclass
+class StepResult:
+    """What one step produced, as the runner of rank 0 returns it."""
+
+    sampled: list[int]
+    """Indices into `plan.requests` that were sampled, in `output` row order."""
+    output: Any
+    """The sampler's `SamplerOutput` for those rows (None when nothing was sampled)."""
+    prompt_logits: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    """Per request (index into `plan.requests`) asking for prompt logprobs: (position of the first prompt
+    token predicted, fp32 logits `[count, vocab]` predicting the prompt tokens from there on)."""
+    num_accepted: list[int] | None = None
+    """Per sampled request, how many drafts were accepted (None without speculation)."""
+    saved: tuple[Any, ...] = ()
+    """Per saving op of `plan.cache_ops` ("save", "save_state"), in order, its bytes on their way to the
+    host (`kv_blocks.PendingCopy`: `[n, block_bytes]` uint8 blocks, or a request's state)."""
+    drafts: list[tuple[list[int], list[float]]] | None = None
+    """Per sampled request, the model-side drafter's next drafts and their confidences (MTP; else None)."""

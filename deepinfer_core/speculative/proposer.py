@@ -1,0 +1,193 @@
+"""The engine's side of speculative decoding: per step, which drafts each decoding sequence verifies
+(`Speculator.choose_drafts`, the scheduler's callback), and what came of them (`Speculator.record`:
+online acceptance estimates, `gate.py`, and `SpecDecodeMetrics`).
+
+A drafter is any object with `propose(seq, max_drafts) -> (drafts, confidences)`: `confidences` are
+its per-draft probabilities of surviving (None: it has none, and the request's own acceptance history
+estimates them, and under the confidence policy decide before its last token is read whether the
+request drafts at all: `Speculator.allows_overlap`). The n-gram drafter lives here; the MTP drafter's proposals come back from the runner
+with each step's result and are read from the sequence (`Sequence.draft_token_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from deepinfer_core.config.speculative import SpeculativeConfig
+from deepinfer_core.outputs import SpecDecodeMetrics
+from deepinfer_core.plan import PENDING_TOKEN, StepPlan
+from deepinfer_core.sched.sequence import Sequence
+from deepinfer_core.speculative.gate import DraftEstimate
+from deepinfer_core.speculative.ngram import propose_ngram
+from deepinfer_core.speculative.policy import confidence_draft_lengths, fixed_draft_lengths
+
+
+class Drafter(Protocol):
+    """Proposes drafts for one sequence."""
+
+    def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
+        """Up to `max_drafts` tokens to follow `seq.token_ids`, and per draft its probability of
+        surviving given the earlier ones survived (None: no estimate of its own)."""
+
+
+@dataclass
+class NgramDrafter:
+    """Prompt lookup over the sequence's prompt and output (`ngram.propose_ngram`)."""
+
+    min_n: int
+    max_n: int
+    has_confidences = False
+    """It proposes no confidences: the request's estimates stand for them (`Speculator.is_gated`)."""
+
+    def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
+        return propose_ngram(seq.token_ids, max_drafts, self.min_n, self.max_n), None
+
+
+class StoredDrafter:
+    """Drafts the model side proposed with the last step's result (MTP), kept on the sequence."""
+
+    def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
+        drafts, confidences = seq.draft_token_ids, seq.draft_confidences
+        return list(drafts[:max_drafts]), list(confidences[:max_drafts]) if confidences else None
+
+
+class Speculator:
+    """Chooses each step's drafts and keeps their statistics; one per engine."""
+
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter) -> None:
+        self.config = config
+        self.drafter = drafter
+        """Replaceable (tests and benches plug in oracle or adversarial drafters)."""
+        self.totals = SpecDecodeMetrics()
+        self.num_overlapped_steps = 0
+        """Steps left in flight (overlapped decode) while speculating: no request drafted in them."""
+        self.num_probe_steps = 0
+        """Steps that verified a request's drafts as a probe (`gate.DraftEstimate.is_probe_due`)."""
+        self.population = DraftEstimate()
+        """Every request's steps in one estimate: where a new request's estimates start (`gate.py`)."""
+        self._metrics: dict[str, SpecDecodeMetrics] = {}
+        self._estimates: dict[str, DraftEstimate] = {}
+        self._asked: dict[str, tuple[int | None, bool]] = {}
+        """Per sequence scheduled this step: drafts proposed (None: not asked) and whether it probes."""
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> Speculator:
+        if config.method == "ngram":
+            return cls(config, NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max))
+        return cls(config, StoredDrafter())
+
+    def track(self, seq_id: str, metrics: SpecDecodeMetrics) -> None:
+        """Count `seq_id`'s drafts into `metrics` (its request's, shared by its completions)."""
+        self._metrics[seq_id] = metrics
+        self._estimates[seq_id] = DraftEstimate.seeded(self.population)
+
+    def forget(self, seq_id: str) -> None:
+        for table in (self._metrics, self._estimates, self._asked):
+            table.pop(seq_id, None)
+
+    @property
+    def is_gated(self) -> bool:
+        """Whether requests draft only while their estimates say it pays, probed now and then (`gate.py`):
+        the confidence policy over a drafter that needs the last token on the host and has no
+        confidences of its own (`has_confidences = False`)."""
+        return self.config.draft_length_policy == "confidence" and not getattr(self.drafter, "has_confidences", True)
+
+    def max_drafts(self, seq: Sequence) -> int:
+        """Drafts worth verifying for `seq`: none while its sampling reads its history (penalties) or
+        its state is exported (`Sequence.takes_drafts`), else at most k and one fewer than the tokens it
+        may still emit. A grammar's request takes drafts: each draft's row gets its own mask."""
+        if not seq.takes_drafts or seq.token_ids[-1] == PENDING_TOKEN:  # drafts follow known tokens only
+            return 0
+        return self._draft_limit(seq)
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        limit = self.config.num_speculative_tokens
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - seq.num_output_tokens - 1)
+        return max(0, limit)
+
+    def _estimate(self, seq: Sequence) -> DraftEstimate:
+        return self._estimates.get(seq.request_id) or DraftEstimate()
+
+    def choose_drafts(self, seqs: list[Sequence], budget: int) -> list[tuple[int, ...]]:
+        """The scheduler's callback: per decoding sequence, the drafts it verifies this step."""
+        proposals, confidences, probes = [], [], []
+        is_gated = self.is_gated
+        limits = [self.max_drafts(seq) for seq in seqs]
+        estimates = [self._estimate(seq) for seq in seqs]
+        # a step that probes waits for its tokens: requests half way to their own probe join it
+        probing = is_gated and any(limit and e.is_probe_due for limit, e in zip(limits, estimates, strict=True))
+        for seq, limit, estimate in zip(seqs, limits, estimates, strict=True):
+            drafts, confidence = self.drafter.propose(seq, limit) if limit else ([], None)
+            drafts = list(drafts[:limit])
+            if confidence is None:
+                confidence = [estimate.confidence] * len(drafts)
+            is_probe = bool(limit) and probing and estimate.may_join_probe
+            proposals.append(drafts)
+            confidences.append(list(confidence[: len(drafts)]))
+            probes.append(is_probe)
+            self._asked[seq.request_id] = (len(drafts) if limit else None, is_probe)
+        lengths = self._draft_lengths(proposals, confidences, probes, budget)
+        return [tuple(p[:n]) for p, n in zip(proposals, lengths, strict=True)]
+
+    def _draft_lengths(self, proposals: list[list[int]], confidences: list[list[float]], probes: list[bool],
+                       budget: int) -> list[int]:
+        """The policy's choice. A probing request verifies its first draft (enough to tell whether
+        acceptance came back; an accepted one lets the estimates choose more drafts from the next step,
+        while a batch of failing probes costs one token a request, not k); the others are chosen by
+        confidence, without the round trip's cost when a probe pays for it anyway."""
+        config = self.config
+        if config.draft_length_policy != "confidence":
+            return fixed_draft_lengths([len(p) for p in proposals], budget)
+        forced = fixed_draft_lengths([min(len(p), 1) if probe else 0 for p, probe in zip(proposals, probes, strict=True)],
+                                     budget)
+        chosen = confidence_draft_lengths(
+            [[] if probe else c for c, probe in zip(confidences, probes, strict=True)], budget - sum(forced),
+            config.verify_cost_per_token, 0.0 if any(probes) else config.sync_cost)
+        return [f or c for f, c in zip(forced, chosen, strict=True)]
+
+    def allows_overlap(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step of `seqs` may launch before the host reads this step's tokens
+        (overlapped decode): only when it would verify no draft whatever the drafter proposed. That is
+        known without the tokens only when the requests are gated (`is_gated`): their estimates
+        (`DraftEstimate.expected_confidences`) say no draft pays for the wait, and no probe is due."""
+        if not self.is_gated:
+            return False
+        confidences = []
+        for seq in seqs:
+            limit = self._draft_limit(seq) if seq.takes_drafts else 0
+            estimate = self._estimate(seq)
+            if limit and estimate.is_probe_due:
+                return False
+            confidences.append(estimate.expected_confidences(limit))
+        budget = sum(map(len, confidences))  # the policy's choice only shrinks with a smaller budget
+        config = self.config
+        return not any(confidence_draft_lengths(confidences, budget, config.verify_cost_per_token, config.sync_cost))
+
+    def record(self, plan: StepPlan, num_accepted: list[int] | None, is_overlapped: bool = False) -> None:
+        """After a step: update each decoding request's estimates and metrics. `is_overlapped`: the step
+        was left in flight (its tokens are read with the next)."""
+        accepted_of = {}
+        if num_accepted is not None:
+            sampled = [r for r in plan.requests if r.is_sampled]
+            accepted_of = {r.request_id: a for r, a in zip(sampled, num_accepted, strict=True)}
+        has_probe = False
+        for request in plan.requests:
+            asked = self._asked.pop(request.request_id, None)
+            if asked is None:
+                continue
+            proposed, is_probe = asked
+            d = request.num_draft_tokens
+            accepted = accepted_of.get(request.request_id) if d else None
+            estimate = self._estimates.get(request.request_id)
+            if estimate is not None:
+                estimate.record(proposed, d, accepted, is_probe)
+                self.population.record(proposed, d, accepted)
+            has_probe |= is_probe
+            for metrics in (self._metrics.get(request.request_id), self.totals):
+                if metrics is not None:
+                    metrics.record(proposed or 0, d, accepted)
+        self.num_overlapped_steps += is_overlapped
+        self.num_probe_steps += has_probe

@@ -33,7 +33,7 @@ class ClosingEntries:
     def window_rows(self, metadata: AttentionMetadata, span: int,
                     ring: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Where each entry's `span` rows are: `(in_step [E, span, 1] bool, flat [E, span] step rows,
-        ring_at (slot, ring row) [E, span])`; a row is read from the step where `in_step`, else the ring."""
+        ring_at (slot [E, 1], ring row [E, span]))`; a row is read from the step where `in_step`, else the ring."""
         positions = metadata.positions
         row_pos = positions[self.token, None] - span + 1 + torch.arange(span, device=positions.device)
         in_step = (row_pos >= metadata.start_positions[self.seq, None])[..., None]

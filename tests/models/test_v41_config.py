@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -130,7 +131,7 @@ def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
     shared = set(FamilyConfig.model_fields)
     assert {"vocab_size", "sliding_window", "hc_mult", "quantization_config"} <= shared
     for name in shared:
-        assert name not in V41Config.__dict__["__annotations__"] and name not in ModelConfig.__dict__["__annotations__"]
+        assert name not in inspect.get_annotations(V41Config) and name not in inspect.get_annotations(ModelConfig)
         assert repr(V41Config.model_fields[name]) == repr(ModelConfig.model_fields[name])
 
 

@@ -19,30 +19,42 @@ from typing import TYPE_CHECKING
 
 import pluggy
 
+from deepinfer_core.backends import (
+    AttentionBackend,
+    AttentionSpec,
+    EplbBackend,
+    EplbSpec,
+    GraphApi,
+    LayerOps,
+    LayerOpsSpec,
+    LinearBackend,
+    LinearSpec,
+    MoEBackend,
+    MoESpec,
+    SamplingBackend,
+    SamplingSpec,
+    VerifyBackend,
+    VerifySpec,
+)
+
 if TYPE_CHECKING:
     import torch
-
-    from deepinfer_core.backends import (
-        AttentionBackend,
-        AttentionSpec,
-        EplbBackend,
-        EplbSpec,
-        GraphApi,
-        LayerOps,
-        LayerOpsSpec,
-        LinearBackend,
-        LinearSpec,
-        MoEBackend,
-        MoESpec,
-        SamplingBackend,
-        SamplingSpec,
-        VerifyBackend,
-        VerifySpec,
-    )
 
 PROJECT_NAME = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+FACTORY_PROTOCOLS: dict[str, type] = {
+    "make_attention": AttentionBackend,
+    "make_moe": MoEBackend,
+    "make_layer_ops": LayerOps,
+    "make_linear": LinearBackend,
+    "make_eplb": EplbBackend,
+    "make_sampler": SamplingBackend,
+    "make_verifier": VerifyBackend,
+}
+"""Each factory hook and the Protocol its answer must satisfy (checked on every answer by
+`deepinfer_core.plugins`); the one list of the factory hooks and their types."""
 
 # ---------------------------------------------------------------------------------------------------
 # Platform: called once per process, before anything is built.

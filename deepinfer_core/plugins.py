@@ -33,24 +33,8 @@ from typing import Any
 import pluggy
 import torch
 
-from deepinfer_core import hookspecs
-from deepinfer_core.backends import (
-    AttentionBackend,
-    AttentionSpec,
-    EplbBackend,
-    EplbSpec,
-    GraphApi,
-    LayerOps,
-    LayerOpsSpec,
-    LinearBackend,
-    LinearSpec,
-    MoEBackend,
-    MoESpec,
-    SamplingBackend,
-    SamplingSpec,
-    VerifyBackend,
-    VerifySpec,
-)
+from deepinfer_core import backends, hookspecs
+from deepinfer_core.hookspecs import FACTORY_PROTOCOLS
 
 REFERENCE_PLUGIN = "reference"
 ENV_VARS = ("DEEPINFER_ACCELERATOR", "DEEPINFER_PLUGINS_ALLOW", "DEEPINFER_PLUGINS_BLOCK", "DEEPINFER_TRACE_PLUGINS")
@@ -59,16 +43,6 @@ ACCELERATOR_DEVICE_TYPES = {"nvidia": "cuda", "ascend": "npu", "cpu": "cpu"}
 """`DEEPINFER_ACCELERATOR` value -> torch device type."""
 DEVICE_EXTENSIONS = {"npu": "torch_npu"}
 """Device type -> the vendor's torch extension that registers it with torch."""
-FACTORY_PROTOCOLS: dict[str, type] = {
-    "make_attention": AttentionBackend,
-    "make_moe": MoEBackend,
-    "make_layer_ops": LayerOps,
-    "make_linear": LinearBackend,
-    "make_eplb": EplbBackend,
-    "make_sampler": SamplingBackend,
-    "make_verifier": VerifyBackend,
-}
-"""Every factory hook and the Protocol its result must satisfy."""
 # Hooks whose answer is credited to the plugin that returned it (a wrapper could replace it unseen).
 _UNWRAPPED_HOOKS = ("platforms", "detect_device", "graph_api", *FACTORY_PROTOCOLS)
 
@@ -357,45 +331,45 @@ def accelerator_problem(device_type: str) -> str | None:
     return None if is_available else f"torch {torch.__version__} finds no {device_type!r} device"
 
 
-def make_attention(spec: AttentionSpec, device: torch.device) -> AttentionBackend:
+def make_attention(spec: backends.AttentionSpec, device: torch.device) -> backends.AttentionBackend:
     """Build the attention backend for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_attention", spec, device)
 
 
-def make_moe(spec: MoESpec, device: torch.device) -> MoEBackend:
+def make_moe(spec: backends.MoESpec, device: torch.device) -> backends.MoEBackend:
     """Build the routed-MoE backend for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_moe", spec, device)
 
 
-def make_layer_ops(spec: LayerOpsSpec, device: torch.device) -> LayerOps:
+def make_layer_ops(spec: backends.LayerOpsSpec, device: torch.device) -> backends.LayerOps:
     """Build the layer ops for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_layer_ops", spec, device)
 
 
-def make_linear(spec: LinearSpec, device: torch.device) -> LinearBackend:
+def make_linear(spec: backends.LinearSpec, device: torch.device) -> backends.LinearBackend:
     """Build the projection backend for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_linear", spec, device)
 
 
-def make_eplb(spec: EplbSpec, device: torch.device) -> EplbBackend:
+def make_eplb(spec: backends.EplbSpec, device: torch.device) -> backends.EplbBackend:
     """Build the EPLB backend for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_eplb", spec, device)
 
 
-def make_sampler(spec: SamplingSpec, device: torch.device) -> SamplingBackend:
+def make_sampler(spec: backends.SamplingSpec, device: torch.device) -> backends.SamplingBackend:
     """Build the sampler for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_sampler", spec, device)
 
 
-def make_verifier(spec: VerifySpec, device: torch.device) -> VerifyBackend:
+def make_verifier(spec: backends.VerifySpec, device: torch.device) -> backends.VerifyBackend:
     """Build the speculative verifier for `spec` on `device`; raises `BackendUnavailableError` if none can."""
     return _make("make_verifier", spec, device)
 
 
-def graph_api(device: torch.device) -> GraphApi | None:
+def graph_api(device: torch.device) -> backends.GraphApi | None:
     """The graph-capture API for `device` (the `graph_api` hook), or None when no plugin offers one."""
     outcome = ask("graph_api", device=device)
-    if outcome.winner is not None and not isinstance(outcome.result, GraphApi):
+    if outcome.winner is not None and not isinstance(outcome.result, backends.GraphApi):
         raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from graph_api, "
                           "which is not a deepinfer_core.backends.GraphApi")
     return outcome.result

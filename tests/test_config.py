@@ -7,7 +7,10 @@ import transformers
 from pydantic import ValidationError
 
 from deepinfer_core.config import CSA, HCA, SLIDING, ConfigError, EngineConfig, ModelConfig
+from deepinfer_core.config.speculative import SpeculativeConfig
 from deepinfer_core.models import registry
+from deepinfer_core.models.deepseek_v41.config import V41Config
+from deepinfer_core.testing.tiny import tiny_config
 
 transformers.logging.set_verbosity_error()
 
@@ -293,3 +296,24 @@ def test_index_topk_is_only_warned_about_with_csa_layers():
     assert config.unusual_values() == [
         "index_topk is 1, far from the DeepSeek-V4 family's 512 (warned outside [64, 4096])"
     ]
+
+
+def test_v4_declares_every_parallelism_exact_replay_and_the_mtp_drafter():
+    capabilities = ModelConfig.from_dict(tiny_config()).capabilities
+    assert capabilities.tensor_parallel and capabilities.context_parallel and capabilities.expert_parallel
+    assert capabilities.swa_replay_default == "exact" == ModelConfig.swa_replay_default
+    assert capabilities.drafters == ("mtp",)
+    assert not (capabilities.has_engram or capabilities.can_trim_decoder or capabilities.has_checkpoint_loader)
+
+
+def test_speculative_config_is_resolved_against_the_drafters_the_model_carries(model_dir):
+    v4 = registry.load_model_config(model_dir)
+    engine = EngineConfig(model=str(model_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    resolved = engine.resolve(v4)
+    assert isinstance(resolved.speculative_config, SpeculativeConfig)
+    assert resolved.speculative_config.num_speculative_tokens == 2
+    v41 = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": {}})
+    with pytest.raises(ConfigError, match=r"method 'mtp': deepseek_v41 carries no such drafter .*use method 'ngram'"):
+        engine.resolve(v41)
+    ngram = EngineConfig(model=str(model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert ngram.resolve(v41).speculative_config.method == "ngram"  # drafts from the request's own tokens

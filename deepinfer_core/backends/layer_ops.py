@@ -72,8 +72,50 @@ class CompressorWeights:
     """Multiplier on the entry rope's cos and sin."""
 
 
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """The block input `[T, D]` of mHC streams `[T, n, D]`: `sum_i pre[i] * streams[i]`, in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hyper_residual(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams `[T, n, D]`: `post[j] * out + sum_i comb[i, j] * streams[i]` (the fold every `LayerOps`
+    boundary method implements; the models apply it directly where no boundary follows)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
 @runtime_checkable
-class LayerOps(GraphCapturable, Protocol):
+class SinglePassMixing(Protocol):
+    """DeepSeek-V4.1's single-pass mHC block boundaries (research-v41.md §4.1): each site computes its
+    mixing weights from the streams it receives, but its block's input is collapsed with the *previous*
+    site's `pre` (the first site's: one-hot on stream 0). Part of every `LayerOps` (the V4.1 model runs
+    its boundaries through the layer ops it is bound with); the reference implementation is
+    `ReferenceLayerOps`'. Mixing weights, collapse and norm follow `LayerOps.hc_pre`; the fold follows
+    `LayerOps.hc_post_pre`.
+    """
+
+    def hc_mix(self, streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, collapse_pre: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mixing weights of `streams` `[T, n, D]` and the block input collapsed with `collapse_pre`.
+
+        :param collapse_pre: `[T, n]` fp32, the previous site's `pre`.
+        :returns: `pre` `[T, n]`, `post` `[T, n]`, `comb` `[T, n, n]` (fp32; `pre` may be a strided
+            view), and `x = RMSNorm(sum_i collapse_pre[i] * streams[i]) * norm_weight` `[T, D]`.
+        """
+        ...
+
+    def hc_post_mix(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    hc: HyperWeights, norm_weight: torch.Tensor, collapse_pre: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fold `block_out` into `streams` (as `hc_post_pre`), then `hc_mix` of the new streams.
+
+        :returns: the new streams `[T, n, D]` (contiguous), then `hc_mix`'s four tensors.
+        """
+        ...
+
+
+@runtime_checkable
+class LayerOps(SinglePassMixing, GraphCapturable, Protocol):
     spec: LayerOpsSpec
 
     def hc_pre(self, streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor,
@@ -159,35 +201,6 @@ class LayerOps(GraphCapturable, Protocol):
         rope_scaling`), stored at `entries[block_tables[seq, e // epb] * epb + e % epb]` (`epb = 128 //
         rate`) unless `(e + 1) * rate <= no_write_before[seq]`. Then each request's last `ring` rows of
         this step are written to the rings (`kv` in the tail's dtype, `gate` with its bias, fp32).
-        """
-        ...
-
-
-@runtime_checkable
-class SinglePassMixing(Protocol):
-    """DeepSeek-V4.1's single-pass mHC block boundaries (research-v41.md §4.1): each site computes its
-    mixing weights from the streams it receives, but its block's input is collapsed with the *previous*
-    site's `pre` (the first site's: one-hot on stream 0). A `LayerOps` that also satisfies this Protocol
-    serves V4.1's boundaries; the V4.1 model uses `ReferenceLayerOps`' methods for one that does not.
-    Mixing weights, collapse and norm follow `LayerOps.hc_pre`; the fold follows `LayerOps.hc_post_pre`.
-    """
-
-    def hc_mix(self, streams: torch.Tensor, hc: HyperWeights, norm_weight: torch.Tensor, collapse_pre: torch.Tensor,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mixing weights of `streams` `[T, n, D]` and the block input collapsed with `collapse_pre`.
-
-        :param collapse_pre: `[T, n]` fp32, the previous site's `pre`.
-        :returns: `pre` `[T, n]`, `post` `[T, n]`, `comb` `[T, n, n]` (fp32; `pre` may be a strided
-            view), and `x = RMSNorm(sum_i collapse_pre[i] * streams[i]) * norm_weight` `[T, D]`.
-        """
-        ...
-
-    def hc_post_mix(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    hc: HyperWeights, norm_weight: torch.Tensor, collapse_pre: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fold `block_out` into `streams` (as `hc_post_pre`), then `hc_mix` of the new streams.
-
-        :returns: the new streams `[T, n, D]` (contiguous), then `hc_mix`'s four tensors.
         """
         ...
 

@@ -116,6 +116,33 @@ def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
+def sampling_flags(params: SamplingTensors, is_sampled: torch.Tensor, vocab_size: int) -> list[bool]:
+    """Which optional passes a batch needs: `[any row drawn, any drawn row with top-k or top-p, any drawn
+    row with min-p]`; from the host when the runner sent them (`host_flags`), else one read-back (which
+    waits for the forward)."""
+    if params.host_flags is not None:
+        return params.host_flags
+    return torch.stack([
+        is_sampled.any(),
+        (is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))).any(),
+        (is_sampled & (params.min_p > 0)).any(),
+    ]).tolist()
+
+
+def filter_sampled(adjusted: torch.Tensor, params: SamplingTensors, is_sampled: torch.Tensor,
+                   flags: list[bool]) -> torch.Tensor:
+    """What the drawn rows draw from: `adjusted` divided by each row's temperature, then the top-k / top-p
+    filter, then min-p (the passes `flags` (`sampling_flags`) asks for). Rows not drawn are divided by 1 and
+    left unfiltered. Row by row, so a drawn row's values do not depend on the other rows."""
+    scaled = adjusted / torch.where(is_sampled, params.temperature, 1.0)[:, None]
+    if flags[1]:
+        scaled = apply_top_k_top_p(scaled, torch.where(is_sampled, params.top_k, 0),
+                                   torch.where(is_sampled, params.top_p, 1.0))
+    if flags[2]:
+        scaled = apply_min_p(scaled, torch.where(is_sampled, params.min_p, 0.0))
+    return scaled
+
+
 def sampler_output(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingTensors,
                    log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    stable_ties: bool = False) -> SamplerOutput:

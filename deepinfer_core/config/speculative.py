@@ -10,6 +10,11 @@ MAX_SPECULATIVE_TOKENS = 16
 """Largest `num_speculative_tokens` accepted (the per-request rings must hold k + 1 rows of one step)."""
 
 
+MODEL_DRAFTERS = ("mtp",)
+"""Methods whose drafter is part of the checkpoint (`ModelCapabilities.drafters` says which a model carries);
+the others ("ngram") draft from the request's own tokens and fit any model."""
+
+
 class SpeculativeConfig(BaseModel):
     """How to speculate: which drafter, how many drafts, and how verification picks them.
 

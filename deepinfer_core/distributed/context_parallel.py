@@ -34,12 +34,11 @@ from deepinfer_core.plan import StepPlan
 
 
 def check_context_parallel(model_config, engine_config) -> None:
-    """Raise `NotImplementedError` for context parallelism where it is not built: another model family,
-    or with speculative decoding (drafts' logits rows and the MTP drafter's streams are not split)."""
+    """Raise `NotImplementedError` for context parallelism where it is not built: a model family without it
+    (`ModelCapabilities.context_parallel`), or with speculative decoding (drafts' logits rows and the MTP
+    drafter's streams are not split)."""
     size = engine_config.context_parallel_size
-    if size > 1 and model_config.model_type != "deepseek_v4":
-        raise NotImplementedError(f"context_parallel_size={size} for {model_config.model_type!r} (context "
-                                  "parallelism is implemented for deepseek_v4)")
+    model_config.capabilities.check_parallel(model_config.model_type, "context", size)
     if size > 1 and engine_config.speculative_config is not None:
         raise NotImplementedError(f"context_parallel_size={size} with speculative_config (speculative decoding "
                                   "under context parallelism)")

@@ -4,7 +4,8 @@ A model class (found through `deepinfer_core.models.registry`) is built on the m
 `cls(config, plans, dtype, parallel=groups)` from `cls.layer_plan(config, dtype)` (`groups`: the rank's
 `deepinfer_core.backends.parallel.ParallelGroups`), loaded with `load_state_dict`, bound
 to its backends once, and then run one step at a time on a `ForwardContext` and the cache's
-`LayerCache`s. Nothing else of it is read outside `deepinfer_core/models/`.
+`LayerCache`s. Nothing else of it is read outside `deepinfer_core/models/`: what `CausalLM`
+declares is the whole contract.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from deepinfer_core.backends import AttentionBackend, AttentionMetadata, LayerOps, MoEBackend
+from deepinfer_core.backends import AttentionBackend, AttentionMetadata, LayerOps, MoEBackend, MoEWeights
 from deepinfer_core.backends.parallel import ParallelGroups
+from deepinfer_core.config import ModelCapabilities
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
 
 
@@ -64,15 +66,37 @@ class ForwardContext:
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """The model side of a step. Classes also provide `layer_plan(config, dtype) -> list[LayerPlan]`
-    (a classmethod) and are constructed as `cls(config, plans, dtype, parallel=groups)` (`groups`: the
-    rank's `ParallelGroups`)."""
+    """The model side of a step: everything the engine, the runner, the graphs and the drafters read of a
+    model. A class is constructed as `cls(config, plans, dtype, parallel=groups)` (`groups`: the rank's
+    `ParallelGroups`) from `cls.layer_plan(config, dtype)`, and also provides, as class-level functions:
 
+    - `layer_plan(config, dtype) -> list[LayerPlan]` (a classmethod);
+    - `host_weight_names(names, engram_placement) -> set[str]` (a staticmethod): the weights loaded straight
+      into host memory, never onto the device;
+    - `load_checkpoint(model_dir, config, dtype, device, keep_fp4=False, host=())` (a classmethod), only where
+      `capabilities.has_checkpoint_loader`: the weights of its own checkpoint layout, in its names.
+    """
+
+    capabilities: ModelCapabilities
+    """What the family can do (its config's `capabilities`): parallelism, replay default, drafters, Engram,
+    trimming, its own loader. The engine asks this, never the class or `model_type`."""
     plans: list[LayerPlan]
+    ops: LayerOps | None
+    """The bound layer ops (`bind_backends`); drafters bound to the model share them."""
+    moe_weights: list[MoEWeights]
+    """Per layer, the routed experts' weights its MoE backend runs (bound; expert parallelism moves them)."""
+    trim_layer: int | None
+    """Decoder-side trimming's start layer, set by the runner where `capabilities.can_trim_decoder`; None: off."""
+    keeps_final_streams: bool
+    """Keep every token's last residual streams in `final_streams` (set where a drafter reads them)."""
+    final_streams: torch.Tensor | None
+    """The last step's residual streams when `keeps_final_streams` (the MTP drafter's input), else None."""
 
     def bind_backends(self, attention: list[AttentionBackend], moe: list[MoEBackend], ops: LayerOps,
                       device: torch.device) -> None:
-        """Attach one attention and one MoE backend per layer and the layer ops, after loading."""
+        """Attach one attention and one MoE backend per layer and the layer ops, after loading. A model with
+        Engram tables (`capabilities.has_engram`) reads `engram_placement` and `engram_prefetch`, set on it
+        before this call."""
 
     def backends(self) -> list[object]:
         """Every bound backend object (graph capture needs each to support CUDA graphs)."""
@@ -82,6 +106,13 @@ class CausalLM(Protocol):
 
     def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:
         """Run every layer over the step's tokens; fp32 logits `[len(logits_indices), vocab]`."""
+
+    def forward_idle(self) -> None:
+        """A step without tokens: every MoE backend runs on no rows, so an idle data-parallel rank joins
+        the other ranks' expert-parallel collectives."""
+
+    def close(self) -> None:
+        """Stop whatever the model runs beside the steps (V4.1's Engram prefetch worker); at shutdown."""
 
 
 def checkpoint_identity(model_dir: str | Path) -> bytes:

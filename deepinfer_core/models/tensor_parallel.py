@@ -92,11 +92,9 @@ _MTP_PREFIX = "mtp."
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raise `ConfigError` unless `config`'s heads, output groups and expert width split over `size` ranks
-    (`NotImplementedError` for a model family other than DeepSeek-V4's). The MTP drafter's decoder layer
+    (`NotImplementedError` for a family without tensor parallelism, `ModelCapabilities`). The MTP drafter's decoder layer
     has the target layers' shapes, so it splits whenever they do."""
-    if size > 1 and config.model_type != "deepseek_v4":
-        raise NotImplementedError(f"tensor_parallel_size={size} for {config.model_type!r} (tensor parallelism "
-                                  "is implemented for deepseek_v4)")
+    config.capabilities.check_parallel(config.model_type, "tensor", size)
     problems = [
         f"{name} ({value}) is not a multiple of tensor_parallel_size ({size})"
         for name, value in (("num_attention_heads", config.num_attention_heads), ("o_groups", config.o_groups),

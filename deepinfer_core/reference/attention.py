@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, AttentionSpec
-
-
-def gather_entries(pool: torch.Tensor, block_table: torch.Tensor, count: int, entries_per_block: int) -> torch.Tensor:
-    """A request's first `count` paged entries, in order: `[count, width]`."""
-    ids = torch.arange(count, device=pool.device)[None]
-    return _gather_rows(pool, block_table[None], ids, entries_per_block)[0]
+from deepinfer_core.backends.paged import gather_entries, gather_rows, max_seq_len
 
 
 class ReferenceAttention:
@@ -51,7 +46,7 @@ class ReferenceAttention:
         if compressed is not None:
             ids = self._decode_entry_ids(metadata, num_entries, topk_indices)
             entry_visible = (ids >= 0) & (ids < ((positions + 1) // self.spec.compress_rate)[:, None])
-            entries = _gather_rows(compressed, metadata.block_tables, ids.clamp(min=0), self.spec.entries_per_block)
+            entries = gather_rows(compressed, metadata.block_tables, ids.clamp(min=0), self.spec.entries_per_block)
             keys, visible = torch.cat((keys, entries), dim=1), torch.cat((visible, entry_visible), dim=1)
         return self._attend_rows(q, keys, visible, sinks)
 
@@ -76,7 +71,7 @@ class ReferenceAttention:
             counts = num_entries.repeat_interleave(width) if num_entries is not None else None
             ids = topk_indices if topk_indices is not None else self._entry_ids(metadata, counts)
             entry_visible = (ids >= 0) & (ids < ((metadata.positions + 1) // self.spec.compress_rate)[:, None])
-            entries = _gather_rows(compressed, tables, ids.clamp(min=0), self.spec.entries_per_block)
+            entries = gather_rows(compressed, tables, ids.clamp(min=0), self.spec.entries_per_block)
             keys, visible = torch.cat((keys, entries), dim=1), torch.cat((visible, entry_visible), dim=1)
         return self._attend_rows(q, keys, visible, sinks)
 
@@ -96,7 +91,7 @@ class ReferenceAttention:
 
     def _entry_ids(self, metadata: AttentionMetadata, num_entries):
         """Per row, entries `0 .. bound - 1` of the static bound, -1 past the row's `num_entries`."""
-        bound = max(_max_seq_len(metadata) // self.spec.compress_rate, 1)
+        bound = max(max_seq_len(metadata) // self.spec.compress_rate, 1)
         ids = torch.arange(bound, device=num_entries.device).expand(len(num_entries), -1)
         return torch.where(ids < num_entries[:, None], ids, -1)
 
@@ -150,11 +145,11 @@ class ReferenceAttention:
 
     def _indexer_decode(self, q, weights, index_keys, metadata: AttentionMetadata):
         rate, k = self.spec.compress_rate, self.spec.index_topk
-        bound = max(_max_seq_len(metadata) // rate, 1)
+        bound = max(max_seq_len(metadata) // rate, 1)
         ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
         width = q.shape[0] // max(metadata.num_seqs, 1)  # queries per request: 1, or k + 1 (verification)
         tables = metadata.block_tables if width == 1 else metadata.block_tables.repeat_interleave(width, dim=0)
-        keys = _gather_rows(index_keys, tables, ids, self.spec.entries_per_block)
+        keys = gather_rows(index_keys, tables, ids, self.spec.entries_per_block)
         scores = torch.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * self.spec.index_head_dim**-0.5
         scores = (scores * weights[:, :, None]).sum(dim=1)
         limit = ((metadata.positions + 1) // rate)[:, None]
@@ -166,19 +161,5 @@ class ReferenceAttention:
         return top
 
 
-def _max_seq_len(metadata: AttentionMetadata) -> int:
-    """The static bound when set, else the batch's own (host lists are valid outside graphs)."""
-    if metadata.max_seq_len or metadata.needs_static_shapes:
-        return metadata.max_seq_len
-    return max(a + n for a, n in zip(metadata.start_positions_host, metadata.query_lens))
-
-
 def _mask_bias(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
-
-
-def _gather_rows(pool: torch.Tensor, block_tables: torch.Tensor, ids: torch.Tensor, entries_per_block: int) -> torch.Tensor:
-    """Rows of per-request entry numbers `ids` `[B, n]` (>= 0) -> `[B, n, width]`; pages past a request's
-    table read its first block (callers mask them)."""
-    pages = block_tables.gather(1, (ids // entries_per_block).clamp(max=block_tables.shape[1] - 1)).clamp(min=0)
-    return pool[pages * entries_per_block + ids % entries_per_block]

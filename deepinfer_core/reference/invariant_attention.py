@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.backends import AttentionMetadata, AttentionSpec
-from deepinfer_core.reference.attention import _gather_rows
+from deepinfer_core.backends.paged import gather_rows
 from deepinfer_core.reference.invariant import KEY_SPLIT, pad_rows
 
 QUERY_TILE = 16
@@ -152,7 +152,7 @@ class _Rows:
         ids = (split * KEY_SPLIT + torch.arange(KEY_SPLIT, device=pool.device)).expand(QUERY_TILE, -1)
         visible = ids < limit[:, None]
         tables = self.metadata.block_tables[tile.seq]
-        keys = _gather_rows(pool, tables, torch.where(visible, ids, 0), entries_per_block)
+        keys = gather_rows(pool, tables, torch.where(visible, ids, 0), entries_per_block)
         return keys.masked_fill(~visible[..., None], 0), visible
 
 

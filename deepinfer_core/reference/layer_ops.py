@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.backends.attention import BLOCK_SIZE, AttentionMetadata
-from deepinfer_core.backends.layer_ops import CompressorWeights, HyperWeights, LayerOpsSpec
+from deepinfer_core.backends.compressed_entries import closing_entries
+from deepinfer_core.backends.layer_ops import (
+    CompressorWeights,
+    HyperWeights,
+    LayerOpsSpec,
+    collapse,
+    hyper_residual,
+)
+from deepinfer_core.backends.paged import write_rings
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,16 +59,6 @@ def hyper_mix(streams: torch.Tensor, hc: HyperWeights, spec: LayerOpsSpec) -> tu
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
-
-
-def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
-def hyper_residual(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams `[T, n, D]`: `post[j] * out + sum_i comb[i, j] * streams[i]`."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
 class ReferenceLayerOps:
@@ -124,23 +122,12 @@ class ReferenceLayerOps:
         close no window (or are already cached) are written to the pool's scratch row, so the step needs
         no host round trip; otherwise only closing tokens are computed."""
         rate, ring, width = w.rate, kv_tail.shape[1], w.width
-        positions = metadata.positions
-        lens = metadata.query_start_loc.diff()
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=kv.device), lens, output_size=len(positions))
-        entry = (positions + 1) // rate - 1
-        keep = ((positions + 1) % rate == 0) & ((entry + 1) * rate > no_write_before[seq])
-        if metadata.needs_static_shapes:
-            token = torch.arange(len(positions), device=kv.device)
-        else:
-            token = keep.nonzero().squeeze(1)
-            if token.numel() == 0:
-                return
-            keep, entry, seq = keep[token], entry[token], seq[token]
+        closing = closing_entries(metadata, rate, no_write_before)
+        if closing.token.numel() == 0:  # found on the host: no token of the step closes a window
+            return
+        entry, seq, keep = closing.entry, closing.seq, closing.keep
         span = 2 * rate if w.overlap else rate
-        row_pos = positions[token, None] - span + 1 + torch.arange(span, device=kv.device)
-        in_step = (row_pos >= metadata.start_positions[seq, None])[..., None]
-        flat = (token[:, None] - (positions[token, None] - row_pos)).clamp(min=0)
-        ring_at = (metadata.slots[seq, None], row_pos % ring)
+        in_step, flat, ring_at = closing.window_rows(metadata, span, ring)
         kv_rows = torch.where(in_step, kv[flat], kv_tail[ring_at].to(kv.dtype))
         gate_rows = torch.where(in_step, gate[flat], gate_tail[ring_at])
         if w.overlap:
@@ -162,21 +149,5 @@ class ReferenceLayerOps:
         return apply_rotary(closed, freqs.cos() * w.rope_scaling, freqs.sin() * w.rope_scaling)
 
 
-def write_rings(metadata: AttentionMetadata, *rings_and_rows: torch.Tensor) -> None:
-    """Store this step's rows in per-request rings (`ring[slot, position % len]`), given as pairs
-    `ring, rows` of equal ring length; only each request's last `len` rows are written, so no two rows
-    target one ring slot (and decode steps need no masking, which keeps them graph-safe)."""
-    ring = rings_and_rows[0].shape[1]
-    positions, slots = metadata.positions, metadata.slots
-    live = None
-    if metadata.needs_static_shapes and not metadata.is_decode_only:
-        # a verification step under CUDA graphs: k + 1 rows a request, no more than any ring holds
-        # (`check_ring_sizes`), so every row is written, without a mask
-        slots = slots.repeat_interleave(len(positions) // metadata.num_seqs)
-    elif not metadata.is_decode_only:
-        lens = metadata.query_start_loc.diff()
-        live = positions >= (metadata.start_positions + lens).repeat_interleave(lens) - ring
-        positions, slots = positions[live], slots.repeat_interleave(lens)[live]
-    for target, rows in zip(rings_and_rows[::2], rings_and_rows[1::2]):
-        target[slots, positions % ring] = (rows if live is None else rows[live]).to(target.dtype)
-
+__all__ = ["ReferenceLayerOps", "apply_rotary", "collapse", "hyper_mix", "hyper_residual", "mixes",
+           "unweighted_rms_norm", "weighted_rms_norm", "write_rings"]

@@ -1,5 +1,5 @@
-"""Reference sampler: logit adjustments, temperature, top-k, top-p, min-p and batch-invariant seeded
-draws in PyTorch (the shared steps live in `deepinfer_core.backends.sampling_ops`).
+"""Reference sampler: batch-invariant seeded draws in PyTorch, after the shared steps of
+`deepinfer_core.backends.sampling_ops` (logit adjustments, temperature, top-k, top-p, min-p).
 
 Seeded draws are Gumbel-max in vocabulary-id space with counter-based noise: the uniform for token `v`
 of a row drawing its token number `step` under `seed` is a pure function of `(seed, step, v)`, so a
@@ -21,10 +21,10 @@ import torch
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
 from deepinfer_core.backends.sampling_ops import (
     adjust_logits,
-    apply_min_p,
-    apply_top_k_top_p,
     check_sampler_inputs,
+    filter_sampled,
     sampler_output,
+    sampling_flags,
 )
 from deepinfer_core.reference.invariant import log_softmax_rows
 
@@ -76,38 +76,13 @@ class ReferenceSampler:
         adjusted = adjust_logits(logits, params)
         token_ids = adjusted.argmax(dim=-1)
         is_sampled = params.temperature > 0
-        if bool(is_sampled.any()):
+        flags = sampling_flags(params, is_sampled, logits.shape[-1])
+        if flags[0]:
+            scaled = filter_sampled(adjusted, params, is_sampled, flags)
             rows = is_sampled.nonzero().squeeze(1)
-            token_ids[rows] = _draw(
-                adjusted[rows],
-                params.temperature[rows],
-                params.top_k[rows],
-                params.top_p[rows],
-                params.min_p[rows],
-                params.seeds[rows],
-                params.steps[rows],
-            )
+            token_ids[rows] = _gumbel_argmax(scaled[rows], params.seeds[rows], params.steps[rows])
         return sampler_output(logits, token_ids, params, log_softmax_rows if self.spec.deterministic else None,
                               stable_ties=self.spec.deterministic)
-
-
-def _draw(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filters, then a seeded Gumbel-max draw, per row."""
-    scaled = logits / temperature[:, None]
-    vocab_size = scaled.shape[-1]
-    if bool(((top_k > 0) & (top_k < vocab_size)).any() or (top_p < 1).any()):
-        scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    if bool((min_p > 0).any()):
-        scaled = apply_min_p(scaled, min_p)
-    return _gumbel_argmax(scaled, seeds, steps)
 
 
 def _gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class SpecVerifier:
     @classmethod
     def build(cls, engine_config, model_config, plans, kv_cache, device: torch.device) -> SpecVerifier | None:
         """The runner's verifier, or None when the engine does not speculate."""
-        config = getattr(engine_config, "speculative_config", None)
+        config = engine_config.speculative_config
         if config is None:
             return None
         return cls(config, model_config.vocab_size, plans, kv_cache, device, engine_config.seed)
@@ -95,7 +95,7 @@ def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
     from deepinfer_core.models.loading.mtp_weights import build_mtp, load_mtp_weights
     from deepinfer_core.speculative.mtp_drafter import MTPDrafter
 
-    config = getattr(runner.engine_config, "speculative_config", None)
+    config = runner.engine_config.speculative_config
     if config is None or config.method != "mtp":
         return None
     keep_fp4 = runner.plans[0].moe.expert_format == "fp4"

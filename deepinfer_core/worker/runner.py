@@ -165,12 +165,11 @@ class ModelRunner:
         native = self.engine_config.quantized_weights == "native"
         block = weight_formats.fp8_layout(self.config)[0]
         keep_fp4 = self.plans[0].moe.expert_format == "fp4"
-        host_names = getattr(model_cls, "host_weight_names", lambda names, placement: set())(
+        host_names = model_cls.host_weight_names(
             tensor_schema(model), self.engine_config.engram_placement)  # never on the device, even while loading
         if weights is None:  # a model class with its own checkpoint layout brings its loader
-            own_loader = getattr(model_cls, "load_checkpoint", None)
-            if own_loader is not None:
-                weights = own_loader(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4,
+            if model.capabilities.has_checkpoint_loader:
+                weights = model_cls.load_checkpoint(self.engine_config.model, self.config, self.dtype, self.device, keep_fp4=keep_fp4,
                                      **({"host": host_names} if host_names else {}))
                 if self.experts is not None:
                     weights = self.experts.select_local(weights)
@@ -222,7 +221,7 @@ class ModelRunner:
         if self.parallel.cp.size > 1:  # split prefill steps exchange window keys and compressed entries
             attention = {spec: ContextParallelAttention(backend) for spec, backend in attention.items()}
             ops = ContextParallelLayerOps(ops)
-        if hasattr(self.model, "engram_placement"):  # a model with Engram tables (V4.1; `resolve` checked the rest)
+        if self.model.capabilities.has_engram:  # read by `bind_backends` (`resolve` checked the rest)
             self.model.engram_placement = self.engine_config.engram_placement
             self.model.engram_prefetch = self.engine_config.engram_prefetch
         self.model.bind_backends([attention[p.attention] for p in self.plans], [moe[p.moe] for p in self.plans],
@@ -265,7 +264,7 @@ class ModelRunner:
             logger.info("decode runs eagerly: no plugin offers graph capture on %s", self.device)
             return None
         max_len = self.engine_config.max_model_len
-        spec = getattr(self.engine_config, "speculative_config", None)
+        spec = self.engine_config.speculative_config
         # verification steps whose requests all carry d <= k drafts replay the graphs of width 1 + d
         widths = range(1, 2 + spec.num_speculative_tokens) if spec is not None else (1,)
         graphs = DecodeGraphs(self, self.num_slots, -(-max_len // BLOCK_SIZE), max_len, api,
@@ -313,9 +312,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop what the model runs beside the steps (V4.1's Engram prefetch worker); idempotent."""
-        close = getattr(self.model, "close", None)
-        if close is not None:
-            close()
+        self.model.close()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan: compute every scheduled token, sample the requests it marks."""

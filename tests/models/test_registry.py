@@ -48,3 +48,17 @@ def test_a_plugin_adds_families_and_is_asked_before_the_built_ins(isolated_plugi
     assert registry.find_model({"model_type": "deepseek_v4"}).model_class == "json:JSONDecoder"
     with pytest.raises(ConfigError, match="cannot import 'nowhere:Model'"):
         registry.import_object("nowhere:Model")
+
+
+def test_both_families_satisfy_the_model_contract_and_expose_their_capabilities():
+    from deepinfer_core.models.deepseek_v41.config import V41Config
+    from deepinfer_core.testing.v41_tiny import tiny_v41_config
+
+    for config in (ModelConfig.from_dict(tiny_config()), V41Config.from_dict(tiny_v41_config())):
+        cls = registry.model_class(config)
+        with torch.device("meta"):
+            model = cls(config, cls.layer_plan(config, torch.float32), torch.float32)
+        assert isinstance(model, CausalLM) and model.capabilities == config.capabilities
+        assert model.trim_layer is None and model.final_streams is None and not model.keeps_final_streams
+        assert cls.host_weight_names({"a"}, "device") == set()
+        assert hasattr(cls, "load_checkpoint") == config.capabilities.has_checkpoint_loader

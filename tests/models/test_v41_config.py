@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 
-from deepinfer_core.config import ConfigError, ModelConfig
-from deepinfer_core.models import registry
+from deepinfer_core.config import ConfigError, FamilyConfig, ModelConfig
+from deepinfer_core.models import registry, tensor_parallel
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.deepseek_v41.release import released_tensors
 
@@ -115,3 +116,29 @@ def test_the_registry_reads_v41_and_the_v4_config_points_at_it(tmp_path):
         ModelConfig.from_dir(tmp_path)
     with pytest.raises(ConfigError, match="text_config"):
         V41Config.from_dict({k: v for k, v in RELEASE.items() if k != "text_config"})
+
+
+def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
+    config = V41Config.from_dict(RELEASE)
+    capabilities = config.capabilities
+    assert not (capabilities.tensor_parallel or capabilities.context_parallel or capabilities.expert_parallel)
+    assert capabilities.swa_replay_default == "bounded" == V41Config.swa_replay_default
+    assert capabilities.drafters == () and capabilities.has_checkpoint_loader and capabilities.can_trim_decoder
+    assert capabilities.has_engram and config.has_engram
+    assert not V41Config.from_dict({**RELEASE, "text_config": {**TEXT, "engram_layer_ids": [],
+                                                               "engram_num_embeddings": []}}).has_engram
+    # one definition of the shared fields: both classes take them from FamilyConfig
+    shared = set(FamilyConfig.model_fields)
+    assert {"vocab_size", "sliding_window", "hc_mult", "quantization_config"} <= shared
+    for name in shared:
+        assert name not in inspect.get_annotations(V41Config) and name not in inspect.get_annotations(ModelConfig)
+        assert repr(V41Config.model_fields[name]) == repr(ModelConfig.model_fields[name])
+
+
+def test_a_family_without_a_parallelism_refuses_it_naming_the_size_and_the_family():
+    capabilities = V41Config.from_dict(RELEASE).capabilities
+    capabilities.check_parallel("deepseek_v41", "tensor", 1)  # one rank is no parallelism
+    with pytest.raises(NotImplementedError, match=r"expert_parallel_size=2 for 'deepseek_v41'"):
+        capabilities.check_parallel("deepseek_v41", "expert", 2)
+    with pytest.raises(NotImplementedError, match=r"tensor_parallel_size=4 for 'deepseek_v41'"):
+        tensor_parallel.check_tensor_parallel(V41Config.from_dict(RELEASE), 4)

@@ -6,11 +6,13 @@ as is (`deepinfer_core.models.loading.weights` maps the official DeepSeek names 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
 from deepinfer_core.backends import AttentionBackend, MoEBackend, MoEWeights
-from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps
+from deepinfer_core.backends.layer_ops import CompressorWeights, LayerOps, hyper_residual
 from deepinfer_core.backends.parallel import ParallelGroups
 from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.deepseek_v4.compressor import Compressor, Indexer
@@ -24,7 +26,7 @@ from deepinfer_core.models.deepseek_v4.layers import (
     RMSNorm,
     SharedExpert,
 )
-from deepinfer_core.models.deepseek_v4.rope import Rotary
+from deepinfer_core.models.deepseek_v4.rope import Rotary, rope_tables
 from deepinfer_core.models.deepseek_v4.row_trim import (
     TrimmedStep,
     drops_rows,
@@ -34,7 +36,6 @@ from deepinfer_core.models.deepseek_v4.row_trim import (
 )
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan
-from deepinfer_core.reference.layer_ops import hyper_residual
 
 
 class Attention(nn.Module):
@@ -179,12 +180,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         """V4's plan: every layer owns its caches (see `build_layer_plan`)."""
         return build_layer_plan(config, dtype)
 
+    @staticmethod
+    def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:
+        """None: V4 has no weights that live in host memory."""
+        return set()
+
     def __init__(self, config, plans: list[LayerPlan], dtype: torch.dtype,
                  parallel: ParallelGroups | None = None) -> None:
         super().__init__()
         self.config, self.plans, self.hc_mult = config, plans, config.hc_mult
         self.parallel = parallel if parallel is not None else ParallelGroups.single()
         """This rank's parallel groups (tp, dp, ep, cp)."""
+        self.capabilities = config.capabilities
+        self.trim_layer: int | None = None
+        """Always None: V4 has no decoder-side trimming (`ModelCapabilities.can_trim_decoder`)."""
         self.model = DeepseekV4Backbone(config, plans, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.attention_backends: list[AttentionBackend] = []
@@ -219,17 +228,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         for backend, weights in zip(self.moe_backends, self.moe_weights, strict=True):
             backend.forward(x, input_ids, weights)
 
+    def close(self) -> None:
+        """Nothing to stop: V4 runs no worker threads of its own."""
+
     def backends(self) -> list[object]:
         """Every bound backend object."""
         return [*self.attention_backends, *self.moe_backends, self.ops]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per rope kind, cos, sin and -sin of `positions`, computed once a step for every layer."""
-        tables = {}
-        for name, rotary in self.rotary.items():
-            cos, sin = self.ops.map_rows(rotary.cos_sin, positions)  # row tiles in deterministic mode
-            tables[name] = (cos, sin, -sin)
-        return tables
+        return rope_tables(self.rotary, self.ops, positions)
 
     @torch.inference_mode()
     def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor) -> torch.Tensor:

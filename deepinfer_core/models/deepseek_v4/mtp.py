@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer_core.backends.layer_ops import hyper_residual
 from deepinfer_core.config import CheckpointError
 from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.deepseek_v4.layers import HyperHead, RMSNorm
 from deepinfer_core.models.deepseek_v4.model import DecoderLayer
 from deepinfer_core.models.layer_plan import LayerPlan, build_layer_plan, with_expert_format
-from deepinfer_core.reference.layer_ops import hyper_residual
 
 MTP_PREFIX = "mtp."
 

@@ -65,3 +65,13 @@ class Rotary:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq
         return freqs.cos() * self.scaling, freqs.sin() * self.scaling
 
+
+def rope_tables(rotary: dict[str, Rotary], ops,
+                positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`CausalLM.rope_tables` of a model with one `Rotary` per rope kind: cos, sin and -sin of `positions`,
+    each computed through `ops.map_rows` (fixed row tiles in deterministic mode)."""
+    tables = {}
+    for name, table in rotary.items():
+        cos, sin = ops.map_rows(table.cos_sin, positions)
+        tables[name] = (cos, sin, -sin)
+    return tables

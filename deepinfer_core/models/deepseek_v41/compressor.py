@@ -24,7 +24,8 @@ import torch
 
 from deepinfer_core.backends import AttentionMetadata
 from deepinfer_core.backends.attention import BLOCK_SIZE
-from deepinfer_core.reference.attention import _gather_rows, _max_seq_len, gather_entries
+from deepinfer_core.backends.compressed_entries import closing_entries
+from deepinfer_core.backends.paged import gather_entries, gather_rows, max_seq_len
 
 
 def closed_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, meta: AttentionMetadata,
@@ -33,23 +34,13 @@ def closed_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, meta:
     """The groups this step completes: `(pooled [E, D] fp32, entry [E], seq [E], keep [E])`, `keep`
     False for groups already cached (`(entry + 1) * ratio <= no_write_before`). Under CUDA graphs every
     token yields a row (non-closing ones `keep` False), so nothing reads device values on the host.
-    `map_rows` (`LayerOps.map_rows`, fixed row tiles in deterministic mode) runs the pooling."""
-    positions = meta.positions
-    lens = meta.query_start_loc.diff()
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=kv.device), lens, output_size=len(positions))
-    entry = (positions + 1) // ratio - 1
-    keep = ((positions + 1) % ratio == 0) & ((entry + 1) * ratio > no_write_before[seq])
-    if meta.needs_static_shapes:
-        token = torch.arange(len(positions), device=kv.device)
-    else:
-        token = keep.nonzero().squeeze(1)
-        keep, entry, seq = keep[token], entry[token], seq[token]
+    `map_rows` (`LayerOps.map_rows`, fixed row tiles in deterministic mode) runs the pooling. Which
+    groups close, and their rows: `backends.compressed_entries`, the rule V4's compressor shares."""
+    closing = closing_entries(meta, ratio, no_write_before)
+    token, entry, seq, keep = closing.token, closing.entry, closing.seq, closing.keep
     if ratio == 1:
         return kv[token].float(), entry.clamp(min=0), seq, keep
-    row_pos = positions[token, None] - ratio + 1 + torch.arange(ratio, device=kv.device)
-    in_step = (row_pos >= meta.start_positions[seq, None])[..., None]
-    flat = (token[:, None] - (positions[token, None] - row_pos)).clamp(min=0)
-    ring_at = (meta.slots[seq, None], row_pos % kv_tail.shape[1])
+    in_step, flat, ring_at = closing.window_rows(meta, ratio, kv_tail.shape[1])
     kv_rows = torch.where(in_step, kv[flat].float(), kv_tail[ring_at].float())
     gate_rows = torch.where(in_step, gate[flat].float(), gate_tail[ring_at])
     pooled = (map_rows or _call)(pool_group, kv_rows, gate_rows)
@@ -163,14 +154,14 @@ def two_level_topk_batched(q: torch.Tensor, weights: torch.Tensor, index_keys: t
     lens = meta.query_start_loc.diff()
     seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens, output_size=q.shape[0])
     ids = torch.arange(bound, device=q.device).expand(q.shape[0], -1)
-    keys = _gather_rows(index_keys, meta.block_tables[seq], ids, spec.entries_per_block)
+    keys = gather_rows(index_keys, meta.block_tables[seq], ids, spec.entries_per_block)
     visible = (meta.positions + 1) // spec.compress_rate
     return select_two_level(index_scores(q, weights, keys, visible), visible, plan, config, candidates)
 
 
 def batched_entry_bound(meta: AttentionMetadata, ratio: int) -> int:
     """The entries a batched step scores per token: `max_seq_len // ratio` (static under graphs), >= 1."""
-    return max(_max_seq_len(meta) // ratio, 1)
+    return max(max_seq_len(meta) // ratio, 1)
 
 
 def select_two_level(scores: torch.Tensor, visible: torch.Tensor, plan, config, candidates: torch.Tensor | None):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from deepinfer_core.config import ConfigError, QuantizationConfig, SwaReplay, read_config_json
+from deepinfer_core.config import ConfigError, FamilyConfig, ModelCapabilities, SwaReplay, read_config_json
 
 MODEL_TYPE = "deepseek_v41"
 ARCHITECTURE = "DeepseekV41ForCausalLM"
@@ -63,7 +63,7 @@ class RopeScaling(BaseModel):
         return data
 
 
-class V41Config(BaseModel):
+class V41Config(FamilyConfig):
     """DeepSeek-V4.1 model configuration (`text_config` fields at the top level, plus the root's).
 
     Build it with `V41Config.from_dir(checkpoint_dir)`, `from_dict(nested_config_json)` or
@@ -83,25 +83,15 @@ class V41Config(BaseModel):
     eos_token_id: int | list[int] = 1
     pad_token_id: int = Field(2, ge=0)
     image_token_id: int = Field(129264, ge=0)
-    quantization_config: QuantizationConfig | None = None
     transformers_version: str | None = None
     vision_config: V41VisionConfig | None = None
     # text_config: size
-    vocab_size: PositiveInt = 129280
     hidden_size: PositiveInt = 5120
     num_hidden_layers: PositiveInt = 40
-    num_attention_heads: PositiveInt = 64
     num_key_value_heads: Literal[1] = 1
-    head_dim: PositiveInt = 512
     qk_rope_head_dim: PositiveInt = 64
     q_lora_rank: PositiveInt = 1280
-    o_groups: PositiveInt = 8
-    o_lora_rank: PositiveInt = 1024
-    max_position_embeddings: PositiveInt = 1048576
-    sliding_window: PositiveInt = 128
     # rope
-    rope_theta: float = Field(10000.0, gt=0)
-    compress_rope_theta: float = Field(160000.0, gt=0)
     rope_scaling: RopeScaling | None = Field(default_factory=RopeScaling)
     # compression, sharing and the indexer
     compress_ratios: list[Literal[0, 1, 2]] = Field(default_factory=lambda: [0, 0] + [2] * 18 + [1] * 20 + [0] * 3)
@@ -112,12 +102,10 @@ class V41Config(BaseModel):
     candidate_block_size: int = Field(8, ge=0)
     candidate_topk_blocks: int = Field(2048, ge=0)
     index_n_heads: PositiveInt = 32
-    index_head_dim: PositiveInt = 128
     index_topk: PositiveInt = 512
     # MoE
     n_routed_experts: PositiveInt = 384
     n_shared_experts: Literal[1] = 1
-    num_experts_per_tok: PositiveInt = 6
     moe_intermediate_size: PositiveInt = 2304
     scoring_func: Literal["sqrtsoftplus", "sigmoid", "softmax"] = "sqrtsoftplus"
     topk_method: Literal["noaux_tc"] = "noaux_tc"
@@ -126,9 +114,6 @@ class V41Config(BaseModel):
     swiglu_limit: float = Field(10.0, ge=0)
     hidden_act: Literal["silu"] = "silu"
     # mHC
-    hc_mult: PositiveInt = 4
-    hc_sinkhorn_iters: PositiveInt = 20
-    hc_eps: float = Field(1e-6, gt=0)
     # Engram
     engram_layer_ids: list[int] = Field(default_factory=lambda: [1, 14])
     engram_num_embeddings: list[PositiveInt] = Field(default_factory=lambda: [384006168, 384016682])
@@ -149,10 +134,7 @@ class V41Config(BaseModel):
     # other
     rms_norm_eps: float = Field(1e-20, gt=0)
     attention_bias: Literal[False] = False
-    attention_dropout: float = 0.0
     tie_word_embeddings: Literal[False] = False
-    initializer_range: float = 0.02
-    use_cache: bool = True
 
     # ------------------------------------------------------------------ construction
 
@@ -243,9 +225,14 @@ class V41Config(BaseModel):
     # ------------------------------------------------------------------ what the engine reads
 
     @property
-    def has_engram(self) -> bool:
-        """Whether the model has Engram tables (`EngineConfig.engram_placement`)."""
-        return bool(self.engram_layer_ids)
+    def capabilities(self) -> ModelCapabilities:
+        """DeepSeek-V4.1 runs whole on each rank for now (no tensor, context or expert parallelism), replays
+        bounded, carries no drafter the engine runs (DSpark is read, not run), reads its own checkpoint
+        layout, and has Engram tables when `engram_layer_ids` names any."""
+        return ModelCapabilities(
+            tensor_parallel=False, context_parallel=False, expert_parallel=False,
+            swa_replay_default=self.swa_replay_default, drafters=(), has_engram=bool(self.engram_layer_ids),
+            can_trim_decoder=True, has_checkpoint_loader=True)
 
     def check_decoder_trimming(self) -> None:
         """`ConfigError` unless this layer plan can be trimmed (`EngineConfig.decoder_trimming`)."""
@@ -264,10 +251,6 @@ class V41Config(BaseModel):
     @property
     def eos_token_ids(self) -> list[int]:
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
-
-    @property
-    def expert_dtype(self) -> str | None:
-        return self.quantization_config.expert_dtype if self.quantization_config else None
 
     @property
     def checkpoint_dtype(self) -> str:

@@ -9,10 +9,9 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
   source's picks, unchanged; no per-head query norm; every compressed layer uses the YaRN rope;
 - Engram before the attention of its layers (`models/engram.py`); MoE with `bias` (and `bias_vl` at
   image positions) selecting the experts.
-The attention, the indexer of layers that use no candidates, the MoE and the norms/ropes run in the
-bound backends, and so does the single-pass mixing when the layer ops serve it (`SinglePassMixing`; else
-the reference's), and so does the two-level indexer's scoring when the backend hands out scores
-(`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Every
+The attention, the indexer of layers that use no candidates, the MoE, the norms/ropes and the single-pass
+mixing (`SinglePassMixing`, part of `LayerOps`) run in the bound backends, and so does the two-level
+indexer's scoring when the backend hands out scores (`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Every
 per-token computation the model runs itself (projections, compressor, Engram, shared experts, rope
 tables, head) goes through `LayerOps.map_rows`, so deterministic mode runs it on fixed row tiles
 (docs/deepseek-v41.md). Decode steps read no device value on the host (the compressor and the two-level
@@ -36,11 +35,13 @@ from deepinfer_core.backends.layer_ops import (
     HyperWeights,
     LayerOps,
     LayerOpsSpec,
-    SinglePassMixing,
+    collapse,
+    hyper_residual,
 )
+from deepinfer_core.backends.paged import write_rings
 from deepinfer_core.backends.parallel import ParallelGroups
 from deepinfer_core.models.deepseek_v4.layers import RMSNorm
-from deepinfer_core.models.deepseek_v4.rope import Rotary
+from deepinfer_core.models.deepseek_v4.rope import Rotary, rope_tables
 from deepinfer_core.models.deepseek_v4.row_trim import TrimmedStep, no_logits
 from deepinfer_core.models.deepseek_v41.compressor import (
     batched_entry_bound,
@@ -63,7 +64,6 @@ from deepinfer_core.models.deepseek_v41.engram_prefetch import (
 from deepinfer_core.models.deepseek_v41.modules import Block
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan, build_v41_plan
 from deepinfer_core.models.interface import ForwardContext, LayerCache
-from deepinfer_core.reference.layer_ops import ReferenceLayerOps, collapse, hyper_residual, write_rings
 
 
 class _HostEngramTables:
@@ -92,6 +92,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     set runs only its kept rows (`v41_trim.trim_layer`; the runner sets it); None: never trimmed."""
     final_streams: torch.Tensor | None = None
     """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
+    keeps_final_streams = False
+    """Never set: V4.1 carries no drafter the engine runs (`ModelCapabilities.drafters`)."""
 
     @classmethod
     def layer_plan(cls, config, dtype: torch.dtype) -> list[V41LayerPlan]:
@@ -119,8 +121,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.plans, self.hc_mult = config, plans, config.hc_mult
         self.parallel = parallel if parallel is not None else ParallelGroups.single()
-        for name in ("tp", "ep", "cp"):
-            if getattr(self.parallel, name).size > 1:
+        self.capabilities = config.capabilities
+        for name, kind in (("tp", "tensor"), ("ep", "expert"), ("cp", "context")):
+            if getattr(self.parallel, name).size > 1 and not getattr(self.capabilities, f"{kind}_parallel"):
                 raise NotImplementedError(f"DeepSeek-V4.1 with {name} size {getattr(self.parallel, name).size}: "
                                           "the V4.1 model runs whole on each rank for now")
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
@@ -130,6 +133,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if config.engram_layer_ids:
             self.register_buffer("engram_token_map", torch.zeros(config.vocab_size, dtype=torch.long))
         self.ops: LayerOps | None = None
+        self.moe_weights: list[MoEWeights] = []
 
     # ------------------------------------------------------------------ binding
 
@@ -147,8 +151,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                     HyperWeights(b.hc_ffn_fn, b.hc_ffn_base, b.hc_ffn_scale)) for b in self.layers]
         self.mix_spec = LayerOpsSpec(self.config.hidden_size, self.hc_mult, self.config.hc_sinkhorn_iters,
                                      self.config.hc_eps, self.config.rms_norm_eps)
-        self.mixing = ops if isinstance(ops, SinglePassMixing) else ReferenceLayerOps(self.mix_spec)
-        """The single-pass mHC boundaries: the layer ops' own when they serve them, else the reference's."""
+        """The mHC shape the model's layer ops serve (what `layer_ops_spec` gives `make_layer_ops`)."""
         self.hasher = self.tables = None
         if self.config.engram_layer_ids:
             self.hasher = EngramHasher(self.config, self.engram_token_map.tolist()).to(device)
@@ -171,6 +174,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.prefetcher.close()
             self.prefetcher = None
 
+    @torch.inference_mode()
+    def forward_idle(self) -> None:
+        """A step without tokens: every MoE backend runs on no rows (`CausalLM.forward_idle`)."""
+        x = self.embed.weight.new_empty(0, self.config.hidden_size)
+        input_ids = torch.empty(0, dtype=torch.long, device=x.device)
+        for backend, weights in zip(self.moe_backends, self.moe_weights, strict=True):
+            backend.forward(x, input_ids, weights)
+
     def backends(self) -> list[object]:
         """Every bound backend, plus `HOST_ENGRAM_TABLES` when Engram tables in host memory are gathered
         on the host (not graph-safe; everything else of a decode step reads no device value on the host)."""
@@ -178,11 +189,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return [*self.attention_backends, *self.moe_backends, self.ops, *host]
 
     def rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        tables = {}
-        for name, rotary in self.rotary.items():
-            cos, sin = self.ops.map_rows(rotary.cos_sin, positions)  # row tiles in deterministic mode
-            tables[name] = (cos, sin, -sin)
-        return tables
+        """Per rope kind, cos, sin and -sin of `positions`, computed once a step for every layer."""
+        return rope_tables(self.rotary, self.ops, positions)
 
     # ------------------------------------------------------------------ the forward pass
 
@@ -208,7 +216,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         streams = x.unsqueeze(1).repeat(1, self.hc_mult, 1)
         pre = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0
-        mixing, shared = self.mixing, {}
+        mixing, shared = self.ops, {}  # the single-pass mHC boundaries (`SinglePassMixing`)
         pending = None  # the last FFN's (output, post, comb), folded in at the next boundary
         trim = None  # the kept rows, once past the trim point (decoder-side trimming)
         for i, (block, plan) in enumerate(zip(self.layers, self.plans)):

@@ -19,10 +19,10 @@ import torch
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
 from deepinfer_core.backends.sampling_ops import (
     adjust_logits,
-    apply_min_p,
-    apply_top_k_top_p,
     check_sampler_inputs,
+    filter_sampled,
     sampler_output,
+    sampling_flags,
 )
 from deepinfer_core.reference.sampling import _gumbel_argmax, seeded_uniforms
 
@@ -74,21 +74,9 @@ class AscendSampler:
         adjusted = adjust_logits(logits, params)
         token_ids = adjusted.argmax(dim=-1)
         is_sampled = params.temperature > 0
-        vocab_size = logits.shape[-1]
-        flags = params.host_flags
-        if flags is None:
-            flags = torch.stack([
-                is_sampled.any(),
-                (is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))).any(),
-                (is_sampled & (params.min_p > 0)).any(),
-            ]).tolist()
+        flags = sampling_flags(params, is_sampled, logits.shape[-1])
         if flags[0]:
-            scaled = adjusted / torch.where(is_sampled, params.temperature, 1.0)[:, None]
-            if flags[1]:
-                scaled = apply_top_k_top_p(scaled, torch.where(is_sampled, params.top_k, 0),
-                                           torch.where(is_sampled, params.top_p, 1.0))
-            if flags[2]:
-                scaled = apply_min_p(scaled, torch.where(is_sampled, params.min_p, 0.0))
+            scaled = filter_sampled(adjusted, params, is_sampled, flags)
             token_ids = torch.where(is_sampled, self._draw(scaled, params.seeds, params.steps), token_ids)
         return sampler_output(logits, token_ids, params)
 

@@ -19,10 +19,10 @@ import triton.language as tl
 from deepinfer_core.backends.sampling import SamplerOutput, SamplingSpec, SamplingTensors
 from deepinfer_core.backends.sampling_ops import (
     adjust_logits,
-    apply_min_p,
-    apply_top_k_top_p,
     check_sampler_inputs,
+    filter_sampled,
     sampler_output,
+    sampling_flags,
 )
 
 BLOCK_V = 2048
@@ -141,29 +141,9 @@ class CudaSampler:
         masked = adjust_logits(logits, params)
         token_ids = masked.argmax(dim=-1)
         is_sampled = params.temperature > 0
-        vocab_size = logits.shape[-1]
-        # three flags decide which optional passes run: from the host when the runner sent them, else
-        # one read-back (which waits for the forward)
-        flags = params.host_flags
-        if flags is None:
-            flags = torch.stack(
-                [
-                    is_sampled.any(),
-                    (
-                        is_sampled & (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1))
-                    ).any(),
-                    (is_sampled & (params.min_p > 0)).any(),
-                ]
-            ).tolist()
+        flags = sampling_flags(params, is_sampled, logits.shape[-1])
         if flags[0]:
-            temperature = torch.where(is_sampled, params.temperature, 1.0)
-            scaled = masked / temperature[:, None]
-            if flags[1]:
-                top_k = torch.where(is_sampled, params.top_k, 0)
-                top_p = torch.where(is_sampled, params.top_p, 1.0)
-                scaled = apply_top_k_top_p(scaled, top_k, top_p)
-            if flags[2]:
-                scaled = apply_min_p(scaled, torch.where(is_sampled, params.min_p, 0.0))
+            scaled = filter_sampled(masked, params, is_sampled, flags)
             drawn = gumbel_argmax(scaled, params.seeds, params.steps)
             token_ids = torch.where(is_sampled, drawn, token_ids)
         return sampler_output(logits, token_ids, params, log_softmax if self.spec.deterministic else None,

@@ -141,7 +141,7 @@ class KvTransferParams:
         if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
             raise ValueError(f"kv_transfer_params first_token must be a token id (an int >= 0), got {token!r}")
         if not isinstance(self.export, bool):
-            raise ValueError(f"kv_transfer_params export must be true or false, got {self.export!r}")
+            raise ValueError(f"kv_transfer_params export must be true or false, got {self.export!r}")  # noqa: TRY004
 
     @property
     def source(self) -> bool:
@@ -155,7 +155,7 @@ class KvTransferParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_params must be a JSON object (a prefill instance's handle), "
+            raise ValueError(f"kv_transfer_params must be a JSON object (a prefill instance's handle), "  # noqa: TRY004
                              f"got {type(value).__name__}")
         unknown = set(value) - {"prefill", "id", "first_token", "export"}
         if unknown:

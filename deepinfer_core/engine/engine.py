@@ -45,8 +45,8 @@ from deepinfer_core.engine.output import build_logprobs_entry, check_stop
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.executor.executor import can_defer_bitmask, can_launch, make_executor, parallel_stats
 from deepinfer_core.kv.blocks import layout_bytes
-from deepinfer_core.kv.nixl_transfer import first_token_of, first_token_output
 from deepinfer_core.kv.connector import KvConnector
+from deepinfer_core.kv.nixl_transfer import first_token_of, first_token_output
 from deepinfer_core.kv.tiers import make_prefix_tiers
 from deepinfer_core.models import registry
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics

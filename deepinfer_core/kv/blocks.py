@@ -25,7 +25,7 @@ import torch
 
 from deepinfer_core.models.interface import LayerCache
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
-from deepinfer_core.plan import CACHE_OP_KINDS, LOAD, LOAD_STATE, SAVE, SAVE_STATE, SAVING_KINDS, CacheOp
+from deepinfer_core.plan import CACHE_OP_KINDS, LOAD, LOAD_STATE, SAVE, SAVE_STATE, CacheOp
 
 _SLOT_FIELDS = ("window", "kv_tail", "gate_tail", "index_kv_tail", "index_gate_tail")
 

@@ -137,7 +137,7 @@ class KvImporter:
         except (KvTransferError, OSError, ValueError, KeyError, TypeError) as err:
             self.num_failed += 1
             logger.warning("no KV handle from the prefill instance %s (%s); the decode instance computes the prompt",
-                           source.get("prefill"), err)
+                           source.prefill, err)
             return [], None
         refs = []
         for ref, (key, parent, tokens) in zip(chain, handle.get("blocks", [])):

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.kv.blocks import LOAD, LOAD_STATE, SAVE, SAVE_STATE, SAVING_KINDS, PendingCopy
+from deepinfer_core.kv.blocks import PendingCopy
 from deepinfer_core.kv.host_cache import GIB, HostCache
 from deepinfer_core.kv.prefix_store import PrefixStore
-from deepinfer_core.plan import CacheOp
+from deepinfer_core.plan import LOAD, LOAD_STATE, SAVE, SAVE_STATE, SAVING_KINDS, CacheOp
 from deepinfer_core.sampling_params import KvTransferParams
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from deepinfer_core.backends.attention import BLOCK_SIZE
-from deepinfer_core.kv.blocks import kept_blocks
 from deepinfer_core.config import SwaReplay
+from deepinfer_core.kv.blocks import kept_blocks
 from deepinfer_core.kv.connector import KvConnector, ReplayPolicy
 from deepinfer_core.plan import NewRequest, ScheduledRequest, StepPlan
 from deepinfer_core.sched.block_pool import BlockPool

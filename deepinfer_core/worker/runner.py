@@ -34,8 +34,8 @@ from deepinfer_core.distributed.context_parallel import ContextParallel
 from deepinfer_core.distributed.context_parallel_ops import ContextParallelAttention, ContextParallelLayerOps
 from deepinfer_core.distributed.eplb_state import make_expert_shards
 from deepinfer_core.kv.blocks import block_layout
-from deepinfer_core.kv.connector_worker import KvConnectorWorker
 from deepinfer_core.kv.cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.kv.connector_worker import KvConnectorWorker
 from deepinfer_core.models import registry, tensor_parallel
 from deepinfer_core.models.deepseek_v4.mtp import split_mtp_weights
 from deepinfer_core.models.interface import (

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from deepinfer_core.plan import StepPlan
-from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.kv.cache import NULL_BLOCK
 from deepinfer_core.kv.connector import KvConnector
+from deepinfer_core.plan import StepPlan
+from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sched.block_pool import BlockPool
 from deepinfer_core.sched.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.sched.sequence import Sequence, SequenceStatus

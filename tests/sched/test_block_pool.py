@@ -4,9 +4,9 @@ block. Prefix matches go through the KV connector (`match`), which also decides 
 import pytest
 
 from deepinfer_core.kv.blocks import blocks_for
-from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.kv.cache import NULL_BLOCK
 from deepinfer_core.kv.connector import KvConnector, ReplayPolicy
+from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sched import block_pool as bm_module
 from deepinfer_core.sched.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer_core.sched.sequence import Sequence

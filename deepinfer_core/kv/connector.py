@@ -161,8 +161,10 @@ class KvConnector:
         True at once without a store. See `PrefixTiers.is_ready`."""
         if self.tiers is None or seq.sampling_params.prompt_logprobs is not None:
             return True
+        params = getattr(seq.sampling_params, "kv_transfer_params", None)
+        source = params if params is not None and params.source else None  # a handle to read, not an export
         is_ready = self.tiers.is_ready(seq.request_id, lambda: self.block_refs(seq.token_ids), self.pool.is_cached,
-                                       getattr(seq.sampling_params, "kv_transfer_params", None))
+                                       source)
         seq.is_loading = not is_ready
         return is_ready
 

@@ -14,7 +14,7 @@ per logits row of a request whose `grammar_row` is set; prefix-store transfers a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from deepinfer_core.sampling_params import SamplingParams
 
@@ -49,6 +49,23 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class ReplayRange:
+    """A prefix-cache hit's sliding-window replay, decided once at admission
+    (`kv.connector.ReplayPolicy.range_for`): positions `[start, hit)` are recomputed to rebuild the
+    windows, window attention sees only positions >= `start`, and the cached compressed entries below
+    `hit` are never rewritten."""
+
+    exact: bool
+    """Exact replay (every layer's window rebuilt: `num_layers` windows back) rather than bounded (one
+    window back, SWA Bounded Replay). Only an exact replay's rows may be trimmed layer by layer
+    (`models/deepseek_v4/row_trim.replay_keep_from`)."""
+    start: int
+    """The first recomputed position."""
+    hit: int
+    """The hit's length in tokens (whole blocks): where the replay ends and the cache's entries stop."""
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request's work in one step: compute `token_ids` at positions `start, start + 1, ...`."""
 
@@ -71,6 +88,9 @@ class ScheduledRequest:
     grammar_row: int | None = None
     """Row of `StepPlan.grammar_bitmask` that constrains this request's next token (None: free); with
     drafts, its d + 1 logits rows take rows `grammar_row .. grammar_row + num_draft_tokens`."""
+    replay: ReplayRange | None = None
+    """The request's window replay while this step computes positions below its hit (None otherwise):
+    the scheduler's decision, carried so the runner never infers it from the positions."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,20 +102,42 @@ class ScheduledRequest:
         return self.start + len(self.token_ids)
 
 
+CacheOpKind = Literal["load", "save", "save_state", "load_state"]
+"""Blocks into / out of the device cache ("load", "save"); a request's state into / out of its slot and
+partial last block ("load_state", "save_state")."""
+LOAD, SAVE, SAVE_STATE, LOAD_STATE = "load", "save", "save_state", "load_state"
+CACHE_OP_KINDS: tuple[str, ...] = get_args(CacheOpKind)
+SAVING_KINDS = (SAVE, SAVE_STATE)
+"""Ops whose bytes the step result brings back (`StepResult.saved`, one `PendingCopy` each)."""
+
+
 @dataclass(frozen=True)
 class CacheOp:
-    """Move whole blocks between the device cache and a prefix store (`kind` "load" or "save")."""
+    """Move whole blocks (or a request's state) between the device cache and the tiers below it; the
+    KV connector's scheduler half writes them on the plan, its worker half applies them."""
 
-    kind: str
+    kind: CacheOpKind
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
-    """The blocks' content keys (`deepinfer_core.sched.block_manager.block_key`)."""
+    """The blocks' content keys (`deepinfer_core.sched.block_pool.block_key`), one per block; for the
+    state kinds, one: the request id."""
     data: Any = None
     """"load": the blocks' bytes, `[len(block_ids), block_bytes]` uint8 on the host (layout:
     `deepinfer_core.kv.blocks`); "load_state": a request's state bytes; None for the saving
     kinds (the step result brings the bytes back)."""
     slot: int | None = None
     """"save_state" / "load_state": the request's state slot (`block_ids`: its partial last block, if any)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CACHE_OP_KINDS:
+            raise ValueError(f"unknown cache op kind {self.kind!r}; expected one of {CACHE_OP_KINDS}")
+        if self.kind in (LOAD, SAVE) and len(self.keys) != len(self.block_ids):
+            raise ValueError(f"a {self.kind!r} cache op needs one key per block, got {len(self.keys)} keys "
+                             f"for {len(self.block_ids)} blocks")
+        if self.kind in (SAVE_STATE, LOAD_STATE) and self.slot is None:
+            raise ValueError(f"a {self.kind!r} cache op needs the request's slot")
+        if self.kind in (LOAD, LOAD_STATE) and self.data is None:
+            raise ValueError(f"a {self.kind!r} cache op needs the bytes to load (data)")
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,68 @@ GuidedDecodingParams = StructuredOutputsParams
 """vLLM's older name of `StructuredOutputsParams`."""
 
 
+@dataclass(frozen=True)
+class KvTransferParams:
+    """Prefill/decode disaggregation's handle (vLLM's `kv_transfer_params`), typed. On the wire (HTTP
+    header and JSON bodies) it is the JSON object `{"prefill": url, "id": str, "first_token": int}` a
+    prefill instance answers; `{"export": true}` marks a prefill instance's own run, whose state is
+    exported when its first token is sampled. Parse it once at the edge (`from_json`)."""
+
+    prefill: str | None = None
+    """The prefill instance's base URL the decode instance reads the blocks from."""
+    id: str | None = None
+    """The export handle's id on that instance."""
+    first_token: int | None = None
+    """The first token the prefill instance sampled (the decode instance continues from it), or None."""
+    export: bool = False
+    """This run's prompt state is exported when it finishes (a prefill instance's request)."""
+
+    def __post_init__(self) -> None:
+        if (self.prefill is None) != (self.id is None):
+            raise ValueError('kv_transfer_params needs both "prefill" (a URL) and "id" (a handle id), or neither')
+        for name in ("prefill", "id"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"kv_transfer_params {name} must be a string, got {type(value).__name__}")
+        token = self.first_token
+        if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
+            raise ValueError(f"kv_transfer_params first_token must be a token id (an int >= 0), got {token!r}")
+        if not isinstance(self.export, bool):
+            raise ValueError(f"kv_transfer_params export must be true or false, got {self.export!r}")  # noqa: TRY004
+
+    @property
+    def source(self) -> bool:
+        """It names a prefill instance's blocks to read (a decode instance's request)."""
+        return self.prefill is not None
+
+    @classmethod
+    def from_json(cls, value: object) -> KvTransferParams:
+        """Parse the wire form (a JSON object, already decoded). :raises ValueError: not an object, an
+        unknown key, or a field of the wrong type."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_params must be a JSON object (a prefill instance's handle), "  # noqa: TRY004
+                             f"got {type(value).__name__}")
+        unknown = set(value) - {"prefill", "id", "first_token", "export"}
+        if unknown:
+            raise ValueError(f"kv_transfer_params has unknown keys {sorted(unknown)}; expected prefill, id, "
+                             "first_token (or export)")
+        return cls(**value)
+
+    def to_json(self) -> dict:
+        """The wire form: the keys that are set, as `from_json` reads them."""
+        out: dict = {}
+        if self.prefill is not None:
+            out.update(prefill=self.prefill, id=self.id)
+            out["first_token"] = self.first_token
+        elif self.first_token is not None:
+            out["first_token"] = self.first_token
+        if self.export:
+            out["export"] = True
+        return out
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -182,10 +244,10 @@ class SamplingParams:
     traffic_class: str | None = None
     """Retention class of the prompt's blocks in the prefix store ("agent", "chat", or another class the
     engine's `prefix_store_ttl_s` names); None: the engine's `default_traffic_class`."""
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KvTransferParams | None = None
     """Prefill/decode disaggregation (vLLM's name): the handle a prefill instance returned for this
     prompt's blocks (`deepinfer_core.kv.nixl_transfer`); a decode instance reads them before admitting
-    the request. None: computed here."""
+    the request. None: computed here. A dict of its wire form is parsed (`KvTransferParams.from_json`)."""
 
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     """`bad_words` as token-id sequences; set when the request reaches the engine, which has the
@@ -209,8 +271,8 @@ class SamplingParams:
         self._validate_token_sets()
         self._validate_output_options()
         self._validate_structured_outputs()
-        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
-            raise ValueError(f"kv_transfer_params must be a dict (a prefill instance's handle), got {type(self.kv_transfer_params).__name__}")
+        if self.kv_transfer_params is not None:
+            self.kv_transfer_params = KvTransferParams.from_json(self.kv_transfer_params)
         if self.traffic_class is not None and not (isinstance(self.traffic_class, str) and self.traffic_class):
             raise ValueError(f"traffic_class must be a non-empty string (e.g. 'agent', 'chat'), got {self.traffic_class!r}")
 

@@ -45,13 +45,14 @@ from deepinfer_core.engine.output import build_logprobs_entry, check_stop
 from deepinfer_core.engine.overlap import InFlightStep, can_leave_in_flight, can_overlap, launch_copy
 from deepinfer_core.executor.executor import can_defer_bitmask, can_launch, make_executor, parallel_stats
 from deepinfer_core.kv.blocks import layout_bytes
+from deepinfer_core.kv.connector import KvConnector
 from deepinfer_core.kv.nixl_transfer import first_token_of, first_token_output
 from deepinfer_core.kv.tiers import make_prefix_tiers
 from deepinfer_core.models import registry
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SpecDecodeMetrics
 from deepinfer_core.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.sched.block_manager import BlockManager
+from deepinfer_core.sched.block_pool import BlockPool
 from deepinfer_core.sched.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.sched.sequence import Sequence, SequenceStatus
 from deepinfer_core.speculative.proposer import Speculator
@@ -128,8 +129,9 @@ class Engine:
                                                          self.eos_token_ids, pin_memory=device.type == "cuda")
         self.prefix_tiers = make_prefix_tiers(self.config, info.cache_fingerprint, info.block_layout,
                                               layout_bytes(info.block_layout))
-        self.block_manager = BlockManager(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
-                                          info.cache_fingerprint, self.prefix_tiers)
+        self.block_manager = BlockPool(info.num_blocks, info.block_size, self.config.enable_prefix_caching,
+                                       info.cache_fingerprint)
+        self.kv_connector = KvConnector(self.block_manager, self.prefix_tiers)
         spec = self.config.speculative_config
         self.speculator = Speculator.from_config(spec) if spec is not None else None
         """Speculative decoding's drafts and statistics (None without `speculative_config`)."""
@@ -149,6 +151,7 @@ class Engine:
             # a constrained request waits for its grammar, one whose prefix is read from the store for it
             is_admissible=self._is_admissible,
             choose_drafts=self.speculator.choose_drafts if self.speculator is not None else None,
+            connector=self.kv_connector,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, _Completion] = {}
@@ -169,7 +172,7 @@ class Engine:
         """Single-token decodes (special tokens skipped), shared by every incremental detokenizer."""
 
     def _is_admissible(self, seq: Sequence) -> bool:
-        return self.structured_output.is_ready(seq) and self.block_manager.is_prefix_ready(seq)
+        return self.structured_output.is_ready(seq) and self.kv_connector.is_prefix_ready(seq)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -290,7 +293,7 @@ class Engine:
         if self.prefix_tiers is None:
             return
         if self.prefix_tiers.has_cache_ops:
-            ops = self.block_manager.take_cache_ops()
+            ops = self.kv_connector.take_cache_ops()
             result = self.executor.execute(StepPlan((), cache_ops=ops))
             self.prefix_tiers.accept_saved(ops, result.saved)
         self.prefix_tiers.poll_saves(wait=True)
@@ -582,7 +585,7 @@ class Engine:
             "num_decode_tokens": s.num_decode_tokens,
             "num_preemptions": s.num_preemptions,
             "num_loading": sum(seq.is_loading for seq in self.scheduler.waiting),
-            **{f"prefix_cache_hit_tokens_{tier}": n for tier, n in self.block_manager.hit_tokens.items()},
+            **{f"prefix_cache_hit_tokens_{tier}": n for tier, n in self.kv_connector.hit_tokens.items()},
             **(self.prefix_tiers.stats() if self.prefix_tiers is not None else {}),
             **(_spec_stats(self.speculator) if self.speculator is not None else {}),
             **parallel_stats(self.executor),

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.limits import read_body
-from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.sampling_params import KvTransferParams, SamplingParams
 
 if TYPE_CHECKING:
     from deepinfer_core.entrypoints.serve import ServerState
@@ -40,22 +40,25 @@ KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"
 PD_APIS = ("chat", "responses", "messages", "completions")
 
 
-def kv_transfer_of(request: Request) -> dict | None:
-    """The `kv_transfer_params` of a request to a decode instance (`KV_TRANSFER_HEADER`), or None.
+def kv_transfer_of(request: Request) -> KvTransferParams | None:
+    """The `kv_transfer_params` of a request to a decode instance (`KV_TRANSFER_HEADER`), parsed once
+    here, or None.
 
-    :raises ApiError: 400 when the header is not a JSON object.
+    :raises ApiError: 400 when the header is not a JSON object `{"prefill": url, "id": str, "first_token": int}`.
     """
     raw = request.headers.get(KV_TRANSFER_HEADER)
     if not raw:
         return None
     try:
-        value = json.loads(raw)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict) or not isinstance(value.get("prefill"), str) or not isinstance(value.get("id"), str):
-        raise ApiError.from_message(400, f'{KV_TRANSFER_HEADER} must be a JSON object {{"prefill": url, "id": str}}',
-                                    "chat")
-    return value
+        value = KvTransferParams.from_json(json.loads(raw))
+    except ValueError as err:  # not JSON (json.JSONDecodeError is a ValueError), or a malformed handle
+        why = str(err)
+    else:
+        if value.source:
+            return value
+        why = "it names no prefill instance"
+    raise ApiError.from_message(400, f'{KV_TRANSFER_HEADER} must be a JSON object {{"prefill": url, "id": str}} '
+                                     f"({why})", "chat")
 
 
 def add_prefill_routes(app: FastAPI, state: ServerState, public_url: str) -> None:
@@ -73,7 +76,7 @@ def add_prefill_routes(app: FastAPI, state: ServerState, public_url: str) -> Non
             handle = await _prefill(state, prompt_ids, params)
         except ValueError as err:  # the engine refused the request (an unknown traffic class, ...)
             return error_response(400, str(err), "chat" if api == "completions" else api)
-        kv = {"prefill": public_url, "id": handle["id"], "first_token": handle["first_token"]}
+        kv = KvTransferParams(prefill=public_url, id=handle["id"], first_token=handle["first_token"]).to_json()
         return JSONResponse({"kv_transfer_params": kv, "prompt_tokens": len(prompt_ids),
                              "num_blocks": len(handle["blocks"]), "has_state": handle.get("state_bytes") is not None})
 
@@ -106,7 +109,7 @@ async def _prefill(state: ServerState, prompt_ids: list[int], params: SamplingPa
 
     if continues_from_first_token(params):
         run = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),  # EOS banned as it would be
-                      first_n_token_no_eos=min(params.first_n_token_no_eos, 1), kv_transfer_params={"export": True})
+                      first_n_token_no_eos=min(params.first_n_token_no_eos, 1), kv_transfer_params=KvTransferParams(export=True))
     else:  # the decode instance samples the first token itself: only the blocks go
         run = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, traffic_class=params.traffic_class)
     request_id = "pd-" + uuid.uuid4().hex

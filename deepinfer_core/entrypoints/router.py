@@ -39,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 
 from deepinfer_core.entrypoints.errors import error_response
 from deepinfer_core.entrypoints.pd import KV_TRANSFER_HEADER
+from deepinfer_core.sampling_params import KvTransferParams
 
 ROUTED: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("chat", "chat"), "/v1/responses": ("responses", "responses"),
@@ -213,9 +214,13 @@ def _endpoint(client: httpx.AsyncClient, pools: dict[str, Pool], path: str, api:
             instance.num_in_flight -= 1
         if upstream.status_code != 200:  # the API's own answer (a 400 for a bad body, a 401, ...)
             return Response(answer, status_code=upstream.status_code, media_type="application/json")
-        kv = json.loads(answer)["kv_transfer_params"]
-        return await _relay(client, pools["decode"], path, body, {**headers, KV_TRANSFER_HEADER: json.dumps(kv)},
-                            shape)
+        try:  # parsed once here; the decode instance gets the same JSON back
+            kv = KvTransferParams.from_json(json.loads(answer)["kv_transfer_params"])
+        except (ValueError, KeyError, TypeError) as err:
+            instance.num_failures += 1
+            return _prefill_failed(instance, f"malformed kv_transfer_params: {err}", shape)
+        return await _relay(client, pools["decode"], path, body,
+                            {**headers, KV_TRANSFER_HEADER: json.dumps(kv.to_json())}, shape)
 
     return endpoint
 

@@ -25,14 +25,8 @@ import torch
 
 from deepinfer_core.models.interface import LayerCache
 from deepinfer_core.models.layer_plan import BLOCK_SIZE, LayerPlan
-from deepinfer_core.plan import CacheOp
+from deepinfer_core.plan import CACHE_OP_KINDS, LOAD, LOAD_STATE, SAVE, SAVE_STATE, CacheOp
 
-LOAD, SAVE = "load", "save"
-SAVE_STATE, LOAD_STATE = "save_state", "load_state"
-"""A request's state out of / into its slot (`CacheOp.slot`) and partial last block (`block_ids`)."""
-CACHE_OP_KINDS = (LOAD, SAVE, SAVE_STATE, LOAD_STATE)
-SAVING_KINDS = (SAVE, SAVE_STATE)
-"""Ops whose bytes the step result brings back (`StepResult.saved`, one `PendingCopy` each)."""
 _SLOT_FIELDS = ("window", "kv_tail", "gate_tail", "index_kv_tail", "index_gate_tail")
 
 

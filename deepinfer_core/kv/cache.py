@@ -63,11 +63,18 @@ class CacheStack:
     one tensor (a `kv_source` reader holds its source's pools)."""
 
 
+NULL_BLOCK = 0
+"""The reserved null block: never handed out by the block pool, so a block table may be padded with it
+(an attention kernel that reads every entry of a table, such as `sparse_flash_mla`, reads a block no
+request owns)."""
+
+
 class KVCache:
     """Allocates and holds every layer's cache tensors.
 
-    One extra slot (`scratch_slot`) and one extra block (`scratch_block`) exist beyond what the
-    scheduler hands out: padding rows of captured decode batches read and write only those.
+    Block rows: `NULL_BLOCK` (0), the `num_blocks` blocks the scheduler hands out (`1 .. num_blocks`),
+    then `scratch_block`; one extra slot (`scratch_slot`) exists beyond the scheduler's too. Padding rows
+    of captured decode batches read and write only the scratch block and slot.
     The layers' tensors of one field and shape are contiguous views of one allocation (`stacks`), so
     a speculative step saves and restores a field's rows in every layer with one kernel.
     """
@@ -78,12 +85,12 @@ class KVCache:
     def __init__(self, plans: list[LayerPlan], num_blocks: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks, self.num_slots = num_blocks, num_slots
-        self.scratch_block, self.scratch_slot = num_blocks, num_slots
+        self.scratch_block, self.scratch_slot = num_blocks + 1, num_slots
         meta = torch.device("meta")  # shapes first: same-shaped tensors of many layers share one allocation
         layers: list[LayerCache] = []
         for plan in plans:
             if plan.kv_source is None:
-                layers.append(self._allocate(plan, num_blocks + 1, num_slots + 1, dtype, meta))
+                layers.append(self._allocate(plan, num_blocks + 2, num_slots + 1, dtype, meta))
                 continue
             if plan.kv_source >= plan.index or plans[plan.kv_source].kv_source is not None:
                 raise ValueError(f"layer {plan.index} reads the compressed entries of layer {plan.kv_source}, "

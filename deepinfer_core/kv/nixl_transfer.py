@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.kv.tiers import BlockRef
+from deepinfer_core.sampling_params import KvTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +127,9 @@ class KvImporter:
         self.num_fetched = self.num_failed = 0
         self.bytes_read = 0
 
-    def fetch(self, source: dict, chain: list[BlockRef]) -> tuple[list[tuple[BlockRef, torch.Tensor]],
+    def fetch(self, source: KvTransferParams, chain: list[BlockRef]) -> tuple[list[tuple[BlockRef, torch.Tensor]],
                                                                    tuple[int, torch.Tensor] | None]:
-        """The blocks of `source` (`{"prefill": base URL, "id": handle id}`, `kv_transfer_params`) that
+        """The blocks of `source` (`SamplingParams.kv_transfer_params`: the base URL and handle id) that
         equal `chain` from its first block, read by NIXL, and the request's state `(prompt length, bytes)`
         when every block matched (else None); `([], None)` on any failure (the caller computes them)."""
         try:
@@ -136,7 +137,7 @@ class KvImporter:
         except (KvTransferError, OSError, ValueError, KeyError, TypeError) as err:
             self.num_failed += 1
             logger.warning("no KV handle from the prefill instance %s (%s); the decode instance computes the prompt",
-                           source.get("prefill"), err)
+                           source.prefill, err)
             return [], None
         refs = []
         for ref, (key, parent, tokens) in zip(chain, handle.get("blocks", [])):
@@ -186,11 +187,11 @@ class KvImporter:
 
 
 def first_token_of(params, vocab_size: int) -> int | None:
-    """The first token a prefill instance sampled for this request (`kv_transfer_params["first_token"]`),
+    """The first token a prefill instance sampled for this request (`kv_transfer_params.first_token`),
     or None. :raises ValueError: not a token id, or a request it cannot continue (only n=1 without
     logprobs, prompt logprobs or structured output: the prefill instance sends none for the others)."""
     kv = getattr(params, "kv_transfer_params", None)
-    token = kv.get("first_token") if kv else None
+    token = kv.first_token if kv is not None else None
     if token is None:
         return None
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
@@ -216,11 +217,11 @@ def first_token_output(token: int):
                          ranks=torch.ones(1, dtype=torch.long))
 
 
-def _fetch_handle(source: dict) -> dict:
+def _fetch_handle(source: KvTransferParams) -> dict:
     import httpx
 
     try:
-        response = httpx.get(f"{source['prefill'].rstrip('/')}/v1/pd/handles/{source['id']}", timeout=READ_TIMEOUT_S)
+        response = httpx.get(f"{source.prefill.rstrip('/')}/v1/pd/handles/{source.id}", timeout=READ_TIMEOUT_S)
         response.raise_for_status()
     except httpx.HTTPError as err:  # gone (404: read already, or expired), or the instance is down
         raise KvTransferError(f"{type(err).__name__}: {err}") from None
@@ -239,7 +240,7 @@ def export_prompt(engine, prompt_token_ids: list[int], request_id: str, first_to
     state = tiers.pop_state(request_id)
     blocks = []
     # the blocks below the first token: every full block of the prompt
-    for ref in engine.block_manager.block_refs([*prompt_token_ids, 0]):
+    for ref in engine.kv_connector.block_refs([*prompt_token_ids, 0]):
         row = tiers.host.get(ref.key, ref.parent, ref.tokens)
         if row is None:
             state = None  # the decode instance can use the state only on top of every block

@@ -1,6 +1,6 @@
 """The prefix store: cache blocks as checksummed files, shared by every engine that points at it.
 
-One file per block, named by its content key (`block_manager.block_key`) under a directory per traffic
+One file per block, named by its content key (`sched.block_pool.block_key`) under a directory per traffic
 class: `<class>/<first two hex digits>/<key hex>.blk`. A file is
 
     magic "DIKVBLK1" | header length (u32) | header CRC-32 (u32) | header (JSON) | payload

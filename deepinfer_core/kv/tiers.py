@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.kv.blocks import LOAD, LOAD_STATE, SAVE, SAVE_STATE, SAVING_KINDS, PendingCopy
+from deepinfer_core.kv.blocks import PendingCopy
 from deepinfer_core.kv.host_cache import GIB, HostCache
 from deepinfer_core.kv.prefix_store import PrefixStore
-from deepinfer_core.plan import CacheOp
+from deepinfer_core.plan import LOAD, LOAD_STATE, SAVE, SAVE_STATE, SAVING_KINDS, CacheOp
+from deepinfer_core.sampling_params import KvTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ _MAX_TOUCHED = 1 << 16
 MAX_UNCLAIMED_STATES = 32
 """Exported request states kept for `pop_state` (a prefill route that never asked for its own: the oldest go)."""
 _READY = "ready"
+HIT_TIERS = ("device", "host", "store", "remote")
+"""Where a prefix hit's blocks came from: this device, the host tier, the store, a prefill instance."""
 MAX_LOAD_ROUNDS = 2
 """Store reads a request may add, before admission, for blocks evicted while its first read ran."""
 
@@ -214,7 +217,7 @@ class PrefixTiers:
     # -- loading from the store -------------------------------------------------------------------
 
     def is_ready(self, request_id: str, refs: Callable[[], list[BlockRef]], device_has: Callable[[bytes], bool],
-                 kv_source: dict | None = None) -> bool:
+                 kv_source: KvTransferParams | None = None) -> bool:
         """Whether the request may be admitted: False while its blocks are being read.
 
         The first call looks its blocks up (`refs()`, in order): if one is neither on the device nor
@@ -231,7 +234,7 @@ class PrefixTiers:
                           if not device_has(ref.key) and not (self.host is not None and ref.key in self.host)), None)
             # a prefill instance's handle: read it unless every block is here and it carries no state
             if kv_source is not None and self.importer is not None and (
-                    first is not None or kv_source.get("first_token") is not None):
+                    first is not None or kv_source.first_token is not None):
                 self._staged_tier[request_id] = "remote"
                 self._loads[request_id] = (self._loader.submit(self.importer.fetch, kv_source, chain),
                                            time.monotonic(), 0)

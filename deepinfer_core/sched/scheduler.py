@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from deepinfer_core.backends.attention import BLOCK_SIZE
+from deepinfer_core.config import SwaReplay
 from deepinfer_core.kv.blocks import kept_blocks
+from deepinfer_core.kv.connector import KvConnector, ReplayPolicy
 from deepinfer_core.plan import NewRequest, ScheduledRequest, StepPlan
-from deepinfer_core.sched.block_manager import SWA_REPLAY_MODES, BlockManager
+from deepinfer_core.sched.block_pool import BlockPool
 from deepinfer_core.sched.sequence import Sequence, SequenceStatus
 
 
@@ -41,14 +43,15 @@ class SchedulerConfig:
     max_model_len: int
     """Longest prompt accepted, in tokens (the engine stops generation at this length)."""
     block_size: int = BLOCK_SIZE
-    """Positions per cache block; must equal the block manager's."""
+    """Positions per cache block; must equal the block pool's."""
     sliding_window: int = 128
     """Window of the sliding-window attention; bounded replay recomputes this many tokens."""
     enable_prefix_caching: bool = False
-    """Reuse cached full blocks; must equal the block manager's setting."""
-    swa_replay: str = "bounded"
+    """Reuse cached full blocks; must equal the block pool's setting."""
+    swa_replay: SwaReplay = "bounded"
     """How a prefix hit rebuilds the window: "bounded" (the last `sliding_window` tokens) or "exact"
-    (the last `num_layers * sliding_window`; see `BlockManager.match_prefix`)."""
+    (the last `num_layers * sliding_window`; see `ReplayPolicy.range_for`). Resolved and validated once,
+    by `EngineConfig` (the model family's `swa_replay_default` unless set)."""
     num_layers: int = 1
     """Decoder layers of the model (how far back "exact" replay reaches)."""
 
@@ -63,8 +66,6 @@ class SchedulerConfig:
             )
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
-        if self.swa_replay not in SWA_REPLAY_MODES:
-            raise ValueError(f"swa_replay must be one of {SWA_REPLAY_MODES}, got {self.swa_replay!r}")
 
 
 @dataclass
@@ -110,27 +111,34 @@ class Scheduler:
     """Waiting and running queues, state slots, and the per-step batch decision.
 
     :param config: limits and cache policy.
-    :param block_manager: the block pool (its block size and prefix-caching flag must match `config`).
+    :param block_pool: the block pool (its block size and prefix-caching flag must match `config`).
     :param num_slots: per-request state slots (sliding window + compressor tails) in the cache.
+    :param connector: the KV connector's scheduler half over `block_pool` (tiers, PD, hit accounting);
+        None: one for the device alone.
     :param is_admissible: whether a waiting sequence may be admitted now (False: it is skipped this
         step and later ones are considered; a structured-output request waits for its grammar).
     :param choose_drafts: speculative decoding: given the step's decoding sequences and the token budget
         left beyond their own tokens, the drafts each verifies this step (`engine.spec.proposer`).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_slots: int,
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, num_slots: int,
                  is_admissible: Callable[[Sequence], bool] | None = None,
-                 choose_drafts: Callable[[list[Sequence], int], list[tuple[int, ...]]] | None = None) -> None:
-        if block_manager.block_size != config.block_size:
+                 choose_drafts: Callable[[list[Sequence], int], list[tuple[int, ...]]] | None = None,
+                 connector: KvConnector | None = None) -> None:
+        if block_pool.block_size != config.block_size:
             raise ValueError(
-                f"block manager block_size {block_manager.block_size} != scheduler block_size {config.block_size}"
+                f"block pool block_size {block_pool.block_size} != scheduler block_size {config.block_size}"
             )
-        if block_manager.enable_prefix_caching != config.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching differs between the scheduler and the block manager")
+        if block_pool.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching differs between the scheduler and the block pool")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if connector is not None and connector.pool is not block_pool:
+            raise ValueError("the KV connector must be built over the scheduler's block pool")
         self.config = config
-        self.block_manager = block_manager
+        self.block_pool = block_pool
+        self.connector = connector if connector is not None else KvConnector(block_pool)
+        self._replay = ReplayPolicy(config.swa_replay, config.sliding_window, config.num_layers)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order, oldest first
         self.stats = SchedulerStats()
@@ -176,8 +184,8 @@ class Scheduler:
             )
         if self._exceeds_pool(seq):
             raise ValueError(
-                f"request {seq.request_id!r} needs {self.block_manager.blocks_for(seq.num_tokens)} cache blocks "
-                f"but the cache has {self.block_manager.num_blocks}; shorten the prompt or give the cache "
+                f"request {seq.request_id!r} needs {self.block_pool.blocks_for(seq.num_tokens)} cache blocks "
+                f"but the cache has {self.block_pool.num_blocks}; shorten the prompt or give the cache "
                 "more memory"
             )
         self._seqs[seq.request_id] = seq
@@ -243,10 +251,10 @@ class Scheduler:
             requests.append(ScheduledRequest(
                 seq.request_id, start, tuple(seq.token_ids[start : start + n - len(drafts)]) + drafts,
                 start + n - len(drafts) == seq.num_tokens, new_blocks, seq.replay_start, seq.no_write_before,
-                num_draft_tokens=len(drafts),
+                num_draft_tokens=len(drafts), replay=seq.replay if seq.replay and start < seq.replay.hit else None,
             ))
         freed, self._freed = tuple(self._freed), []
-        return StepPlan(tuple(requests), tuple(new_requests), freed, cache_ops=self.block_manager.take_cache_ops())
+        return StepPlan(tuple(requests), tuple(new_requests), freed, cache_ops=self.connector.take_cache_ops())
 
     def postprocess(self, plan: StepPlan) -> None:
         """Record that the plan ran: advance each sequence and cache its newly full blocks."""
@@ -257,7 +265,7 @@ class Scheduler:
                 continue  # aborted between schedule and postprocess
             seq.num_computed_tokens += request.num_tokens - request.num_draft_tokens
             if is_caching:
-                self.block_manager.cache_full_blocks(seq)
+                self.connector.on_cached(seq, self.block_pool.cache_full_blocks(seq))
 
     def accept_drafts(self, plan: StepPlan, num_accepted: list[int]) -> None:
         """After `postprocess` and after the emitted tokens were appended: count each request's accepted
@@ -269,10 +277,10 @@ class Scheduler:
             if not request.num_draft_tokens or seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished inside its accepted run (its blocks are freed) or aborted
             seq.num_computed_tokens += accepted
-            self.block_manager.cache_full_blocks(seq)
+            self.connector.on_cached(seq, self.block_pool.cache_full_blocks(seq))
             keep = kept_blocks(len(seq.block_table), len(request.new_block_ids), seq.num_computed_tokens,
                                self.config.block_size)
-            self.block_manager.release_tail(seq, keep)
+            self.block_pool.release_tail(seq, keep)
             seq.num_planned_blocks = min(seq.num_planned_blocks, keep)
 
     def _has_room(self, step: _Step) -> bool:
@@ -318,13 +326,13 @@ class Scheduler:
                 continue
             proposed = proposed[: max(0, min(step.budget, self.config.max_model_len - seq.num_tokens))]
             while proposed:
-                missing = self.block_manager.blocks_for(seq.num_computed_tokens + 1 + len(proposed)) - len(seq.block_table)
-                if missing <= self.block_manager.num_free_uncached_blocks:
+                missing = self.block_pool.blocks_for(seq.num_computed_tokens + 1 + len(proposed)) - len(seq.block_table)
+                if missing <= self.block_pool.num_free_uncached_blocks:
                     break
                 proposed = proposed[:-1]
             if not proposed:
                 continue
-            self.block_manager.allocate(seq, 1 + len(proposed))
+            self.block_pool.allocate(seq, 1 + len(proposed))
             step.drafts[seq.request_id] = proposed
             step.num_new_tokens[index] += len(proposed)
             step.budget -= len(proposed)
@@ -343,12 +351,12 @@ class Scheduler:
                     continue
                 step.is_memory_short = True
                 free_positions = (
-                    len(seq.block_table) + self.block_manager.num_free_blocks
+                    len(seq.block_table) + self.block_pool.num_free_blocks
                 ) * self.config.block_size
                 num_new_tokens = min(num_new_tokens, free_positions - seq.num_computed_tokens)
                 if num_new_tokens < 1:
                     continue  # waits for older or already scheduled sequences to release blocks
-                self.block_manager.allocate(seq, num_new_tokens)
+                self.block_pool.allocate(seq, num_new_tokens)
             step.add(seq, num_new_tokens)
             self.stats.num_prefill_tokens += num_new_tokens
 
@@ -365,14 +373,13 @@ class Scheduler:
                 continue
             if self.config.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
                 # prompt logprobs need every prompt position computed, so such requests take no hit
-                self.block_manager.match_prefix(seq, self.config.sliding_window, self.config.swa_replay,
-                                                self.config.num_layers)
+                self.connector.admit(seq, self._replay)
             num_new_tokens = min(seq.num_uncomputed_tokens, step.budget)
-            if not self.block_manager.can_allocate(seq, num_new_tokens):
+            if not self.block_pool.can_allocate(seq, num_new_tokens):
                 self._release(seq)  # undo the prefix match; retried next step
                 return
             self.waiting.remove(seq)
-            self.block_manager.allocate(seq, num_new_tokens)
+            self.block_pool.allocate(seq, num_new_tokens)
             seq.slot = self._free_slots.pop()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: self._arrival[s.request_id])
@@ -380,7 +387,7 @@ class Scheduler:
                 self.stats.num_queried_tokens += seq.num_tokens
                 self.stats.num_hit_tokens += seq.num_cached_tokens
                 self.stats.num_replay_tokens += seq.num_cached_tokens - seq.num_computed_tokens
-                self.block_manager.record_hit(seq)
+                self.connector.record_hit(seq)
             step.add(seq, num_new_tokens)
             if seq.num_output_tokens and seq.num_uncomputed_tokens == 1:  # resumed from a prefill instance's state
                 self.stats.num_decode_tokens += 1
@@ -390,7 +397,7 @@ class Scheduler:
     # -- memory pressure -----------------------------------------------------------------------
 
     def _exceeds_pool(self, seq: Sequence) -> bool:
-        return self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks
+        return self.block_pool.blocks_for(seq.num_tokens) > self.block_pool.num_blocks
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, step: _Step) -> bool:
         """Allocate blocks for `seq`'s next tokens, preempting newer unscheduled sequences as needed.
@@ -403,13 +410,13 @@ class Scheduler:
         if self._exceeds_pool(seq):
             self._finish_here(seq)
             return False
-        while not self.block_manager.can_allocate(seq, num_new_tokens):
+        while not self.block_pool.can_allocate(seq, num_new_tokens):
             victim = next(s for s in reversed(self.running) if s.request_id not in step.scheduled)
             if victim is seq:
                 return False
             self._preempt(victim)
             step.is_memory_short = True
-        self.block_manager.allocate(seq, num_new_tokens)
+        self.block_pool.allocate(seq, num_new_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -425,7 +432,8 @@ class Scheduler:
         if seq.request_id in self._planned:
             self._planned.remove(seq.request_id)
             self._freed.append(seq.request_id)
-        self.block_manager.free(seq)
+        self.connector.on_free(seq)
+        self.block_pool.free(seq)
         if seq.slot is not None:
             self._free_slots.append(seq.slot)
             seq.slot = None

@@ -13,7 +13,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from deepinfer_core.plan import PENDING_TOKEN
+from deepinfer_core.plan import PENDING_TOKEN, ReplayRange
 from deepinfer_core.sampling_params import needs_token_history
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class Sequence:
         """Its sampling reads its own ids (penalties): the runner is sent them."""
         kv_transfer = getattr(sampling_params, "kv_transfer_params", None)
         has_grammar = getattr(sampling_params, "structured_outputs", None) is not None
-        exports = bool(kv_transfer and kv_transfer.get("export"))
+        exports = kv_transfer is not None and kv_transfer.export
         self.takes_drafts = not (self.needs_token_history or exports)
         """Speculative drafts may be verified for it: its sampling does not read its own ids and its
         state is not exported (a grammar does not stop them: each draft's row gets its own mask)."""
@@ -112,11 +112,13 @@ class Sequence:
         """Prefix-cache hit length of the latest admission, reported to the user (0 if none)."""
         self.replay_start = 0
         """Window attention of recomputed tokens sees only positions >= this (SWA replay; 0 normally)."""
+        self.replay: ReplayRange | None = None
+        """The window replay its prefix hit decided (`kv.connector.KvConnector.admit`), or None."""
         self.no_write_before = 0
         """Compressed entries of windows ending at or before this position are already cached (shared
         with other requests): the runner must not write them (0 normally)."""
         self.is_loading = False
-        """Waiting while its prefix blocks are read from the prefix store (`BlockManager.is_prefix_ready`)."""
+        """Waiting while its prefix blocks are read from the prefix store (`KvConnector.is_prefix_ready`)."""
         self.draft_token_ids: list[int] = []
         """Speculative decoding: drafts the model side proposed to follow `token_ids` (MTP), if any."""
         self.draft_confidences: list[float] | None = None
@@ -190,12 +192,13 @@ class Sequence:
         """Forget everything the cache held for this sequence (preemption, or an undone admission).
 
         The token ids are kept, so the next admission recomputes prompt + generated tokens exactly.
-        `block_table` is cleared by `BlockManager.free`, which must run first.
+        `block_table` is cleared by `BlockPool.free`, which must run first.
         """
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.replay_start = 0
+        self.replay = None
         self.no_write_before = 0
         self.num_planned_blocks = 0
         self.slot = None

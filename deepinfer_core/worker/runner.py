@@ -33,8 +33,9 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.distributed.context_parallel import ContextParallel
 from deepinfer_core.distributed.context_parallel_ops import ContextParallelAttention, ContextParallelLayerOps
 from deepinfer_core.distributed.eplb_state import make_expert_shards
-from deepinfer_core.kv.blocks import BlockIO, block_layout
+from deepinfer_core.kv.blocks import block_layout
 from deepinfer_core.kv.cache import KVCache, bytes_per_block, bytes_per_slot
+from deepinfer_core.kv.connector_worker import KvConnectorWorker
 from deepinfer_core.models import registry, tensor_parallel
 from deepinfer_core.models.deepseek_v4.mtp import split_mtp_weights
 from deepinfer_core.models.interface import (
@@ -145,7 +146,7 @@ class ModelRunner:
             self.num_blocks = agree_num_blocks(self.num_blocks)
         self.kv_cache = KVCache(self.plans, self.num_blocks, self.num_slots, self.dtype, device)
         self.block_layout = block_layout(self.plans, self.dtype)
-        self.block_io = BlockIO(self.block_layout, self.kv_cache.layers)  # the plan's cache ops
+        self.block_io = KvConnectorWorker(self.block_layout, self.kv_cache.layers)  # the plan's cache ops
         self.requests: dict[str, RequestState] = {}
         self._carried: CarriedTokens | None = None
         self._kept_sampling: tuple[list[RequestState], object] | None = None
@@ -491,14 +492,15 @@ class ModelRunner:
         return ctx, logits_rows, sampled, prompt_spans, pending
 
     def _replay_hits(self, requests) -> list[int] | None:
-        """Per request, the prefix-cache hit it replays below (0: none), when some request of the step
-        computes rows below its hit's last window: the rows a model running the replay layer by layer
-        (`row_trim.replay_keep_from`) can drop. None otherwise, and under context parallelism, whose
-        ranks exchange every row's window keys."""
+        """Per request, the hit its exact replay (`ScheduledRequest.replay`) runs below (0: none), when
+        some request of the step computes rows below its hit's last window: the rows a model running the
+        replay layer by layer (`row_trim.replay_keep_from`) can drop. None otherwise, and under context
+        parallelism, whose ranks exchange every row's window keys."""
         window = self.config.sliding_window
-        if self.context_parallel is not None or not any(r.start < r.no_write_before - window for r in requests):
+        hits = [r.replay.hit if r.replay is not None and r.replay.exact else 0 for r in requests]
+        if self.context_parallel is not None or not any(r.start < hit - window for r, hit in zip(requests, hits)):
             return None
-        return [r.no_write_before if r.start < r.no_write_before else 0 for r in requests]
+        return hits
 
     def _first_kept_positions(self, requests, states: list[RequestState]) -> list[int] | None:
         """Per request, the first position that runs the layers after the trim point (`v41_trim`); None

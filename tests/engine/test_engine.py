@@ -169,7 +169,7 @@ def _entries(engine: Engine, blocks: list[int]) -> list[torch.Tensor]:
     for cache in engine.runner.kv_cache.layers:
         for pool in (cache.compressed, cache.index_keys):
             if pool is not None:
-                per_block = (pool.shape[0] - 1) // (engine.runner.num_blocks + 1)  # + scratch block and row
+                per_block = (pool.shape[0] - 1) // (engine.runner.num_blocks + 2)  # + null and scratch blocks, + row
                 rows = torch.cat([torch.arange(b * per_block, (b + 1) * per_block) for b in blocks])
                 out.append(pool[rows].clone())
     return out

@@ -38,8 +38,8 @@ def engines(request):
     exporter = built["prefill"].prefix_tiers.exporter
     patch = pytest.MonkeyPatch()
 
-    def fetch_handle(source: dict) -> dict:  # what GET /v1/pd/handles/{id} answers
-        handle = exporter.handle(source["id"])
+    def fetch_handle(source) -> dict:  # what GET /v1/pd/handles/{id} answers
+        handle = exporter.handle(source.id)
         if handle is None:
             raise kv_transfer.KvTransferError("HTTPStatusError: 404 Not Found")
         return handle

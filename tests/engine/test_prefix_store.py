@@ -19,7 +19,7 @@ from deepinfer_core.kv.prefix_store import (
     encode_block,
 )
 from deepinfer_core.kv.store_backends import PosixBackend, StoreBackend, open_backend
-from deepinfer_core.sched.block_manager import block_key
+from deepinfer_core.sched.block_pool import block_key
 
 FINGERPRINT = b"f" * 32
 LAYOUT = "0.compressed[32,8]float32"
@@ -161,7 +161,7 @@ _SHARER = textwrap.dedent("""
     import sys
     import time
     from pathlib import Path
-    from deepinfer_core.sched.block_manager import block_key
+    from deepinfer_core.sched.block_pool import block_key
     from deepinfer_core.kv.prefix_store import PrefixStore
     from deepinfer_core.kv.store_backends import PosixBackend
 

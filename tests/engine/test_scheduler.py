@@ -12,9 +12,11 @@ import random
 
 import pytest
 
+from deepinfer_core.kv.cache import NULL_BLOCK
+from deepinfer_core.kv.connector import KvConnector
 from deepinfer_core.plan import StepPlan
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.sched.block_manager import BlockManager
+from deepinfer_core.sched.block_pool import BlockPool
 from deepinfer_core.sched.scheduler import Scheduler, SchedulerConfig
 from deepinfer_core.sched.sequence import Sequence, SequenceStatus
 
@@ -45,26 +47,27 @@ def make_scheduler(num_blocks=64, num_slots=8, prefix=False, **config) -> Schedu
         "sliding_window": BS,
         "enable_prefix_caching": prefix,
     }
-    manager = BlockManager(num_blocks, BS, enable_prefix_caching=prefix)
+    manager = BlockPool(num_blocks, BS, enable_prefix_caching=prefix)
     return Scheduler(SchedulerConfig(**{**defaults, **config}), manager, num_slots)
 
 
 def pool_snapshot(scheduler: Scheduler) -> tuple[int, list[int]]:
-    manager = scheduler.block_manager
-    return manager.num_free_blocks, [manager.ref_count(i) for i in range(manager.num_blocks)]
+    manager = scheduler.block_pool
+    return manager.num_free_blocks, [manager.ref_count(i) for i in range(1, manager.num_blocks + 1)]
 
 
 def check_invariants(scheduler: Scheduler) -> None:
-    manager = scheduler.block_manager
-    holders = [0] * manager.num_blocks
+    manager = scheduler.block_pool
+    holders = [0] * (manager.num_blocks + 1)  # ids 1 .. num_blocks; 0 is the null block
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING and seq.slot is not None
         for block_id in seq.block_table:
             holders[block_id] += 1
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.slot is None and seq.block_table == []
-    assert holders == [manager.ref_count(i) for i in range(manager.num_blocks)]
-    assert manager.num_free_blocks == holders.count(0)
+    assert holders[NULL_BLOCK] == 0, "the null block is never handed out"
+    assert holders == [manager.ref_count(i) for i in range(manager.num_blocks + 1)]
+    assert manager.num_free_blocks == holders[1:].count(0)
     slots = [seq.slot for seq in scheduler.running]
     assert len(set(slots)) == len(slots)
 
@@ -148,7 +151,6 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
     [
         ({"max_num_batched_tokens": 4}, "max_num_batched_tokens"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
-        ({"swa_replay": "full"}, "swa_replay"),
         ({"sliding_window": -1}, "sliding_window"),
     ],
 )
@@ -158,14 +160,16 @@ def test_config_validation(overrides, message):
         SchedulerConfig(**{**base, **overrides})
 
 
-def test_block_manager_must_match_config():
+def test_block_pool_must_match_config():
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, block_size=BS)
     with pytest.raises(ValueError, match="block_size"):
-        Scheduler(config, BlockManager(8, block_size=8), num_slots=2)
+        Scheduler(config, BlockPool(8, block_size=8), num_slots=2)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        Scheduler(config, BlockManager(8, BS, enable_prefix_caching=True), num_slots=2)
+        Scheduler(config, BlockPool(8, BS, enable_prefix_caching=True), num_slots=2)
     with pytest.raises(ValueError, match="num_slots"):
-        Scheduler(config, BlockManager(8, BS), num_slots=0)
+        Scheduler(config, BlockPool(8, BS), num_slots=0)
+    with pytest.raises(ValueError, match="KV connector"):
+        Scheduler(config, BlockPool(8, BS), num_slots=2, connector=KvConnector(BlockPool(8, BS)))
 
 
 def test_add_rejects_bad_requests():
@@ -462,9 +466,9 @@ def test_concurrent_requests_share_cached_blocks():
     scheduler.add(c)
     step(scheduler, runner, {})
     assert b.block_table[:2] == c.block_table[:2]
-    assert scheduler.block_manager.ref_count(b.block_table[0]) == 2
+    assert scheduler.block_pool.ref_count(b.block_table[0]) == 2
     run_to_completion(scheduler, runner)
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
 
 
 def test_preempted_sequence_hits_its_own_cached_blocks():
@@ -479,7 +483,7 @@ def test_preempted_sequence_hits_its_own_cached_blocks():
     # a's position 12 needed a fifth block: b (13 tokens, 3 full blocks cached) was preempted and
     # a took b's least recently released block, its tail
     assert b.status is SequenceStatus.WAITING and b.num_tokens == 13
-    assert scheduler.block_manager.num_cached_blocks == 3 + 2  # a's three full blocks, b's first two
+    assert scheduler.block_pool.num_cached_blocks == 3 + 2  # a's three full blocks, b's first two
     while b.status is SequenceStatus.WAITING:
         step(scheduler, runner, finished)
     assert b.num_cached_tokens == 8 and scheduler.stats.num_hit_tokens == 8
@@ -519,7 +523,7 @@ def test_random_workload_completes_exactly(seed):
     assert sorted(finished) == sorted(set(expected) - aborted)
     for name, seq in finished.items():
         assert seq.output_token_ids == expected[name]
-    assert scheduler.block_manager.num_free_blocks == num_blocks
+    assert scheduler.block_pool.num_free_blocks == num_blocks
 
 
 # -- the step plan ----------------------------------------------------------------------------------
@@ -570,7 +574,7 @@ def test_a_preempted_request_comes_back_as_a_new_request_with_its_whole_table():
 
 def test_a_waiting_sequence_that_is_not_admissible_is_skipped_not_blocking() -> None:
     ready: set[str] = {"b"}
-    manager = BlockManager(64, BS)
+    manager = BlockPool(64, BS)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=BS,
                              sliding_window=BS)
     scheduler = Scheduler(config, manager, 8, is_admissible=lambda seq: seq.request_id in ready)

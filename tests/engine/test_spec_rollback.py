@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from deepinfer_core import SamplingParams
+from deepinfer_core.kv.blocks import kept_blocks
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
 from deepinfer_core.speculative.rollback import (
     DraftRollback,
     DraftRows,
     RingTooSmallError,
     check_ring_sizes,
-    kept_blocks,
 )
 from tests.engine.test_spec_decode import (  # noqa: F401 (fixture)
     MIXED,

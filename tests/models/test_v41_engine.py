@@ -111,9 +111,10 @@ def test_bounded_replay_is_the_default_and_never_rewrites_cached_entries(checkpo
     warm = run(engine, [SHARED + SUFFIX], [3])[0]
     assert warm.num_cached_tokens == 128 and engine.stats()["prefix_cache_replay_tokens"] - replayed == 8
     after = [t for group in pools for t in group if t is not None]
-    for b, a in zip(before, after):  # the hit block is block 0, the first one handed out
-        per_block = b.shape[0] // (engine.runner.num_blocks + 1)
-        assert torch.equal(b[:per_block], a[:per_block]), "replay must never overwrite the cached block"
+    for b, a in zip(before, after):  # the hit block is block 1, the first one handed out (0: the null block)
+        per_block = b.shape[0] // (engine.runner.num_blocks + 2)
+        assert torch.equal(b[per_block : 2 * per_block], a[per_block : 2 * per_block]), \
+            "replay must never overwrite the cached block"
 
 
 def test_engram_hashes_are_the_same_whole_chunked_and_after_a_prefix_hit(checkpoint, monkeypatch):

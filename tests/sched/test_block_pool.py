@@ -1,11 +1,14 @@
-"""BlockManager: allocation, reference counts, the prefix cache, collision safety, LRU eviction."""
+"""BlockPool: allocation, reference counts, the prefix cache, collision safety, LRU eviction, the null
+block. Prefix matches go through the KV connector (`match`), which also decides the replay fields."""
 
 import pytest
 
 from deepinfer_core.kv.blocks import blocks_for
+from deepinfer_core.kv.cache import NULL_BLOCK
+from deepinfer_core.kv.connector import KvConnector, ReplayPolicy
 from deepinfer_core.sampling_params import SamplingParams
-from deepinfer_core.sched import block_manager as bm_module
-from deepinfer_core.sched.block_manager import BlockManager, NoFreeBlocksError
+from deepinfer_core.sched import block_pool as bm_module
+from deepinfer_core.sched.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer_core.sched.sequence import Sequence
 
 BS = 4
@@ -15,15 +18,21 @@ def make_seq(tokens, request_id="r") -> Sequence:
     return Sequence(request_id, list(tokens), SamplingParams())
 
 
-def compute_all(manager: BlockManager, seq: Sequence) -> None:
+def match(manager: BlockPool, seq: Sequence, sliding_window: int = 0, replay: str = "bounded",
+          num_layers: int = 1) -> None:
+    """Admission's prefix match: the pool's blocks, and the connector's replay decision."""
+    KvConnector(manager).admit(seq, ReplayPolicy(replay, sliding_window, num_layers))
+
+
+def compute_all(manager: BlockPool, seq: Sequence) -> None:
     """Allocate and 'compute' every token of seq, then register its full blocks."""
     manager.allocate(seq, seq.num_uncomputed_tokens)
     seq.num_computed_tokens = seq.num_tokens
     manager.cache_full_blocks(seq)
 
 
-def snapshot(manager: BlockManager) -> tuple[int, list[int]]:
-    return manager.num_free_blocks, [manager.ref_count(i) for i in range(manager.num_blocks)]
+def snapshot(manager: BlockPool) -> tuple[int, list[int]]:
+    return manager.num_free_blocks, [manager.ref_count(i) for i in range(1, manager.num_blocks + 1)]
 
 
 # -- allocation ---------------------------------------------------------------------------------
@@ -36,26 +45,26 @@ def test_blocks_for_rounds_up():
 @pytest.mark.parametrize("kwargs", [{"num_blocks": 0}, {"num_blocks": 4, "block_size": 0}])
 def test_rejects_empty_pool(kwargs):
     with pytest.raises(ValueError, match="must be >= 1"):
-        BlockManager(**kwargs)
+        BlockPool(**kwargs)
 
 
 def test_allocate_covers_computed_plus_new_tokens():
-    manager = BlockManager(num_blocks=8, block_size=BS)
+    manager = BlockPool(num_blocks=8, block_size=BS)
     seq = make_seq(range(10))
     manager.allocate(seq, 5)  # positions 0..4 -> 2 blocks
-    assert seq.block_table == [0, 1]
+    assert seq.block_table == [1, 2]  # block 0 is the null block, never handed out
     seq.num_computed_tokens = 5
     assert manager.can_allocate(seq, 3)
     manager.allocate(seq, 3)  # positions < 8: still 2 blocks
-    assert seq.block_table == [0, 1]
+    assert seq.block_table == [1, 2]
     manager.allocate(seq, 5)  # positions < 10: 3 blocks
-    assert seq.block_table == [0, 1, 2]
+    assert seq.block_table == [1, 2, 3]
     assert manager.num_free_blocks == 5
-    assert [manager.ref_count(i) for i in range(3)] == [1, 1, 1]
+    assert [manager.ref_count(i) for i in range(4)] == [0, 1, 1, 1]
 
 
 def test_can_allocate_counts_free_blocks_exactly():
-    manager = BlockManager(num_blocks=3, block_size=BS)
+    manager = BlockPool(num_blocks=3, block_size=BS)
     seq = make_seq(range(20))
     assert manager.can_allocate(seq, 12)
     assert not manager.can_allocate(seq, 13)
@@ -65,7 +74,7 @@ def test_can_allocate_counts_free_blocks_exactly():
 
 
 def test_free_restores_pool_and_clears_table():
-    manager = BlockManager(num_blocks=6, block_size=BS)
+    manager = BlockPool(num_blocks=6, block_size=BS)
     a, b = make_seq(range(9), "a"), make_seq(range(5), "b")
     manager.allocate(a, 9)
     manager.allocate(b, 5)
@@ -81,7 +90,7 @@ def test_free_restores_pool_and_clears_table():
 
 
 def test_cache_full_blocks_registers_only_computed_full_blocks():
-    manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     seq = make_seq(range(11))
     manager.allocate(seq, 11)
     seq.num_computed_tokens = 7  # block 0 full, block 1 half computed
@@ -95,21 +104,21 @@ def test_cache_full_blocks_registers_only_computed_full_blocks():
 
 
 def test_no_caching_when_disabled():
-    manager = BlockManager(num_blocks=8, block_size=BS)
+    manager = BlockPool(num_blocks=8, block_size=BS)
     a = make_seq(range(9), "a")
     compute_all(manager, a)
     assert manager.num_cached_blocks == 0
     b = make_seq(range(9), "b")
-    manager.match_prefix(b, sliding_window=4, replay="bounded")
+    match(manager, b, 4, "bounded")
     assert (b.block_table, b.num_computed_tokens, b.num_cached_tokens) == ([], 0, 0)
 
 
 def test_hit_shares_blocks_and_sets_bounded_replay_fields():
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     a = make_seq(range(14), "a")
     compute_all(manager, a)  # 3 full blocks cached
     b = make_seq(list(range(13)) + [99, 100], "b")
-    manager.match_prefix(b, sliding_window=BS, replay="bounded")
+    match(manager, b, BS, "bounded")
     assert b.block_table == a.block_table[:3]
     assert [manager.ref_count(i) for i in a.block_table] == [2, 2, 2, 1]
     assert (b.num_cached_tokens, b.no_write_before) == (12, 12)
@@ -118,63 +127,61 @@ def test_hit_shares_blocks_and_sets_bounded_replay_fields():
 
 @pytest.mark.parametrize(("num_layers", "start"), [(1, 8), (2, 4), (3, 0), (40, 0)])
 def test_exact_replay_recomputes_layers_times_window(num_layers, start):
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq(range(13), "a"))
     b = make_seq(range(13), "b")
-    manager.match_prefix(b, sliding_window=BS, replay="exact", num_layers=num_layers)
+    match(manager, b, BS, "exact", num_layers=num_layers)
     assert (b.num_cached_tokens, b.no_write_before, b.replay_start, b.num_computed_tokens) == (12, 12, start, start)
     assert len(b.block_table) == 3
 
 
 def test_replay_start_clamps_at_zero_when_window_exceeds_hit():
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq(range(9), "a"))
     b = make_seq(range(9), "b")
-    manager.match_prefix(b, sliding_window=3 * BS, replay="bounded")
+    match(manager, b, 3 * BS, "bounded")
     assert (b.num_cached_tokens, b.replay_start, b.num_computed_tokens) == (8, 0, 0)
 
 
 @pytest.mark.parametrize(("query_len", "hit"), [(12, 8), (13, 12), (4, 0), (5, 4)])
 def test_hit_leaves_at_least_one_token_to_compute(query_len, hit):
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq(range(16), "a"))
     b = make_seq(range(query_len), "b")
-    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    match(manager, b, 0, "bounded")
     assert b.num_cached_tokens == hit and b.num_computed_tokens == hit
     assert len(b.block_table) == hit // BS
 
 
 def test_chained_hash_needs_the_whole_prefix():
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 3], "a"))
     b = make_seq([9, 9, 9, 9, 2, 2, 2, 2, 3], "b")  # same second block, different first
-    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    match(manager, b, 0, "bounded")
     assert b.block_table == [] and b.num_cached_tokens == 0
 
 
 def test_match_prefix_validates_arguments():
-    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     seq = make_seq(range(6))
-    with pytest.raises(ValueError, match="swa_replay"):
-        manager.match_prefix(seq, sliding_window=4, replay="full")
     manager.allocate(seq, 2)
     with pytest.raises(ValueError, match="fresh"):
-        manager.match_prefix(seq, sliding_window=4, replay="bounded")
+        match(manager, seq, 4, "bounded")
 
 
 def test_generated_tokens_are_cached_too():
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     a = make_seq(range(6), "a")
     for token in (50, 51, 52):
         a.append_token(token)
     compute_all(manager, a)  # 9 tokens: 2 full blocks, the second half generated
     b = make_seq(list(range(6)) + [50, 51, 7], "b")
-    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    match(manager, b, 0, "bounded")
     assert b.num_cached_tokens == 8
 
 
 def test_duplicate_block_is_not_registered_twice():
-    manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     a, b = make_seq(range(9), "a"), make_seq(range(9), "b")
     manager.allocate(a, 9)
     manager.allocate(b, 9)  # both computed the same prefix before either cached it
@@ -187,7 +194,7 @@ def test_duplicate_block_is_not_registered_twice():
     manager.free(a)
     assert manager.num_free_blocks == 8
     c = make_seq(range(9), "c")
-    manager.match_prefix(c, sliding_window=0, replay="bounded")
+    match(manager, c, 0, "bounded")
     assert c.block_table == a_blocks[:2]
 
 
@@ -196,33 +203,33 @@ def test_duplicate_block_is_not_registered_twice():
 
 def test_forced_hash_collision_never_serves_a_wrong_block(monkeypatch):
     monkeypatch.setattr(bm_module, "block_key", lambda parent, tokens: 7)
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     a = make_seq([1, 1, 1, 1, 2, 2, 2, 2, 3], "a")
     compute_all(manager, a)
     # block 1 collides with block 0 (same hash, held by a): caching stops after block 0
     assert manager.num_cached_blocks == 1
     b = make_seq([5, 5, 5, 5, 2, 2, 2, 2, 3], "b")
-    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    match(manager, b, 0, "bounded")
     assert b.block_table == [] and b.num_cached_tokens == 0
     c = make_seq([1, 1, 1, 1, 9, 9, 9, 9, 3], "c")
-    manager.match_prefix(c, sliding_window=0, replay="bounded")
+    match(manager, c, 0, "bounded")
     assert c.block_table == a.block_table[:1] and c.num_cached_tokens == 4
 
 
 def test_parent_is_verified_not_only_the_block_tokens(monkeypatch):
     # A hash that ignores the parent: block tokens alone would match a block of another chain.
     monkeypatch.setattr(bm_module, "block_key", lambda parent, tokens: hash(tuple(tokens)))
-    manager = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=16, block_size=BS, enable_prefix_caching=True)
     compute_all(manager, make_seq([1] * 4 + [2] * 4 + [0], "a"))  # chain X -> Y
     compute_all(manager, make_seq([3] * 4 + [4] * 4 + [0], "c"))  # chain Z -> W
     b = make_seq([3] * 4 + [2] * 4 + [0], "b")  # Z then Y's tokens, but Y's parent is X
-    manager.match_prefix(b, sliding_window=0, replay="bounded")
+    match(manager, b, 0, "bounded")
     assert b.num_cached_tokens == 4 and len(b.block_table) == 1
 
 
 def test_collision_with_unreferenced_block_replaces_it(monkeypatch):
     monkeypatch.setattr(bm_module, "block_key", lambda parent, tokens: 7)
-    manager = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     a = make_seq([1] * 4 + [0], "a")
     compute_all(manager, a)
     manager.free(a)
@@ -230,10 +237,10 @@ def test_collision_with_unreferenced_block_replaces_it(monkeypatch):
     compute_all(manager, b)  # a's cached block is unreferenced: b's block takes the hash
     assert manager.num_cached_blocks == 1 and manager.num_free_blocks == 6
     again_a = make_seq([1] * 4 + [0], "a2")
-    manager.match_prefix(again_a, sliding_window=0, replay="bounded")
+    match(manager, again_a, 0, "bounded")
     assert again_a.block_table == []
     again_b = make_seq([2] * 4 + [0], "b2")
-    manager.match_prefix(again_b, sliding_window=0, replay="bounded")
+    match(manager, again_b, 0, "bounded")
     assert again_b.block_table == b.block_table[:1]
 
 
@@ -241,29 +248,29 @@ def test_collision_with_unreferenced_block_replaces_it(monkeypatch):
 
 
 def test_free_keeps_cached_blocks_reusable_and_counted_free():
-    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     a = make_seq(range(9), "a")
     compute_all(manager, a)
     manager.free(a)
     assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 2
     b = make_seq(range(9), "b")
-    manager.match_prefix(b, sliding_window=0, replay="bounded")
-    assert b.block_table == [0, 1] and manager.num_free_blocks == 2
+    match(manager, b, 0, "bounded")
+    assert b.block_table == [1, 2] and manager.num_free_blocks == 2
 
 
 def test_plain_free_blocks_are_used_before_cached_ones():
-    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     a = make_seq(range(9), "a")  # 2 cached blocks + 1 partial
     compute_all(manager, a)
     manager.free(a)
     b = make_seq([7] * 5, "b")
-    manager.allocate(b, 5)  # 2 blocks: the never-used block 3 and a's uncached partial block 2
-    assert sorted(b.block_table) == [2, 3]
+    manager.allocate(b, 5)  # 2 blocks: the never-used block 4 and a's uncached partial block 3
+    assert sorted(b.block_table) == [3, 4]
     assert manager.num_cached_blocks == 2
 
 
 def test_lru_eviction_order_oldest_release_first_tail_before_head():
-    manager = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=4, block_size=BS, enable_prefix_caching=True)
     a = make_seq([1] * 8 + [0], "a")
     manager.allocate(a, 8)
     a.num_computed_tokens = 8
@@ -284,15 +291,15 @@ def test_lru_eviction_order_oldest_release_first_tail_before_head():
     assert c.block_table == [a_blocks[1], a_blocks[0]]
     assert manager.num_cached_blocks == 2
     probe_b = make_seq([2] * 8 + [0], "pb")
-    manager.match_prefix(probe_b, sliding_window=0, replay="bounded")
+    match(manager, probe_b, 0, "bounded")
     assert probe_b.block_table == b_blocks
     probe_a = make_seq([1] * 8 + [0], "pa")
-    manager.match_prefix(probe_a, sliding_window=0, replay="bounded")
+    match(manager, probe_a, 0, "bounded")
     assert probe_a.block_table == []
 
 
 def test_hit_refreshes_lru_position():
-    manager = BlockManager(num_blocks=2, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=2, block_size=BS, enable_prefix_caching=True)
     a, b = make_seq([1] * 4 + [0], "a"), make_seq([2] * 4 + [0], "b")
     for seq in (a, b):
         manager.allocate(seq, 4)
@@ -301,26 +308,26 @@ def test_hit_refreshes_lru_position():
     manager.free(a)
     manager.free(b)
     again = make_seq([1] * 4 + [0], "a2")
-    manager.match_prefix(again, sliding_window=0, replay="bounded")
+    match(manager, again, 0, "bounded")
     manager.free(again)  # a's block is now the most recently released
     c = make_seq([3] * 2, "c")
     manager.allocate(c, 2)
-    assert c.block_table == [1]  # b's block, released after a's but not touched since
+    assert c.block_table == [2]  # b's block, released after a's but not touched since
     probe_a = make_seq([1] * 4 + [0], "pa")
-    manager.match_prefix(probe_a, sliding_window=0, replay="bounded")
-    assert probe_a.block_table == [0]
+    match(manager, probe_a, 0, "bounded")
+    assert probe_a.block_table == [1]
     probe_b = make_seq([2] * 4 + [0], "pb")
-    manager.match_prefix(probe_b, sliding_window=0, replay="bounded")
+    match(manager, probe_b, 0, "bounded")
     assert probe_b.block_table == []
 
 
 def test_allocate_then_free_restores_pool_with_shared_blocks():
-    manager = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=True)
+    manager = BlockPool(num_blocks=10, block_size=BS, enable_prefix_caching=True)
     base = make_seq(range(13), "base")
     compute_all(manager, base)
     before = snapshot(manager)
     seq = make_seq(list(range(12)) + [50, 51, 52, 53, 54, 55], "x")
-    manager.match_prefix(seq, sliding_window=BS, replay="bounded")
+    match(manager, seq, BS, "bounded")
     manager.allocate(seq, seq.num_uncomputed_tokens)
     seq.num_computed_tokens = seq.num_tokens
     manager.cache_full_blocks(seq)
@@ -339,7 +346,7 @@ def test_block_keys_are_content_hashes_equal_in_another_process():
     tokens = list(range(100, 100 + BS))
     root = bm_module.block_key(b"fingerprint", tokens)
     child = bm_module.block_key(root, [7] * BS)
-    code = ("from deepinfer_core.sched.block_manager import block_key as k; "
+    code = ("from deepinfer_core.sched.block_pool import block_key as k; "
             f"r = k(b'fingerprint', {tokens!r}); print(r.hex(), k(r, [7] * {BS}).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [root.hex(), child.hex()]  # Python's hash() would differ between processes
@@ -348,8 +355,8 @@ def test_block_keys_are_content_hashes_equal_in_another_process():
 
 
 def test_the_cache_fingerprint_roots_every_chain():
-    a = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, cache_fingerprint=b"model-a")
-    b = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, cache_fingerprint=b"model-b")
+    a = BlockPool(num_blocks=8, block_size=BS, enable_prefix_caching=True, cache_fingerprint=b"model-a")
+    b = BlockPool(num_blocks=8, block_size=BS, enable_prefix_caching=True, cache_fingerprint=b"model-b")
     for manager in (a, b):
         seq = Sequence("s", list(range(1, 2 * BS + 2)), SamplingParams())
         manager.allocate(seq, seq.num_tokens)
@@ -359,39 +366,22 @@ def test_the_cache_fingerprint_roots_every_chain():
     assert a.num_cached_blocks == b.num_cached_blocks == 2
 
 
-# -- saves to the tiers below the device ------------------------------------------------------
+# -- the null block -----------------------------------------------------------------------------
 
 
-class _SlowCopy:
-    """A device-to-host copy still running until `finish` (what a CUDA copy stream's event reports)."""
-
-    def __init__(self, rows: int) -> None:
-        import torch
-
-        self.tensor, self._done = torch.zeros(rows, 8, dtype=torch.uint8), False
-
-    def is_done(self) -> bool:
-        return self._done
-
-    def wait(self):
-        self._done = True
-        return self.tensor
-
-
-def test_a_block_is_evictable_only_once_its_save_finished():
-    from deepinfer_core.kv.host_cache import HostCache
-    from deepinfer_core.kv.tiers import PrefixTiers
-
-    tiers = PrefixTiers(HostCache(1 << 12, 8, pin=False), None)
-    manager = BlockManager(3, BS, enable_prefix_caching=True, tiers=tiers)
-    seq = make_seq(range(9))  # two full blocks, saved when registered
+def test_the_null_block_is_never_handed_out_and_not_counted():
+    manager = BlockPool(num_blocks=3, block_size=BS, enable_prefix_caching=True)
+    assert manager.num_free_blocks == 3  # `num_blocks` counts only blocks the pool hands out
+    seq = make_seq(range(12))
     compute_all(manager, seq)
-    ops = manager.take_cache_ops()
-    copy = _SlowCopy(2)
-    tiers.accept_saved(ops, (copy,))
+    assert NULL_BLOCK not in seq.block_table and sorted(seq.block_table) == [1, 2, 3]
+    assert not manager.can_allocate(make_seq(range(4), "x"), 4)  # full: the null block is not spare
     manager.free(seq)
-    assert manager.num_free_blocks == 1 and tiers.num_pending_saves == 1  # the saving blocks are held
-    other = make_seq(range(100, 112), "o")
-    assert manager.can_allocate(other, 12)  # short of blocks: it waits for the copy, then may evict them
-    assert tiers.num_pending_saves == 0 and len(tiers.host) == 2  # nothing lost: both blocks are in host memory
-    assert manager.num_free_blocks == 3
+    other = make_seq(range(100, 112), "o")  # evicts every cached block: still never the null block
+    manager.allocate(other, 12)
+    assert NULL_BLOCK not in other.block_table and manager.ref_count(NULL_BLOCK) == 0
+    spec = make_seq(range(200, 204), "s")  # drafts' blocks given back go to the front of the free queue
+    manager.free(other)
+    manager.allocate(spec, 4)
+    manager.release_tail(spec, 0)
+    assert NULL_BLOCK not in [manager.take_block() for _ in range(3)]

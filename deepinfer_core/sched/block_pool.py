@@ -13,10 +13,15 @@ stored parent is exactly the block matched just before it, so a hash collision c
 wrong block. Every registration gets a fresh id, and a child remembers its parent's id, so a parent
 evicted and re-registered with other content never revives stale children.
 
-Tiers below the device (`prefix_tiers.PrefixTiers`, optional): a block this manager registers is
-queued to be saved to the host tier and the store; a match that runs past the device's blocks takes
-the next ones from the host tier or from what the store's loader staged for the request, into fresh
-device blocks registered at once (their bytes arrive by a "load" cache op before the step's forward).
+The null block. Block `NULL_BLOCK` (0) is reserved: never handed out, never cached, so a block table
+may be padded with it (decode graphs' slot tables, `sparse_flash_mla` on Ascend, which reads every
+entry). The pool hands out ids `1 .. num_blocks`; the cache allocates `num_blocks + 2` rows (the null
+block, the pool, the scratch block of padded decode rows). `num_blocks` and the free counts count only
+blocks the pool can hand out.
+
+Tiers below the device are not this pool's business: the KV connector (`kv.connector.KvConnector`)
+pins blocks while they are saved (`pin`/`unpin`), and `match_prefix` asks it (`LowerTiers`) for a
+block the device lacks, registering the fresh device block it is loaded into.
 
 Free-pool invariant: `num_free_blocks` counts never-cached free blocks plus cached blocks no request
 references (those stay reusable by a prefix hit until evicted, least recently released first).
@@ -30,23 +35,20 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from itertools import count
-from typing import get_args
+from typing import Any, Protocol
 
-from deepinfer_core.config import SwaReplay
 from deepinfer_core.kv.blocks import blocks_for
-from deepinfer_core.kv.tiers import BlockRef, PrefixTiers
+from deepinfer_core.kv.cache import NULL_BLOCK
+from deepinfer_core.kv.tiers import HIT_TIERS, BlockRef
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
-from deepinfer_core.plan import CacheOp
 from deepinfer_core.sched.sequence import Sequence
 
 _ROOT_REGISTRATION = 0
 """Parent registration id of a request's first block."""
-SWA_REPLAY_MODES: tuple[str, ...] = get_args(SwaReplay)
-HIT_TIERS = ("device", "host", "store", "remote")
-"""Where a prefix hit's blocks came from: this device, the host tier, the store, a prefill instance."""
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -84,19 +86,40 @@ class _Chain:
     """A hash collision stopped the chain: later blocks of this request are not cached."""
 
 
-class BlockManager:
-    """Owns the cache block pool: who holds which block, and (optionally) the prefix cache.
+@dataclass
+class PrefixMatch:
+    """What `BlockPool.match_prefix` found: the hit blocks' refs, in order, and their tokens by tier."""
 
-    :param num_blocks: blocks in the pool.
+    refs: list[BlockRef] = field(default_factory=list)
+    tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HIT_TIERS, 0))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+
+class LowerTiers(Protocol):
+    """Where a block the device lacks may come from (the KV connector's scheduler half)."""
+
+    def take_missing(self, request_id: str, ref: BlockRef) -> tuple[str, Any] | None:
+        """(tier, bytes) of the block `ref` for this request, taken from the tier; None if none has it."""
+
+    def place(self, block_id: int, ref: BlockRef, found: tuple[str, Any]) -> None:
+        """Queue `found`'s bytes to be loaded into the fresh device block `block_id`."""
+
+
+class BlockPool:
+    """Owns the cache block pool: who holds which block, the prefix cache, and eviction.
+
+    :param num_blocks: blocks the pool hands out (ids `1 .. num_blocks`; 0 is the null block).
     :param block_size: positions per block (128 for DeepSeek-V4: a multiple of every compress rate).
     :param enable_prefix_caching: register full blocks and serve them to later requests.
     :param cache_fingerprint: root of every key chain: what the cached content depends on besides the
         tokens (the model, its weights, the dtype and the cache layout).
-    :param tiers: the host tier and store behind this cache (None: the device only).
     """
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_prefix_caching: bool = False,
-                 cache_fingerprint: bytes = b"", tiers: PrefixTiers | None = None) -> None:
+                 cache_fingerprint: bytes = b"") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the cache more memory")
         if block_size < 1:
@@ -105,24 +128,17 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_fingerprint = cache_fingerprint
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._blocks = [_Block(i) for i in range(num_blocks + 1)]  # [NULL_BLOCK] is never handed out
+        self._free_uncached: deque[int] = deque(range(NULL_BLOCK + 1, num_blocks + 1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._hash_to_block: dict[bytes, int] = {}
         self._chains: dict[str, _Chain] = {}
         self._registrations = count(_ROOT_REGISTRATION + 1)
-        if tiers is not None and not enable_prefix_caching:
-            raise ValueError("a host cache or prefix store needs enable_prefix_caching=True")
-        self.tiers = tiers
-        self._saving: dict[int, int] = {}
-        """Blocks whose save to the tiers has not finished, with how many saves: never evictable meanwhile."""
-        self._state_loads: dict[str, tuple[tuple[int, ...], object]] = {}
-        """Requests whose prefill instance sent their state: (partial last block, bytes), loaded at admission."""
-        if tiers is not None:
-            tiers.on_saved = self._release_saved
-        self.hit_tokens = dict.fromkeys(HIT_TIERS, 0)
-        """Prefix-hit tokens of admitted requests, by the tier each block came from."""
-        self._match_tiers: dict[str, dict[str, int]] = {}
+        self._pinned: dict[int, int] = {}
+        """Blocks kept from eviction (saves in flight), with how many pins."""
+        self.reclaim: Callable[[], None] | None = None
+        """Called when an allocation is short while blocks are pinned: may unpin some (the connector
+        waits for its saves in flight)."""
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -149,6 +165,10 @@ class BlockManager:
         """Blocks needed to cover positions `[0, num_tokens)`."""
         return blocks_for(num_tokens, self.block_size)
 
+    def is_cached(self, key: bytes) -> bool:
+        """Whether a block with content key `key` is registered on the device."""
+        return key in self._hash_to_block
+
     # -- allocation ----------------------------------------------------------------------------
 
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -156,13 +176,13 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """True if `seq.block_table` can be grown to cover positions `< num_computed_tokens + num_new_tokens`."""
-        return self._has_free(self._num_missing_blocks(seq, num_new_tokens))
+        return self.has_free(self._num_missing_blocks(seq, num_new_tokens))
 
-    def _has_free(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` are free; when short while saves are in flight, wait for them first (a
-        block is evictable only once its save finished, see `_release_saved`)."""
-        if num_blocks > self.num_free_blocks and self._saving and self.tiers is not None:
-            self.tiers.poll_saves(wait=True)
+    def has_free(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` are free; when short while blocks are pinned, `reclaim` first (a pinned
+        block becomes evictable only once unpinned)."""
+        if num_blocks > self.num_free_blocks and self._pinned and self.reclaim is not None:
+            self.reclaim()
         return num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -172,15 +192,20 @@ class BlockManager:
         :raises NoFreeBlocksError: when `can_allocate` is False.
         """
         missing = self._num_missing_blocks(seq, num_new_tokens)
-        if not self._has_free(missing):
+        if not self.has_free(missing):
             raise NoFreeBlocksError(
                 f"{seq.request_id!r} needs {missing} more blocks but {self.num_free_blocks} are free; "
                 "call can_allocate first"
             )
         for _ in range(missing):
-            block = self._take_free_block()
-            block.ref_count = 1
-            seq.block_table.append(block.block_id)
+            seq.block_table.append(self.take_block())
+
+    def take_block(self) -> int:
+        """One free block, referenced once (call `has_free(1)` first): a never-cached one first, else
+        the least recently released cached one, evicted."""
+        block = self._take_free_block()
+        block.ref_count = 1
+        return block.block_id
 
     def _take_free_block(self) -> _Block:
         if self._free_uncached:
@@ -202,42 +227,31 @@ class BlockManager:
         Blocks are released last-first, so when cached blocks must be evicted a request's tail goes
         before its head (a chain is only reachable from its first block).
         """
-        if self.tiers is not None and self._exports_state(seq):
-            full = seq.num_prompt_tokens // self.block_size
-            self.tiers.queue_state_save(seq.request_id, seq.slot, tuple(seq.block_table[full : full + 1])
-                                        if seq.num_prompt_tokens % self.block_size else ())
         for block_id in reversed(seq.block_table):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
             if block.hash is not None:
-                if block_id not in self._saving:  # else evictable once saved (`_release_saved`)
+                if block_id not in self._pinned:  # else evictable once unpinned
                     self._evictable[block_id] = None
             else:
                 self._free_uncached.append(block_id)
         seq.block_table = []
         self._chains.pop(seq.request_id, None)
-        self._match_tiers.pop(seq.request_id, None)
-        self._state_loads.pop(seq.request_id, None)
-        if self.tiers is not None:
-            self.tiers.forget(seq.request_id)
 
-    def _exports_state(self, seq: Sequence) -> bool:
-        """A prefill instance's request (`kv_transfer_params={"export": True}`) released right after
-        its prompt ran and its first token was sampled: its state goes to the decode instance."""
-        params = getattr(seq.sampling_params, "kv_transfer_params", None)
-        return (bool(params) and params.get("export") is True and seq.slot is not None
-                and seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens == 1)
+    def pin(self, block_id: int) -> None:
+        """Keep `block_id` from eviction until as many `unpin`s (its save to the tiers is in flight)."""
+        self._pinned[block_id] = self._pinned.get(block_id, 0) + 1
 
-    def _release_saved(self, block_ids: tuple[int, ...]) -> None:
-        """The tiers finished saving these blocks: unreferenced ones become evictable."""
+    def unpin(self, block_ids: tuple[int, ...]) -> None:
+        """Undo one `pin` of each block: unreferenced cached ones with no pin left become evictable."""
         for block_id in block_ids:
-            left = self._saving.get(block_id, 0) - 1
+            left = self._pinned.get(block_id, 0) - 1
             if left > 0:
-                self._saving[block_id] = left
+                self._pinned[block_id] = left
                 continue
-            self._saving.pop(block_id, None)
+            self._pinned.pop(block_id, None)
             block = self._blocks[block_id]
             if block.ref_count == 0 and block.hash is not None:
                 self._evictable[block_id] = None
@@ -270,125 +284,55 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
-    def match_prefix(self, seq: Sequence, sliding_window: int, replay: str, num_layers: int = 1) -> None:
-        """Reuse the longest run of cached full blocks that equals `seq`'s leading tokens.
+    def match_prefix(self, seq: Sequence, lower: LowerTiers | None = None) -> PrefixMatch:
+        """Reference the longest run of cached full blocks that equals `seq`'s leading tokens.
 
-        For a fresh sequence (no blocks, nothing computed). The hit length H is a whole number of
-        blocks and leaves at least one token to compute (H <= num_tokens - 1). On a hit:
-        `block_table` = the hit blocks (referenced), `num_cached_tokens = no_write_before = H`, and the
-        window is rebuilt by replay from `S`, window attention seeing only positions >= S
-        (`replay_start`): "bounded" takes `S = max(0, H - sliding_window)` (SWA Bounded Replay,
-        approximate); "exact" takes `S = max(0, H - num_layers * sliding_window)`. Exact because a
-        layer's window keys at H depend on the layer below through one window each, so after
-        `num_layers` windows of recompute every layer's ring and compressor tail at H hold what a cold
-        run holds, while the entries of closed windows come from the cache (layer `l` needs only the last
-        `num_layers - l` of those windows: `models/row_trim.replay_keep_from`). Either way the runner must
-        not rewrite the cached compressed entries (`no_write_before`). No-op without prefix caching.
+        For a fresh sequence (no blocks, nothing computed). The hit is a whole number of blocks and
+        leaves at least one token to compute. A block the device lacks may come from `lower` (into a
+        fresh device block registered now; its bytes follow by a "load" cache op). Appends the hit
+        blocks to `seq.block_table` and returns them; what the hit means for the request (window
+        replay, a resumed prefill) is the connector's decision. Empty without prefix caching.
         """
-        if replay not in SWA_REPLAY_MODES:
-            raise ValueError(f"swa_replay must be one of {SWA_REPLAY_MODES}, got {replay!r}")
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError(
                 f"{seq.request_id!r} already holds cache state; match_prefix is for fresh sequences"
             )
+        match = PrefixMatch()
         if not self.enable_prefix_caching:
-            return
+            return match
         chain = _Chain()
         parent_hash = self.cache_fingerprint
-        tiers: dict[str, int] = dict.fromkeys(HIT_TIERS, 0)
-        hit_refs: list[BlockRef] = []
         for index in range((seq.num_tokens - 1) // self.block_size):
             tokens = self._block_tokens(seq, index)
-            block_hash = block_key(parent_hash, tokens)
+            ref = BlockRef(block_key(parent_hash, tokens), parent_hash, tokens)
             parent = chain.registrations[-1] if chain.registrations else _ROOT_REGISTRATION
-            block, tier = self._lookup(block_hash, parent, tokens), "device"
-            if block is None:
-                block, tier = self._load_from_tiers(seq, BlockRef(block_hash, parent_hash, tokens), parent)
+            block, tier = self._lookup(ref.key, parent, tokens), "device"
+            if block is None and lower is not None:
+                block, tier = self._load(seq, ref, parent, lower)
             if block is None:
                 break
             if block.ref_count == 0:  # held from here on: a load below cannot evict it
                 self._evictable.pop(block.block_id, None)  # (a block just loaded was never evictable)
             block.ref_count += 1
             seq.block_table.append(block.block_id)
-            tiers[tier] += self.block_size
-            hit_refs.append(BlockRef(block_hash, parent_hash, tokens))
-            chain.hashes.append(block_hash)
+            match.tiers[tier] += self.block_size
+            match.refs.append(ref)
+            chain.hashes.append(ref.key)
             chain.registrations.append(block.registration)
-            parent_hash = block_hash
+            parent_hash = ref.key
         self._chains[seq.request_id] = chain
-        state = None
-        if self.tiers is not None:
-            self.tiers.finish_match(seq.request_id)
-            self.tiers.note_hits(hit_refs, getattr(seq.sampling_params, "traffic_class", None))
-            state = self.tiers.take_staged_state(seq.request_id)
-        hit_tokens = len(hit_refs) * self.block_size
-        if state is not None and self._resume(seq, state, hit_tokens, tiers):
-            return
-        if not hit_refs:
-            return
-        self._match_tiers[seq.request_id] = tiers
-        seq.num_cached_tokens = seq.no_write_before = hit_tokens
-        span = sliding_window if replay == "bounded" else num_layers * sliding_window
-        seq.replay_start = seq.num_computed_tokens = max(0, hit_tokens - span)
+        return match
 
-    def _resume(self, seq: Sequence, state: tuple[int, object], hit_tokens: int, tiers: dict[str, int]) -> bool:
-        """Admit `seq` with its whole prompt computed, from the state its prefill instance sent (slot
-        rings and partial last block, loaded at admission by `record_hit`): no replay, it decodes the
-        first token the prefill instance sampled. False (nothing changed) when the state does not fit:
-        another prompt, blocks missing, or no free block for the partial one."""
-        num_prompt, data = state
-        if not (num_prompt == seq.num_prompt_tokens == seq.num_tokens - 1
-                and hit_tokens == num_prompt // self.block_size * self.block_size):
-            return False
-        tail: tuple[int, ...] = ()
-        if num_prompt % self.block_size:
-            if not self._has_free(1):
-                return False
-            block = self._take_free_block()
-            block.ref_count = 1
-            seq.block_table.append(block.block_id)
-            tail = (block.block_id,)
-        self._state_loads[seq.request_id] = (tail, data)
-        tiers["remote"] += num_prompt - hit_tokens
-        self._match_tiers[seq.request_id] = tiers
-        seq.num_cached_tokens = seq.num_computed_tokens = num_prompt
-        seq.no_write_before, seq.replay_start = hit_tokens, 0
-        return True
-
-    def _load_from_tiers(self, seq: Sequence, ref: BlockRef, parent: int) -> tuple[_Block | None, str]:
-        """A block the device lacks, from the host tier or the request's staged store reads, into a
-        fresh device block registered now (its bytes follow by a "load" cache op); (None, "") if none."""
-        if self.tiers is None or not self.num_free_blocks or not self._release_hash(ref.key):
+    def _load(self, seq: Sequence, ref: BlockRef, parent: int, lower: LowerTiers) -> tuple[_Block | None, str]:
+        """A block the device lacks, from `lower`, into a fresh device block registered now."""
+        if not self.num_free_blocks or not self._release_hash(ref.key):
             return None, ""
-        found = self.tiers.take(seq.request_id, ref)
+        found = lower.take_missing(seq.request_id, ref)
         if found is None:
             return None, ""
-        tier, data = found
         block = self._register(self._take_free_block(), ref.key, parent, ref.tokens)
-        self.tiers.queue_load(block.block_id, ref.key, data, tier)
-        return block, tier
-
-    def record_hit(self, seq: Sequence) -> None:
-        """Count an admitted request's prefix hit by tier (its latest `match_prefix`), and load the state
-        its prefill instance sent into its slot (it has one now)."""
-        for tier, tokens in self._match_tiers.pop(seq.request_id, {}).items():
-            self.hit_tokens[tier] += tokens
-        resumed = self._state_loads.pop(seq.request_id, None)
-        if resumed is not None:
-            self.tiers.queue_state_load(seq.request_id, seq.slot, *resumed)
-
-    def is_prefix_ready(self, seq: Sequence) -> bool:
-        """False while the request's prefix blocks are being read from the store (it is "loading");
-        True at once without a store. See `PrefixTiers.is_ready`."""
-        if self.tiers is None or seq.sampling_params.prompt_logprobs is not None:
-            return True
-        is_ready = self.tiers.is_ready(seq.request_id, lambda: self._block_refs(seq), self._hash_to_block.__contains__,
-                                       getattr(seq.sampling_params, "kv_transfer_params", None))
-        seq.is_loading = not is_ready
-        return is_ready
-
-    def _block_refs(self, seq: Sequence) -> list[BlockRef]:
-        return self.block_refs(seq.token_ids)
+        lower.place(block.block_id, ref, found)
+        return block, found[0]
 
     def block_refs(self, token_ids: TokenIds[int]) -> list[BlockRef]:
         """The key chain of the full blocks a prefix match of `token_ids` can hit (not the last token's)."""
@@ -400,20 +344,17 @@ class BlockManager:
             parent = key
         return refs
 
-    def take_cache_ops(self) -> tuple[CacheOp, ...]:
-        """Transfers to and from the tiers queued since the last call, for the next plan."""
-        return self.tiers.take_cache_ops() if self.tiers is not None else ()
-
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence) -> list[tuple[int, BlockRef]]:
         """Register every block of `seq` whose positions are all computed (`(i+1)*block_size <= num_computed_tokens`).
 
         A block equal to one already registered is not registered twice (the request keeps its own
         copy, released normally). A different block holding the same hash is replaced when nothing
-        references it; otherwise caching stops for the rest of this request. No-op without prefix
-        caching.
+        references it; otherwise caching stops for the rest of this request. Returns the blocks newly
+        registered (what the tiers below should save). No-op without prefix caching.
         """
+        registered: list[tuple[int, BlockRef]] = []
         if not self.enable_prefix_caching:
-            return
+            return registered
         chain = self._chains.get(seq.request_id)
         if chain is None:
             chain = self._chains[seq.request_id] = _Chain()
@@ -430,12 +371,10 @@ class BlockManager:
                 break
             if existing is None:
                 existing = self._register(self._blocks[seq.block_table[index]], block_hash, parent, tokens)
-                if self.tiers is not None:
-                    self._saving[existing.block_id] = self._saving.get(existing.block_id, 0) + 1
-                    self.tiers.queue_save(existing.block_id, BlockRef(block_hash, parent_hash, tokens),
-                                          getattr(seq.sampling_params, "traffic_class", None))
+                registered.append((existing.block_id, BlockRef(block_hash, parent_hash, tokens)))
             chain.hashes.append(block_hash)
             chain.registrations.append(existing.registration)
+        return registered
 
     def _release_hash(self, block_hash: bytes) -> bool:
         """Make `block_hash` free to register; False if a different block in use owns it.
@@ -447,7 +386,7 @@ class BlockManager:
         if block_id is None:
             return True
         block = self._blocks[block_id]
-        if block.ref_count > 0 or block_id in self._saving:
+        if block.ref_count > 0 or block_id in self._pinned:
             return False
         del self._evictable[block_id]
         self._unregister(block)

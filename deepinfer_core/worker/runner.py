@@ -61,9 +61,6 @@ class ModelRunner:
     num_blocks = _read_through("kv_cache", "num_blocks", "Cache blocks (every rank's agreed count).")
     block_layout = _read_through("block_io", "layout", "The bytes of one block (`kv.blocks.block_layout`).")
     requests = _read_through("inputs", "requests", "Per request id, its `RequestState`.")
-    update_states = _read_through("inputs", "update_states", "`InputBatch.update_states`.")
-    prepare_inputs = _read_through("inputs", "prepare_inputs", "`InputBatch.prepare_inputs`.")
-    make_context = _read_through("inputs", "make_context", "`InputBatch.make_context`.")
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  weights: dict[str, torch.Tensor] | None = None,
@@ -72,9 +69,8 @@ class ModelRunner:
         """`weights` (internal names) replaces loading from `engine_config.model` when given;
         `agree_num_blocks` turns this rank's cache size into the one every rank uses (the minimum);
         `parallel`: this rank's groups (None: a world of one rank)."""
-        self.loaded = load_model(model_config, engine_config, device, weights, parallel)
-        self.model = self.loaded.model
-        loaded = self.loaded
+        loaded = self.loaded = load_model(model_config, engine_config, device, weights, parallel)
+        self.model = loaded.model
         self.sampler = plugins.make_sampler(
             SamplingSpec(vocab_size=model_config.vocab_size, deterministic=engine_config.deterministic), device)
         self.kv_cache = make_kv_cache(loaded, agree_num_blocks)
@@ -91,6 +87,19 @@ class ModelRunner:
         """The MTP drafter (None unless `speculative_config.method == "mtp"`)."""
         self.graphs = capture_graphs(loaded, self.kv_cache, self.inputs, self.mtp)
         """The captured decode graphs (None: decode runs eagerly)."""
+
+    # the input batch's steps, as methods of the runner: its readers (tests, benches) call or wrap them here
+    def update_states(self, plan: StepPlan) -> list[RequestState]:
+        """`InputBatch.update_states`."""
+        return self.inputs.update_states(plan)
+
+    def prepare_inputs(self, plan: StepPlan, states: list[RequestState]):
+        """`InputBatch.prepare_inputs`."""
+        return self.inputs.prepare_inputs(plan, states)
+
+    def make_context(self, *args, **kwargs):
+        """`InputBatch.make_context`."""
+        return self.inputs.make_context(*args, **kwargs)
 
     def close(self) -> None:
         """Stop what the model runs beside the steps (V4.1's Engram prefetch worker); idempotent."""

@@ -149,7 +149,8 @@ def build_engine(model_dir: Path, batch: int, steps: int, mode: str, device: str
     if spec:
         engine.speculator.drafter = RepeatDrafter()
     if mode == "graph" and device == "cpu":  # the graphs' input path, run eagerly (verify steps: width k + 1)
-        engine.runner.graphs = DecodeGraphs(engine.runner, batch, blocks_per_seq, max_len, widths=(1, spec + 1))
+        engine.runner.graphs = DecodeGraphs(engine.runner.model, engine.runner.kv_cache, engine.runner.inputs,
+                                            batch, blocks_per_seq, max_len, widths=(1, spec + 1))
     if mode == "graph" and engine.runner.graphs is None:
         raise RuntimeError("no decode graphs on this device (a backend does not support them)")
     return engine
@@ -159,8 +160,10 @@ def _install_clocks(engine: Engine, profiler: cProfile.Profile | None,
                     gap_profiler: cProfile.Profile | None = None) -> tuple[_Clock, _Clock]:
     runner = engine.runner
     forward, sample = _Clock(runner.device, profiler, gap_profiler), _Clock(runner.device, profiler)
-    runner.model = _Timed(runner.model, forward, ("rope_tables",))
+    # the input batch (`rope_tables`) and the decode graphs (their eager passes) hold the model too
+    runner.model = runner.inputs.model = _Timed(runner.model, forward, ("rope_tables",))
     if runner.graphs is not None:
+        runner.graphs.model = runner.model
         captured = runner.graphs.graphs
         for key, (graph, *outputs) in captured.items():  # (graph, logits, final streams)
             captured[key] = (_Timed(graph, forward, ("replay",)), *outputs)

@@ -100,7 +100,7 @@ class StepLayout:
     # -- logits rows ------------------------------------------------------------------------------
 
     def logits_rows(self, rank: int) -> list[tuple[str, int, int]]:
-        """Rank `rank`'s logits rows in the order its runner produces them (`ModelRunner.prepare_inputs`):
+        """Rank `rank`'s logits rows in the order its runner produces them (`InputBatch.prepare_inputs`):
         `("sample", request, 0)` per sampled piece, then `("prompt", request, position)` per row
         predicting a prompt token."""
         sampled, prompt = [], []
@@ -246,22 +246,25 @@ class StepView:
 class ContextParallel:
     """A rank's context parallelism: which steps it splits, and the split forward pass."""
 
-    def __init__(self, group_info, device: torch.device) -> None:
-        """`group_info`: the rank's `GroupInfo` of the cp group (`ParallelGroups.cp`)."""
+    def __init__(self, group_info, device: torch.device, model, kv_cache, prepare_inputs) -> None:
+        """`group_info`: the rank's `GroupInfo` of the cp group (`ParallelGroups.cp`); `model` and
+        `kv_cache`: what a split step runs and writes; `prepare_inputs`: the runner's
+        `InputBatch.prepare_inputs`, which builds each rank's pieces' inputs."""
         self.group_info, self.device = group_info, device
+        self.model, self.kv_cache, self.prepare_inputs = model, kv_cache, prepare_inputs
 
     def layout(self, plan: StepPlan, states: list) -> StepLayout | None:
         """The split of `plan` (the runner's `states` of its requests), or None: run it whole."""
         layout = StepLayout(plan, states, self.group_info.size)
         return layout if layout.is_split else None
 
-    def forward(self, runner, layout: StepLayout, carried) -> tuple[torch.Tensor, list[int], dict]:
-        """Run this rank's pieces through `runner`'s model; return every rank's logits rows in the
-        order `ModelRunner.prepare_inputs` gives for the whole plan, the sampled requests and the
+    def forward(self, layout: StepLayout, carried) -> tuple[torch.Tensor, list[int], dict]:
+        """Run this rank's pieces through the model; return every rank's logits rows in the order
+        `InputBatch.prepare_inputs` gives for the whole plan, the sampled requests and the
         prompt-logprob spans (`carried`: the runner's `CarriedTokens`, for pending inputs)."""
         rank = self.group_info.rank
         local_plan, local_states = layout.local_plan(rank)
-        ctx, rows, _, _, pending = runner.prepare_inputs(local_plan, local_states)
+        ctx, rows, _, _, pending = self.prepare_inputs(local_plan, local_states)
         if len(rows) != len(layout.logits_rows(rank)):
             raise RuntimeError(f"context parallelism expected {len(layout.logits_rows(rank))} logits rows on "
                                f"rank {rank}, the runner built {len(rows)}")
@@ -271,7 +274,7 @@ class ContextParallel:
             carried.fill(ctx.input_ids, pending)
         view = StepView(layout, rank, self.group_info.group, self.device)
         ctx.metadata = ContextParallelMetadata.wrap(ctx.metadata, view)
-        logits = runner.model(ctx, runner.kv_cache.layers, rows)
+        logits = self.model(ctx, self.kv_cache.layers, rows)
         width = max(len(layout.logits_rows(r)) for r in range(layout.size))
         padded = logits.new_zeros(max(width, 1), logits.shape[-1])
         padded[: len(rows)] = logits

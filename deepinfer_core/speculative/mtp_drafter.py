@@ -16,7 +16,8 @@ agrees with the target's draw; each draft's confidence is the MTP's probability 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,22 +27,40 @@ from deepinfer_core.backends.sampling_tensors import (
     prepare_sampling_tensors,
     to_device,
 )
+from deepinfer_core.config import ModelConfig
 from deepinfer_core.kv.cache import KVCache
+from deepinfer_core.models.interface import ForwardContext
 from deepinfer_core.plan import StepPlan, StepResult
 from deepinfer_core.speculative.mtp_graphs import MTPGraphs
 from deepinfer_core.speculative.rollback import DraftRollback, DraftRows
 from deepinfer_core.speculative.verify import is_rejection_eligible
 
 
+@dataclass(frozen=True)
+class DraftTarget:
+    """What the MTP drafter reads of the target's side: its step-context builder and sampler, and the
+    facts its cache, static buffers and sampling tensors are sized by."""
+
+    config: ModelConfig
+    """The target's config: EOS ids and vocabulary (sampling tensors), streams' shape (graph buffers)."""
+    make_context: Callable[..., ForwardContext]
+    """The runner's `InputBatch.make_context`: the MTP rows' `ForwardContext`."""
+    sampler: object
+    """The target's `Sampler`: each draft is drawn as the target draws there."""
+    num_slots: int
+    """Request slots; the MTP cache's scratch slot (padding rows) is `num_slots`."""
+    dtype: torch.dtype
+    device: torch.device
+
+
 class MTPDrafter:
     """Runs the MTP module over each step's final positions; one per runner."""
 
-    def __init__(self, module, num_slots: int, dtype: torch.dtype, device: torch.device, num_drafts: int,
-                 keeps_probs: bool = False) -> None:
-        """`keeps_probs`: keep each rejection-eligible request's draft distributions for the next
-        step's rejection sampling (`acceptance="rejection"`)."""
-        self.module, self.num_drafts, self.device = module, num_drafts, device
-        cache = KVCache([module.plan], 1, num_slots, dtype, device)
+    def __init__(self, module, target: DraftTarget, num_drafts: int, keeps_probs: bool = False) -> None:
+        """`target`: the target's side the drafter reads; `keeps_probs`: keep each rejection-eligible
+        request's draft distributions for the next step's rejection sampling (`acceptance="rejection"`)."""
+        self.module, self.target, self.num_drafts, self.device = module, target, num_drafts, target.device
+        cache = KVCache([module.plan], 1, target.num_slots, target.dtype, target.device)
         self.cache = cache.layers
         self.rollback = DraftRollback(cache.layers, [module.plan], cache.stacks)
         self.first_row: dict[str, int] = {}
@@ -54,13 +73,14 @@ class MTPDrafter:
         self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
         """Per request id: the last drafts proposed and `[k, vocab]` the distributions they were drawn from."""
 
-    def capture_graphs(self, runner, api, sizes, max_seq_len: int) -> None:
+    def capture_graphs(self, api, sizes, max_seq_len: int) -> None:
         """Capture the layer's passes for the decode graphs' batch `sizes` and 1 .. k + 1 rows a request
         (`api` None: keep the padded static-input passes, run eagerly: the CPU tests' path). A module of
         several MTP layers (a layer per depth) keeps running eagerly."""
         if len(self.module) != 1:
             return
-        graphs = MTPGraphs(self.module, self.cache[0], runner, sizes, max_seq_len, range(1, self.num_drafts + 2), api)
+        graphs = MTPGraphs(self.module, self.cache[0], self.target, sizes, max_seq_len, range(1, self.num_drafts + 2),
+                           api)
         if api is not None:
             graphs.capture()
         self.graphs = graphs
@@ -76,7 +96,7 @@ class MTPDrafter:
                 found[i] = kept[1]
         return found
 
-    def propose(self, runner, plan: StepPlan, states, input_ids: torch.Tensor, streams: torch.Tensor,
+    def propose(self, plan: StepPlan, states, input_ids: torch.Tensor, streams: torch.Tensor,
                 result: StepResult) -> list[tuple[list[int], list[float]]] | None:
         """Per sampled request (in plan order), its drafts and their confidences."""
         for request_id in plan.freed_request_ids:
@@ -102,12 +122,12 @@ class MTPDrafter:
             logits, out_streams = self._replay(states, rows["requests"], width, ids, prev,
                                                [h - j * width for j, h in enumerate(rows["heads"])])
         else:
-            ctx = self._context(runner, rows["requests"], rows["positions"], ids)
+            ctx = self._context(rows["requests"], rows["positions"], ids)
             logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
-        tensors = self._tensors(runner, states, sampled)
+        tensors = self._tensors(states, sampled)
         temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
                                   torch.float32).to(self.device, non_blocking=True)
-        drafts, confidences, probs = [runner.sampler.sample(logits, tensors).token_ids], [], []
+        drafts, confidences, probs = [self.target.sampler.sample(logits, tensors).token_ids], [], []
         self._confidence(logits, temperature, drafts[-1], confidences, probs)
         if any(rows["extra"]):  # the rejected positions' rows go back before the deeper drafts read the ring
             DraftRollback.restore(saved)
@@ -117,12 +137,12 @@ class MTPDrafter:
             if self._graph_width(requests, len(sampled)):
                 logits, prev = self._replay(states, requests, 1, drafts[-1], prev)
             else:
-                ctx = self._context(runner, requests, [p + depth - 1 for _, p in sampled], drafts[-1])
+                ctx = self._context(requests, [p + depth - 1 for _, p in sampled], drafts[-1])
                 every = torch.arange(len(sampled), device=self.device)
                 logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
             # each draft as the request's own sampler draws it at that position (seeded noise included)
-            tensors = self._deeper(tensors, runner, states, [(i, p + depth) for i, p in sampled])
-            drafts.append(runner.sampler.sample(logits, tensors).token_ids)
+            tensors = self._deeper(tensors, states, [(i, p + depth) for i, p in sampled])
+            drafts.append(self.target.sampler.sample(logits, tensors).token_ids)
             self._confidence(logits, temperature, drafts[-1], confidences, probs)
         DraftRollback.restore(saved)  # every row: the drafter's cache keeps only computed tokens
         # one copy to the host for both (float64 holds every token id exactly)
@@ -202,7 +222,7 @@ class MTPDrafter:
             return 0
         return d + 1 if self.graphs.can_run(len(plan.requests), d + 1) else 0
 
-    def _context(self, runner, requests, positions, ids):
+    def _context(self, requests, positions, ids):
         """The MTP rows' `ForwardContext`: `requests` (state index, first position, rows) in row order."""
         states, plan_requests = self._states, self._plan.requests
         starts = [p for _, p, _ in requests]
@@ -216,26 +236,26 @@ class MTPDrafter:
         # one host-to-device copy for every per-row and per-request input
         positions_d, ends_d, zeros_d, loc_d, starts_d, slots_d, windows_d = to_device(
             [positions, ends, [0] * len(requests), loc, starts, slots, windows], self.device)
-        return runner.make_context(
+        return self.target.make_context(
             ids, positions_d, ends_d, zeros_d, query_start_loc=loc_d, start_positions=starts_d, slots=slots_d,
             block_tables=torch.zeros(len(requests), 1, dtype=torch.long, device=self.device), query_lens=lens,
             start_positions_host=starts, max_seq_len=max(ends),
             window_start_positions_host=windows, window_starts=windows_d,
         )
 
-    def _tensors(self, runner, states, sampled):
+    def _tensors(self, states, sampled):
         """The sampling tensors of the drafts at `sampled` (state index, position of the drafted token)."""
         return prepare_sampling_tensors(
             [states[i].sampling_params for i, _ in sampled], [states[i].seed for i, _ in sampled],
-            [p - states[i].num_prompt_tokens for i, p in sampled], runner.config.eos_token_ids, self.device,
-            runner.config.vocab_size)
+            [p - states[i].num_prompt_tokens for i, p in sampled], self.target.config.eos_token_ids, self.device,
+            self.target.config.vocab_size)
 
-    def _deeper(self, tensors, runner, states, sampled):
+    def _deeper(self, tensors, states, sampled):
         """The next depth's sampling tensors: the same rows one position on, so only `steps` moves (on the
         device), unless a row's banned ids follow its position (`min_tokens`, bad words): then rebuilt."""
         if holds_at_later_positions(tensors, [states[i].sampling_params for i, _ in sampled]):
             return replace(tensors, steps=tensors.steps + 1)
-        return self._tensors(runner, states, sampled)
+        return self._tensors(states, sampled)
 
     def _confidence(self, logits, temperature, tokens, confidences: list, probs: list) -> None:
         """Append the drafted tokens' probabilities to `confidences` and (when kept) the distributions

@@ -26,22 +26,23 @@ class MTPGraphs:
     """Per (batch size, rows a request): the MTP layer's pass over static inputs, captured through a
     device's `GraphApi` (None: the same padded passes run eagerly, which the CPU tests use)."""
 
-    def __init__(self, module, cache, runner, sizes: Sequence[int], max_seq_len: int, widths: Sequence[int],
+    def __init__(self, module, cache, target, sizes: Sequence[int], max_seq_len: int, widths: Sequence[int],
                  api=None) -> None:
         """`module`: the `MultiTokenPredictor`; `cache`: its `LayerCache` (one slot per request slot plus
-        the scratch slot `runner.num_slots`); `sizes`: the batch sizes to capture (the decode graphs')."""
-        self.module, self.cache, self.runner, self.api = module, cache, runner, api
+        the scratch slot `target.num_slots`); `target`: the drafter's `DraftTarget` (step contexts, the
+        streams' shape); `sizes`: the batch sizes to capture (the decode graphs')."""
+        self.module, self.cache, self.make_context, self.api = module, cache, target.make_context, api
         self.max_seq_len = max_seq_len
         self.sizes = sorted(set(sizes))
         self.widths = sorted(set(widths))
-        self.scratch_slot = runner.num_slots
-        dev, n, width = runner.device, max(self.sizes), max(self.widths)
+        self.scratch_slot = target.num_slots
+        dev, n, width = target.device, max(self.sizes), max(self.widths)
         # per row its token id and position, per request its slot, window start, first position and the
         # row whose logits the pass returns (its offset in the request's rows)
         self.inputs = torch.zeros(6, n * width, dtype=torch.long, device=dev)
         self.input_ids, self.positions, self.slots, self.window_starts, self.starts, self.heads = self.inputs.unbind(0)
-        config = runner.config
-        self.prev = torch.zeros(n * width, config.hc_mult, config.hidden_size, dtype=runner.dtype, device=dev)
+        config = target.config
+        self.prev = torch.zeros(n * width, config.hc_mult, config.hidden_size, dtype=target.dtype, device=dev)
         self.rows = torch.arange(n * width + 1, device=dev)
         self.block_tables = torch.zeros(n, 1, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor]] = {}
@@ -95,7 +96,7 @@ class MTPGraphs:
 
     def _forward(self, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, starts = size * width, self.starts[:size]
-        ctx = self.runner.make_context(
+        ctx = self.make_context(
             self.input_ids[:tokens], self.positions[:tokens], starts + width, torch.zeros_like(starts),
             query_start_loc=self.rows[: size + 1] * width, start_positions=starts, slots=self.slots[:size],
             block_tables=self.block_tables[:size], query_lens=[width] * size,

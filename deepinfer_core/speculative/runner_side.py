@@ -83,43 +83,44 @@ def _keep_nonfinite(sampled: torch.Tensor, merged: torch.Tensor) -> torch.Tensor
     return torch.where(sampled < 0, sampled, merged)
 
 
-def build_mtp_drafter(runner, weights: dict[str, torch.Tensor] | None):
-    """The runner's MTP drafter when `speculative_config.method == "mtp"` (else None): the checkpoint's
-    `mtp.*` layer (from `weights`, internal names without `mtp.`, or read from the checkpoint), held in
-    the target's formats (packed FP4 experts and FP8 projections where the target keeps them), bound to
-    backends of its own plan and to the target's embedding, LM head and layer ops. Under tensor
-    parallelism the layer is the rank's shard, cut like the target's layers (`mtp_tensor_shards`).
+def build_mtp_drafter(engine_config, target, model, local_config, expert_format: str, tp,
+                      weights: dict[str, torch.Tensor] | None):
+    """The MTP drafter when `speculative_config.method == "mtp"` (else None): the checkpoint's `mtp.*`
+    layer (from `weights`, internal names without `mtp.`, or read from the checkpoint), held in the
+    target's formats (packed FP4 experts where `expert_format` is "fp4", FP8 projections where the
+    target keeps them), bound to backends of its own plan and to the target `model`'s embedding, LM
+    head and layer ops. `target`: the drafter's `DraftTarget`; `local_config`: this rank's part of the
+    model; under tensor parallelism (`tp`: the rank's `GroupInfo`) the layer is the rank's shard, cut
+    like the target's layers (`mtp_tensor_shards`).
 
     :raises MTPWeightsMissingError: the checkpoint has no MTP weights.
     """
     from deepinfer_core.models.loading.mtp_weights import build_mtp, load_mtp_weights
     from deepinfer_core.speculative.mtp_drafter import MTPDrafter
 
-    config = runner.engine_config.speculative_config
+    config = getattr(engine_config, "speculative_config", None)
     if config is None or config.method != "mtp":
         return None
-    keep_fp4 = runner.plans[0].moe.expert_format == "fp4"
-    keep_fp8 = runner.engine_config.quantized_weights == "native"
-    source = "the in-memory weights" if weights else runner.engine_config.model
-    tp = runner.parallel.tp
+    keep_fp4 = expert_format == "fp4"
+    keep_fp8 = engine_config.quantized_weights == "native"
+    source = "the in-memory weights" if weights else engine_config.model
+    dtype, device = target.dtype, target.device
     if not weights:  # none given with in-memory weights either: the checkpoint directory may hold them
-        weights = load_mtp_weights(runner.engine_config.model, runner.config, runner.dtype, runner.device,
+        weights = load_mtp_weights(engine_config.model, target.config, dtype, device,
                                    keep_fp4=keep_fp4, keep_fp8=keep_fp8, tp_rank=tp.rank, tp_size=tp.size)
     elif tp.size > 1:  # this rank's slices, FP8 projections dequantised first (as the target's are)
-        weights = weight_formats.prepare_weights(weights, "fp4" if keep_fp4 else "dense", runner.dtype,
-                                                 keep_fp8=False, block=weight_formats.fp8_layout(runner.config)[0])
+        weights = weight_formats.prepare_weights(weights, "fp4" if keep_fp4 else "dense", dtype,
+                                                 keep_fp8=False, block=weight_formats.fp8_layout(target.config)[0])
         weights = tensor_parallel.shard_weights(weights, tensor_parallel.mtp_tensor_shards(weights, tp.rank, tp.size))
     # a rank's layer has its share of the heads, output groups and expert width (`shard_config`)
-    module = build_mtp(runner.local_config, runner.dtype, weights, runner.device, source, keep_fp4=keep_fp4,
-                       keep_fp8=keep_fp8)
+    module = build_mtp(local_config, dtype, weights, device, source, keep_fp4=keep_fp4, keep_fp8=keep_fp8)
     check_ring_sizes([module.plan], config.num_speculative_tokens)
-    attention = plugins.make_attention(module.plan.attention, runner.device)
-    moe = plugins.make_moe(module.plan.moe, runner.device)
+    attention = plugins.make_attention(module.plan.attention, device)
+    moe = plugins.make_moe(module.plan.moe, device)
     check_expert_format(moe, module.plan.moe)
-    linears = weight_formats.bind_linears(module, plugins.make_linear, runner.device)
-    module.bind(runner.model, attention, moe, runner.model.ops, runner.device)
-    runner.model.keeps_final_streams = True
-    drafter = MTPDrafter(module, runner.num_slots, runner.dtype, runner.device, config.num_speculative_tokens,
-                         keeps_probs=config.acceptance == "rejection")
+    linears = weight_formats.bind_linears(module, plugins.make_linear, device)
+    module.bind(model, attention, moe, model.ops, device)
+    model.keeps_final_streams = True
+    drafter = MTPDrafter(module, target, config.num_speculative_tokens, keeps_probs=config.acceptance == "rejection")
     drafter.backends = [attention, moe, *linears]
     return drafter

@@ -98,14 +98,17 @@ class DecodeGraphs:
     drafts), through a device's `GraphApi` (None: the same padded steps run eagerly, which the CPU tests
     use). Keyed `(batch size, tokens per request)`."""
 
-    def __init__(self, runner, max_batch: int, max_blocks: int, max_seq_len: int, api=None,
+    def __init__(self, model, kv_cache, inputs, max_batch: int, max_blocks: int, max_seq_len: int, api=None,
                  sizes: Sequence[int] | None = None, widths: Sequence[int] = (1,)) -> None:
-        """`sizes`: the batch sizes to capture (`capture_sizes`' rule; None: the default ladder);
-        `widths`: the tokens per request to capture for (speculative decoding adds `1 + k`)."""
-        self.runner, self.max_seq_len, self.api = runner, max_seq_len, api
+        """`model`, `kv_cache`: what each step runs and writes; `inputs`: the runner's `InputBatch` (its
+        `make_context` and device); `sizes`: the batch sizes to capture (`capture_sizes`' rule; None:
+        the default ladder); `widths`: the tokens per request to capture for (speculative decoding adds
+        `1 + k`)."""
+        self.model, self.kv_cache, self.input_batch = model, kv_cache, inputs
+        self.max_seq_len, self.api = max_seq_len, api
         self.sizes = capture_sizes(max_batch, sizes)
         self.widths = sorted(set(widths))
-        dev, n, width = runner.device, max_batch, max(self.widths)
+        dev, n, width = inputs.device, max_batch, max(self.widths)
 
         def buffer(*shape, fill=0):
             return torch.full(shape, fill, dtype=torch.long, device=dev)
@@ -116,7 +119,7 @@ class DecodeGraphs:
         (self.input_ids, self.positions, self.slots, self.no_write_before, self.window_starts,
          self.starts) = self.inputs.unbind(0)
         self.block_tables, self.rows = buffer(n, max_blocks), torch.arange(n * width + 1, device=dev)
-        cache = runner.kv_cache
+        cache = kv_cache
         self.slot_tables = SlotBlockTables(cache.scratch_slot, max_blocks, cache.scratch_block, dev)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, torch.Tensor | None]] = {}
         """Per (batch size, tokens per request): the graph, its logits, its final residual streams."""
@@ -131,7 +134,7 @@ class DecodeGraphs:
             self._pad(0, size, width)
             graph, logits = capture_graph(api, functools.partial(self._forward, size, width), pool)
             pool = graph.pool()
-            self.graphs[size, width] = (graph, logits, self.runner.model.final_streams)
+            self.graphs[size, width] = (graph, logits, self.model.final_streams)
         api.synchronize()
 
     def can_run(self, num_seqs: int, width: int = 1) -> bool:
@@ -143,11 +146,11 @@ class DecodeGraphs:
         token and maybe drafts, all the same count, with the runner's `states`) by replaying the
         smallest graph that fits; return fp32 logits for all their tokens, request by request. Pending
         tokens come from `carried` (a `CarriedTokens`) on the device. After the call
-        `runner.model.final_streams` holds the step's residual streams when the model keeps them."""
+        `model.final_streams` holds the step's residual streams when the model keeps them."""
         n, width = len(requests), requests[0].num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         tokens, pad = size * width, (size - n) * width
-        scratch_slot = self.runner.kv_cache.scratch_slot
+        scratch_slot = self.kv_cache.scratch_slot
         host = [max(t, 0) for r in requests for t in r.token_ids]  # a pending token (-1) is filled below
         host += [0] * pad
         host += [r.start + j for r in requests for j in range(width)]
@@ -156,7 +159,7 @@ class DecodeGraphs:
                              ([r.window_start for r in requests], 0), ([r.start for r in requests], 0)):
             host += values
             host += [fill] * (tokens - n)
-        self.inputs[:, :tokens] = host_tensor(host).view(6, tokens).to(self.runner.device, non_blocking=True)
+        self.inputs[:, :tokens] = host_tensor(host).view(6, tokens).to(self.input_batch.device, non_blocking=True)
         pending = [(i * width + j, r.request_id) for i, r in enumerate(requests)
                    for j, t in enumerate(r.token_ids) if t < 0]
         if pending:
@@ -170,13 +173,13 @@ class DecodeGraphs:
         graph, logits, streams = self.graphs[size, width]
         graph.replay()
         if streams is not None:
-            self.runner.model.final_streams = streams
+            self.model.final_streams = streams
         return logits[: n * width]
 
     def _pad(self, start: int, end: int, width: int = 1) -> None:
         if start >= end:
             return
-        cache = self.runner.kv_cache
+        cache = self.kv_cache
         self.input_ids[start * width : end * width] = 0
         self.positions[start * width : end * width] = torch.arange(width, device=self.positions.device).repeat(end - start)
         self.slots[start:end] = cache.scratch_slot
@@ -189,7 +192,7 @@ class DecodeGraphs:
         tokens = size * width
         positions = self.positions[:tokens]
         starts = positions if width == 1 else self.starts[:size]
-        ctx = self.runner.make_context(
+        ctx = self.input_batch.make_context(
             self.input_ids[:tokens], positions, starts + width, self.no_write_before[:size],
             query_start_loc=self.rows[: size + 1] * width if width > 1 else self.rows[: size + 1],
             start_positions=starts, slots=self.slots[:size],
@@ -197,4 +200,4 @@ class DecodeGraphs:
             start_positions_host=[0] * size,  # stale under replay: decode paths read device tensors only
             window_starts=self.window_starts[:size], needs_static_shapes=True, max_seq_len=self.max_seq_len,
         )
-        return self.runner.model(ctx, self.runner.kv_cache.layers, self.rows[:tokens])
+        return self.model(ctx, self.kv_cache.layers, self.rows[:tokens])

@@ -10,7 +10,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.distributed.context_parallel import StepLayout, balanced_pieces, piece_owner
 from deepinfer_core.plan import ScheduledRequest, StepPlan
-from deepinfer_core.worker.runner import RequestState
+from deepinfer_core.worker.input_batch import RequestState
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

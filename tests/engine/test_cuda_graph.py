@@ -12,7 +12,7 @@ from deepinfer_core.worker.graphs import (
     batch_ladder,
     capture_sizes,
 )
-from deepinfer_core.worker.runner import CarriedTokens
+from deepinfer_core.worker.input_batch import CarriedTokens
 from tests.models.test_v41_decode_graphs import RaiseOnHostReads
 from tests.oracle import (
     FakeSeq,
@@ -44,7 +44,8 @@ def test_capture_sizes_follow_vllms_cuda_graph_sizes_rule():
 
 def test_padded_decode_equals_plain_decode(tmp_path):
     plain, padded = make_runner(tmp_path, CONFIG, WEIGHTS), make_runner(tmp_path, CONFIG, WEIGHTS)
-    graphs = DecodeGraphs(padded, max_batch=6, max_blocks=4, max_seq_len=512)
+    graphs = DecodeGraphs(padded.model, padded.kv_cache, padded.inputs,
+                          max_batch=6, max_blocks=4, max_seq_len=512)
     prompts = [list(range(2, 2 + n)) for n in (3, 15, 16, 70)]  # windows close at different steps
     pairs = []
     for runner in (plain, padded):
@@ -119,7 +120,8 @@ def test_slot_block_tables_reject_a_table_wider_than_the_graphs():
 
 def test_graph_inputs_hold_the_real_rows_then_padding(tmp_path):
     runner = make_runner(tmp_path, CONFIG, WEIGHTS)
-    graphs = DecodeGraphs(runner, max_batch=6, max_blocks=3, max_seq_len=512)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.inputs,
+                          max_batch=6, max_blocks=3, max_seq_len=512)
     seqs = [FakeSeq([3, 4, 5], slot=5, block_table=[2], num_computed_tokens=2, replay_start=1, no_write_before=2),
             FakeSeq([6, 7], slot=1, block_table=[0, 1], num_computed_tokens=1),
             FakeSeq([8], slot=3, block_table=[4])]
@@ -166,7 +168,8 @@ def test_capture_and_replay_go_through_the_devices_graph_api(tmp_path):
     api = GraphApi(Graph=Graph, graph=graph, Stream=Stream, stream=lambda s: nullcontext(),
                    current_stream=Stream, synchronize=lambda: calls.append("sync"))
     runner = make_runner(tmp_path, CONFIG, WEIGHTS)
-    graphs = DecodeGraphs(runner, max_batch=3, max_blocks=2, max_seq_len=256, api=api, widths=(1, 3))
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.inputs,
+                          max_batch=3, max_blocks=2, max_seq_len=256, api=api, widths=(1, 3))
     graphs.capture()
     assert graphs.sizes == [1, 2, 3] and calls[-1] == "sync"
     assert sorted(graphs.graphs) == [(s, w) for s in (1, 2, 3) for w in (1, 3)]  # every size, both widths
@@ -190,7 +193,8 @@ def test_padded_multi_token_steps_equal_eager_steps(tmp_path):
     """Steps of three tokens a request (a verification step's shape) through the padded static buffers
     give the logits and cache of the eager step computing the same tokens."""
     plain, padded = make_runner(tmp_path, CONFIG, WEIGHTS), make_runner(tmp_path, CONFIG, WEIGHTS)
-    graphs = DecodeGraphs(padded, max_batch=6, max_blocks=4, max_seq_len=512, widths=(1, 3))
+    graphs = DecodeGraphs(padded.model, padded.kv_cache, padded.inputs,
+                          max_batch=6, max_blocks=4, max_seq_len=512, widths=(1, 3))
     forward = graphs._forward
 
     def checked_forward(size, width):  # what a CUDA graph captures may not read device values on the host

@@ -9,7 +9,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.plan import PENDING_TOKEN
 from deepinfer_core.sched.sequence import Sequence
-from deepinfer_core.worker.runner import CarriedTokens
+from deepinfer_core.worker.input_batch import CarriedTokens
 from tests.engine.test_engine import CONFIG, WEIGHTS, assert_matches_oracle, make_engine, random_prompts, run
 from tests.oracle import hf_model
 

@@ -23,7 +23,8 @@ def use_graphs(engine, k: int) -> list[tuple[int, int]]:
     returned list fills with the (batch size, width) of every step that ran through them."""
     runner = engine.runner
     max_len = runner.engine_config.max_model_len
-    graphs = DecodeGraphs(runner, runner.num_slots, -(-max_len // BLOCK_SIZE), max_len, widths=(1, k + 1))
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.inputs,
+                          runner.num_slots, -(-max_len // BLOCK_SIZE), max_len, widths=(1, k + 1))
     shapes, forward = [], graphs._forward
 
     def recorded(size, width):

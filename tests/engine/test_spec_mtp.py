@@ -201,7 +201,7 @@ def test_deeper_drafts_sampling_tensors_equal_a_rebuild_at_their_positions():
 
     drafter = MTPDrafter.__new__(MTPDrafter)
     drafter.device = torch.device("cpu")
-    runner = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[1], vocab_size=64))
+    drafter.target = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[1], vocab_size=64))
 
     def state(**params):
         return SimpleNamespace(sampling_params=SamplingParams(**params), seed=7, num_prompt_tokens=10)
@@ -209,13 +209,13 @@ def test_deeper_drafts_sampling_tensors_equal_a_rebuild_at_their_positions():
     for states, moved in (([state(temperature=0.8, top_k=5), state(temperature=0)], True),
                           ([state(temperature=0.8, min_tokens=4), state(temperature=0)], False)):
         sampled = [(0, 12), (1, 15)]  # drafting positions 12 and 15: 2 and 5 tokens generated
-        tensors = drafter._tensors(runner, states, sampled)
+        tensors = drafter._tensors(states, sampled)
         for depth in (1, 2):
             shifted = [(i, p + depth) for i, p in sampled]
-            deeper, fresh = drafter._deeper(tensors, runner, states, shifted), drafter._tensors(runner, states, shifted)
+            deeper, fresh = drafter._deeper(tensors, states, shifted), drafter._tensors(states, shifted)
             assert torch.equal(deeper.steps, fresh.steps) and deeper.banned_token_ids == fresh.banned_token_ids
             assert (deeper.temperature is tensors.temperature) == moved  # moved on, or rebuilt
             tensors = deeper
         if not moved:  # min_tokens 4: EOS banned while 2 and 3 are generated, lifted at 4
-            assert drafter._tensors(runner, states, sampled).banned_token_ids[0] == [1]
+            assert drafter._tensors(states, sampled).banned_token_ids[0] == [1]
             assert tensors.banned_token_ids is None

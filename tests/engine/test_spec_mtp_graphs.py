@@ -20,7 +20,7 @@ K = 3
 def with_graphs(engine, sizes=(1, 2, 4)):
     """`engine`'s MTP drafter with the graphs' padded passes (eager on the CPU); counts their runs by width."""
     runner = engine.runner
-    runner.mtp.capture_graphs(runner, None, list(sizes), engine.config.max_model_len)
+    runner.mtp.capture_graphs(None, list(sizes), engine.config.max_model_len)
     widths = []
     run = runner.mtp.graphs.run
 

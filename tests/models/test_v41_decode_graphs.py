@@ -77,7 +77,8 @@ def test_the_padded_decode_step_reads_nothing_on_the_host_and_equals_eager_decod
     """Prompts of 5, 16, 21 and 34 tokens then 16 decode steps: ratio-2 groups close every other step,
     the ratio-1 candidate source outgrows its candidate pool (3 blocks of 2 entries), Engram looks back."""
     plain, padded = make_runner(*checkpoint), make_runner(*checkpoint)
-    graphs = DecodeGraphs(padded, max_batch=4, max_blocks=2, max_seq_len=256, sizes=[1, 2, 4])
+    graphs = DecodeGraphs(padded.model, padded.kv_cache, padded.inputs,
+                          max_batch=4, max_blocks=2, max_seq_len=256, sizes=[1, 2, 4])
     prompts = [random_prompt(n, seed=n) for n in (5, 16, 21, 34)]
     pairs = []
     for runner in (plain, padded):
@@ -106,7 +107,8 @@ def test_the_padded_decode_step_reads_nothing_on_the_host_and_equals_eager_decod
 def test_a_verification_step_of_two_tokens_a_request_reads_nothing_on_the_host(checkpoint):
     """Speculative decoding's k + 1-token steps run the same graph-safe path (width 2 here)."""
     plain, padded = make_runner(*checkpoint), make_runner(*checkpoint)
-    graphs = DecodeGraphs(padded, max_batch=4, max_blocks=2, max_seq_len=256, sizes=[4], widths=(1, 2))
+    graphs = DecodeGraphs(padded.model, padded.kv_cache, padded.inputs,
+                          max_batch=4, max_blocks=2, max_seq_len=256, sizes=[4], widths=(1, 2))
     prompts = [random_prompt(n, seed=n) for n in (6, 15, 20)]  # three requests: one padding row
     pairs = []
     for runner in (plain, padded):
@@ -164,7 +166,8 @@ def test_capture_goes_through_the_devices_graph_api(checkpoint):
     api = GraphApi(Graph=Graph, graph=lambda g, pool=None: nullcontext(), Stream=Stream,
                    stream=lambda s: nullcontext(), current_stream=Stream, synchronize=lambda: None)
     runner = make_runner(*checkpoint)
-    graphs = DecodeGraphs(runner, max_batch=2, max_blocks=1, max_seq_len=128, api=api)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.inputs,
+                          max_batch=2, max_blocks=1, max_seq_len=128, api=api)
     graphs.capture()
     assert sorted(graphs.graphs) == [(1, 1), (2, 1)]
     seqs = [FakeSeq(random_prompt(5), slot=0, block_table=[0]), FakeSeq(random_prompt(3), slot=1, block_table=[1])]

@@ -11,17 +11,12 @@ from deepinfer_core import plugins
 from deepinfer_core.backends.moe import check_expert_format
 from deepinfer_core.backends.verify import VerifySpec
 from deepinfer_core.config.speculative import SpeculativeConfig
+from deepinfer_core.kv.blocks import kept_blocks
 from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.loading import weight_formats
 from deepinfer_core.plan import StepPlan, StepResult
 from deepinfer_core.speculative import verify
-from deepinfer_core.speculative.rollback import (
-    DraftRollback,
-    DraftRows,
-    SavedRows,
-    check_ring_sizes,
-    kept_blocks,
-)
+from deepinfer_core.speculative.rollback import DraftRollback, DraftRows, SavedRows, check_ring_sizes
 
 
 class SpecVerifier:

@@ -524,7 +524,7 @@ def build_engine(
                 },
                 "cuda_graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else None,
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                "async_scheduling": engine._overlap,
+                "async_scheduling": engine.steps.overlap,
                 "build_s": round(build_s, 2),
             }
         ),

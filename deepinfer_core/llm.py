@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.data_parallel import build_engine
 from deepinfer_core.engine.input import check_sampling_params
-from deepinfer_core.engine.output import finished_text
+from deepinfer_core.engine.output import apply_final_text
 from deepinfer_core.models import registry
 from deepinfer_core.models.loading.weight_formats import check_quantization
 from deepinfer_core.outputs import RequestOutput
@@ -104,7 +104,7 @@ class LLM:
             self.engine.add_request(request_id, ids, p, prompt=text)
             ids_in_order.append(request_id)
         finished = self._run(len(requests), use_tqdm)
-        outputs = [self._finish_texts(finished[i], p) for i, p in zip(ids_in_order, params)]
+        outputs = [apply_final_text(finished[i], p, engine.tokenizer) for i, p in zip(ids_in_order, params)]
         if self.decode_sequence:
             return [o.outputs[0].text for o in outputs]
         return outputs
@@ -135,15 +135,6 @@ class LLM:
         if keep == -1:
             keep = self.engine.config.max_model_len - 1
         return ids[-keep:] if keep is not None and len(ids) > keep else ids
-
-    def _finish_texts(self, output: RequestOutput, params: SamplingParams) -> RequestOutput:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or (params.skip_special_tokens and not params.include_stop_str_in_output):
-            return output
-        for completion in output.outputs:
-            completion.text = finished_text(completion.text, completion.token_ids, completion.stop_reason, params,
-                                            lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
-        return output
 
     def _normalise_prompts(self, prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None, list[int]]]:
         if prompts is None and prompt_token_ids is None:

@@ -30,7 +30,8 @@ from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine import engine as engine_module
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.executor.executor import make_executor, parallel_stats
+from deepinfer_core.executor.factory import make_executor
+from deepinfer_core.executor.protocol import parallel_stats
 from deepinfer_core.models import registry
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plan import StepPlan, StepResult

@@ -1,16 +1,76 @@
-"""Input validation: what a request's `SamplingParams` cannot check alone, checked against the model
-before the request is queued."""
+"""Input validation: a request's prompt and what its `SamplingParams` cannot check alone, checked against
+the model in one pass (`InputProcessor.process`) before the request is queued."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from deepinfer_core.backends.sampling_tensors import banned_token_ids
+from deepinfer_core.kv.nixl_transfer import first_token_of
 from deepinfer_core.sampling_params import SamplingParams, history_fields, needs_token_history
 
 if TYPE_CHECKING:
+    from deepinfer_core.kv.tiers import PrefixTiers
+    from deepinfer_core.structured_output.manager import StructuredOutputManager
     from deepinfer_core.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    """Checks a request against the model before anything is queued.
+
+    :param vocab_size: the model's vocabulary size.
+    :param max_model_len: a prompt leaves room for at least one new token.
+    :param tokenizer: the checkpoint's tokenizer (stop strings and bad words need it).
+    :param eos_token_ids: the model's end-of-sequence ids.
+    :param prefix_tiers: the prefix cache's tiers (their store names the traffic classes), or None.
+    :param structured_output: compiles the grammars of constrained requests.
+    """
+
+    def __init__(self, vocab_size: int, max_model_len: int, tokenizer: Tokenizer | None,
+                 eos_token_ids: Sequence[int], prefix_tiers: PrefixTiers | None,
+                 structured_output: StructuredOutputManager) -> None:
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.prefix_tiers, self.structured_output = prefix_tiers, structured_output
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise `ValueError` for an empty prompt, ids outside the vocabulary or one too long."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.vocab_size
+        if set(map(type, prompt_token_ids)) == {int}:  # the usual case, checked in C: ~10x faster at 8K ids
+            bad = [] if 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab else [
+                t for t in prompt_token_ids if not 0 <= t < vocab]
+        else:
+            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
+                "(prompt + at least one new token); shorten the prompt or raise max_model_len"
+            )
+
+    def process(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int | None, Future | None]:
+        """Check the prompt and `params` (resolving `bad_words`), then submit the request's grammar.
+
+        :returns: the first token a prefill instance sampled (`kv_transfer_params`) or None, and the
+            grammar's compile or None.
+        :raises ValueError: anything the request asks that this model or configuration cannot give.
+        :raises GrammarError: structured outputs without a tokenizer, or an invalid grammar.
+        """
+        self.validate_prompt(prompt_token_ids)
+        check_sampling_params(params, self.vocab_size, self.tokenizer, self.eos_token_ids, token_history=True)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer (none found); use stop_token_ids")
+        store = self.prefix_tiers.store if self.prefix_tiers is not None else None
+        if store is not None and params.traffic_class is not None and params.traffic_class not in store.ttl_s:
+            raise ValueError(f"traffic_class {params.traffic_class!r} is not configured; classes: {sorted(store.ttl_s)}")
+        first = first_token_of(params, self.vocab_size)
+        grammar = self.structured_output.submit(params.structured_outputs) if params.structured_outputs else None
+        return first, grammar
 
 
 def check_sampling_params(

@@ -1,4 +1,5 @@
-"""Worker ranks: the process side of `MultiprocExecutor`, and the `torchrun` launch.
+"""Worker ranks: the process side of `MultiprocExecutor`, and what every rank does to join (shared with
+`torchrun.py`).
 
 A worker joins the torch.distributed group (`cpu:gloo`, plus `cuda:nccl` on GPUs), builds its
 `ModelRunner` (the ranks agree on the smallest cache that fits every one), then answers plans until
@@ -9,9 +10,7 @@ plans and exits the process when rank 0 shuts down.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import pickle
 import sys
 import time
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from deepinfer_core.backends.parallel import build_groups
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.executor.executor import ModelSideInfo, WorkerError, dp_leaders, dp_rank_of, runner_info
+from deepinfer_core.executor.protocol import runner_info
 from deepinfer_core.plan import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -51,7 +50,8 @@ def init_group(device: torch.device, rank: int, world_size: int, init_method: st
                             timeout=timedelta(seconds=max(timeout_s, MIN_COLLECTIVE_TIMEOUT_S)))
 
 
-def _set_device(device: torch.device) -> None:
+def set_device(device: torch.device) -> None:
+    """Make `device` this process's current accelerator (nothing on the CPU)."""
     if device.type in _ACCELERATOR_BACKENDS:  # torch.cuda / torch.npu (torch_npu registers the latter)
         getattr(torch, device.type).set_device(device)
 
@@ -141,7 +141,7 @@ def worker_main(conn) -> None:
     try:
         rank, world_size, init_method, model_config, engine_config, device, weights = pickle.loads(conn.recv_bytes())
         local_device = rank_device(torch.device(device), rank)
-        _set_device(local_device)
+        set_device(local_device)
         init_group(local_device, rank, world_size, init_method, engine_config.worker_timeout_s)
         runner = build_runner(model_config, engine_config, local_device, weights)
         del weights
@@ -168,99 +168,3 @@ if __name__ == "__main__":  # python -m deepinfer_core.executor.worker <fd of it
     from multiprocessing.connection import Connection
 
     worker_main(Connection(int(sys.argv[1])))
-
-
-# -- torchrun ---------------------------------------------------------------------------------------
-
-
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a `torchrun` launch (its environment says so)."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
-
-
-class TorchrunExecutor:
-    """Rank 0's executor under torchrun: its own runner, plans broadcast to the other ranks."""
-
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
-                 weights=None) -> None:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_device = rank_device(device, int(os.environ["LOCAL_RANK"]))
-        _set_device(local_device)
-        init_group(local_device, rank, world_size, "env://", engine_config.worker_timeout_s)
-        runner = build_runner(model_config, engine_config, local_device, weights)
-        infos = [None] * world_size if rank == 0 else None
-        dist.gather_object(runner_info(runner, rank), infos, dst=0)
-        if rank != 0:
-            serve_plans(runner, engine_config, rank)
-            raise SystemExit(0)
-        self.runner, self.world_size, self.layout = runner, world_size, engine_config.parallel_config
-        self.leaders = dp_leaders(self.layout)
-        self.infos: list[ModelSideInfo] = [infos[r] for r in self.leaders]
-        self.memory = [info.memory for info in infos]
-        self.info: ModelSideInfo = self.infos[0]
-        self.report = RankReport(runner, 0)
-        self.rank_reports: list[dict | None] = [None] * world_size
-        self._is_shut_down = False
-        atexit.register(self.shutdown)
-
-    def execute(self, plan) -> StepResult:
-        return self.execute_all([plan] * len(self.leaders))[0]
-
-    def execute_all(self, plans: list) -> list[StepResult]:
-        dist.broadcast_object_list([plans], src=0)
-        error, result = None, None
-        try:
-            result = self.report.run(plans[0])
-        except Exception as err:  # noqa: BLE001 -- the other ranks' answers are still collected
-            error = f"{type(err).__name__}: {err}"
-        answers = [None] * self.world_size
-        try:
-            dist.gather_object((error, None, self.report.as_dict()), answers, dst=0)
-        except Exception as err:
-            raise WorkerError(f"a worker rank did not answer a step: {err}") from err
-        for rank, (status, _, _) in enumerate(answers):
-            if status is not None:
-                self.shutdown()
-                raise WorkerError(f"worker rank {rank} raised during a step: {status}")
-        self.rank_reports = [answer[2] for answer in answers]
-        return [result if rank == 0 else answers[rank][1] for rank in self.leaders]
-
-    @property
-    def eplb_stats(self) -> dict | None:
-        return self.rank_reports[0]["eplb"] if self.rank_reports[0] else None
-
-    def shutdown(self) -> None:
-        if self._is_shut_down or not dist.is_initialized():
-            return
-        self._is_shut_down = True
-        try:
-            dist.broadcast_object_list([None], src=0)
-            dist.barrier()  # every rank has read the stop: no transfer is in flight when the group goes
-        except Exception:  # noqa: BLE001 -- a rank already gone; the others time out on their own
-            logger.warning("could not tell every worker rank to stop")
-        finally:
-            self.runner.close()
-            dist.destroy_process_group()
-
-
-def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
-    """A torchrun rank other than 0: run its DP rank's plan of every broadcast, report errors (and its
-    result when it answers for its DP rank), stop at `None`."""
-    is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
-    dp = dp_rank_of(engine_config.parallel_config, rank)
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            break
-        error, result = None, None
-        try:
-            result = report.run(box[0][dp])
-        except Exception as err:  # noqa: BLE001 -- reported to rank 0
-            traceback.print_exc()
-            error = f"{type(err).__name__}: {err}"
-        answer = host_result(result) if is_leader and result is not None else None
-        dist.gather_object((error, answer, report.as_dict()), None, dst=0)  # after an error rank 0 stops everyone with `None`
-    runner.close()
-    dist.barrier()  # rank 0's shutdown waits here too, so neither side tears the group down mid-transfer
-    dist.destroy_process_group()

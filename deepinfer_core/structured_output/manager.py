@@ -348,7 +348,7 @@ class StructuredOutputManager:
         launches: the plan's bitmask is then a function, which the runner calls once the forward is launched
         (before sampling). It calls `accept_pending`, which waits for the step in flight and `accept`s
         its tokens, then fills every row, so the matchers' host work overlaps the forward. Such a plan
-        does not pickle: only the in-process executor is given one (`executor.can_defer_bitmask`).
+        does not pickle: only the in-process executor is given one (`Executor.is_in_process`).
         """
         if not self._seqs:
             return plan

@@ -16,7 +16,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.executor.executor import MultiprocExecutor
+from deepinfer_core.executor.mp import MultiprocExecutor
 from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict, write_config
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from deepinfer_core.backends.moe import ExpertPlacement, MoESpec, MoEWeights
 from deepinfer_core.distributed.eplb_state import placement_maps
-from deepinfer_core.executor.executor import _free_port
+from deepinfer_core.executor.mp import _free_port
 from deepinfer_core.reference.moe import ReferenceMoE
 from deepinfer_core.reference.moe_dispatch import choose_slots
 

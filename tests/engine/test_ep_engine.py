@@ -19,7 +19,7 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.data_parallel import DataParallelEngine, build_engine
-from deepinfer_core.executor.executor import WorkerError
+from deepinfer_core.executor.protocol import WorkerError
 from deepinfer_core.testing.checkpoints import random_state_dict, tiny_config
 from deepinfer_core.testing.serving import serve
 from tests.engine import test_tp_engine as tp_engine

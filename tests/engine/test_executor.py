@@ -16,7 +16,8 @@ import torch
 from deepinfer_core import SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.executor.executor import MultiprocExecutor, WorkerError
+from deepinfer_core.executor.mp import MultiprocExecutor
+from deepinfer_core.executor.protocol import WorkerError
 from deepinfer_core.plan import ScheduledRequest, StepPlan
 from deepinfer_core.testing.checkpoints import write_checkpoint
 from deepinfer_core.testing.serving import serve

@@ -91,7 +91,7 @@ def test_overlapped_decode_matches_transformers_under_preemption(tmp_path, oracl
 def test_next_step_launches_before_the_last_is_read(tmp_path):
     engine = make_engine(tmp_path, max_num_seqs=4, num_kv_blocks=8, async_scheduling=True)
     events = []
-    execute, settle = engine.executor.execute, engine._settle
+    execute, settle = engine.executor.execute, engine.steps.settle
 
     def record_execute(plan):
         events.append(("launch", any(PENDING_TOKEN in r.token_ids for r in plan.requests)))
@@ -101,7 +101,7 @@ def test_next_step_launches_before_the_last_is_read(tmp_path):
         events.append(("settle", None))
         return settle(in_flight, touched)
 
-    engine.executor.execute, engine._settle = record_execute, record_settle
+    engine.executor.execute, engine.steps.settle = record_execute, record_settle
     run(engine, random_prompts([10, 12]), [6, 6])
     launches = [carried for kind, carried in events if kind == "launch"]
     # prefill, first decode (nothing in flight), then every decode launches from carried tokens
@@ -121,7 +121,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tmp_path):
     engine.add_request("drop", random_prompts([50], seed=1)[0], params)
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None and any(s.request_id == "drop" for s in engine._in_flight.seqs)
+    assert engine.steps.in_flight is not None and any(s.request_id == "drop" for s in engine.steps.in_flight.seqs)
     engine.abort("drop")
     outputs = {}
     while engine.has_unfinished_requests():
@@ -169,12 +169,12 @@ def test_a_step_that_schedules_nothing_still_settles_the_step_in_flight(tmp_path
     engine.add_request("0", random_prompts([12])[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine.steps.in_flight is not None
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: None  # as when every running sequence had to be preempted
     progressed = engine.step()
     engine.scheduler.schedule = schedule
-    assert engine._in_flight is None and [len(o.outputs[0].token_ids) for o in progressed] == [3]
+    assert engine.steps.in_flight is None and [len(o.outputs[0].token_ids) for o in progressed] == [3]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})

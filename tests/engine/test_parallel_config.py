@@ -71,7 +71,7 @@ def _group_sums(rank: int, world: int, port: int, results) -> None:
 
 
 def test_groups_built_on_four_gloo_ranks_reduce_over_the_right_ranks():
-    from deepinfer_core.executor.executor import _free_port
+    from deepinfer_core.executor.mp import _free_port
 
     with mp.Manager() as manager:
         results = manager.dict()

@@ -172,13 +172,13 @@ def test_deterministic_mode_gives_bitwise_equal_logprobs_with_speculation(tmp_pa
 
 def count_overlapped(engine) -> list[int]:
     """A list that gains one entry per step the engine leaves in flight (overlapped decode)."""
-    launched, settle = [], engine._settle
+    launched, settle = [], engine.steps.settle
 
     def record_settle(in_flight, touched):
         launched.append(len(in_flight.seqs))
         return settle(in_flight, touched)
 
-    engine._settle = record_settle
+    engine.steps.settle = record_settle
     return launched
 
 

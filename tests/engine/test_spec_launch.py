@@ -51,7 +51,7 @@ def run(engine: Engine, params: list[SamplingParams], abort_after: int | None = 
             if out.finished:
                 done[out.request_id] = [(c.token_ids, c.logprobs) for c in out.outputs]
         steps += 1
-        if abort_after is not None and steps > abort_after and engine._launched is not None:
+        if abort_after is not None and steps > abort_after and engine.steps.launched is not None:
             engine.abort("1")
             abort_after = None
     return done
@@ -95,7 +95,7 @@ def test_launched_verification_gives_the_tokens_and_logprobs_of_no_speculation(t
     stats = engine.stats()
     assert verified and launched == verified  # every verification step, and only those, launched ahead
     assert (stats["spec_accepted_tokens"] > 0) == (offset == 0)
-    assert engine._launched is None and engine.block_manager.num_free_blocks == engine.executor.info.num_blocks
+    assert engine.steps.launched is None and engine.block_manager.num_free_blocks == engine.executor.info.num_blocks
 
 
 def test_without_overlapped_scheduling_nothing_is_launched_ahead(tmp_path, references):
@@ -110,17 +110,17 @@ def test_outputs_of_a_launched_step_come_with_the_next_call(tmp_path, references
     with the call before); the launched step's tokens come with the call after it, which launches the
     next verification step before it builds them."""
     engine = spec_engine(tmp_path, continuations(references["greedy"]), 0)
-    events, launch, make_output = [], engine.executor.launch, engine.make_output
+    events, launch, make_output = [], engine.executor.launch, engine.output.make_output
     engine.executor.launch = lambda plan: events.append("launch") or launch(plan)
-    engine.make_output = lambda *args: events.append("output") or make_output(*args)
+    engine.output.make_output = lambda *args: events.append("output") or make_output(*args)
     engine.add_request("0", PROMPTS[0], GREEDY[0])
     seen = []
     while engine.has_unfinished_requests():
-        before, events[:] = engine._launched, []
+        before, events[:] = engine.steps.launched, []
         outputs = engine.step()
-        seen.append((before is not None, engine._launched is not None, len(outputs[0].outputs[0].token_ids)
+        seen.append((before is not None, engine.steps.launched is not None, len(outputs[0].outputs[0].token_ids)
                      if outputs else None))
-        if before is not None and engine._launched is not None:
+        if before is not None and engine.steps.launched is not None:
             assert events == ["launch", "output"]  # the device computes while the host reports
     first_launch = next(i for i, (_, launched, _) in enumerate(seen) if launched)
     assert seen[first_launch - 1] == (False, False, 1) and seen[first_launch] == (False, True, None)
@@ -189,21 +189,21 @@ def test_shutdown_reads_a_step_left_launched(tmp_path, references):
     engine.add_request("0", PROMPTS[1], GREEDY[0])
     launch_one(engine)
     engine.abort("0")
-    assert not engine.has_unfinished_requests() and engine._launched is not None
+    assert not engine.has_unfinished_requests() and engine.steps.launched is not None
     read = []
-    launched = engine._launched
-    engine._launched = (launched[0], launched[1], lambda: read.append(1) or launched[2]())
+    launched = engine.steps.launched
+    engine.steps.launched = (launched[0], launched[1], lambda: read.append(1) or launched[2]())
     engine.shutdown()
-    assert read == [1] and engine._launched is None
+    assert read == [1] and engine.steps.launched is None
 
 
 def launch_one(engine: Engine, max_steps: int = 8) -> None:
     """Step until a verification step is left launched (fails rather than spin if none is)."""
     for _ in range(max_steps):
-        if engine._launched is not None:
+        if engine.steps.launched is not None:
             return
         engine.step()
-    assert engine._launched is not None, f"no verification step launched in {max_steps} steps"
+    assert engine.steps.launched is not None, f"no verification step launched in {max_steps} steps"
 
 
 def test_cache_ops_read_a_launched_step_first_and_its_outputs_come_with_the_next_step(tmp_path):
@@ -217,11 +217,11 @@ def test_cache_ops_read_a_launched_step_first_and_its_outputs_come_with_the_next
     engine = spec_engine(tmp_path / "b", {"0": expected[0]}, 0, enable_prefix_caching=True, host_cache_gib=0.01)
     engine.add_request("0", prompt, params)
     launch_one(engine)
-    events, execute, (plan, seqs, complete) = [], engine.executor.execute, engine._launched
-    engine._launched = plan, seqs, lambda: events.append("read") or complete()
+    events, execute, (plan, seqs, complete) = [], engine.executor.execute, engine.steps.launched
+    engine.steps.launched = plan, seqs, lambda: events.append("read") or complete()
     engine.executor.execute = lambda plan: events.append(("execute", bool(plan.cache_ops))) or execute(plan)
     engine.flush_cache_ops()  # position 126 and three drafts after it, all accepted: block 0 (0..127) is full
-    assert engine._launched is None and events == ["read", ("execute", True)]
+    assert engine.steps.launched is None and events == ["read", ("execute", True)]
     (out,) = engine.step()
     assert out.outputs[0].token_ids == expected[0][:5]  # the prefill's token, then the step the flush read
     while engine.has_unfinished_requests():
@@ -240,7 +240,7 @@ def test_a_request_aborted_while_its_prefill_rides_a_launched_step_is_dropped(tm
     launch_one(engine)
     engine.add_request("1", PROMPTS[2], params)
     engine.step()
-    plan = engine._launched[0]
+    plan = engine.steps.launched[0]
     assert [r.request_id for r in plan.requests] == ["0", "1"] and plan.requests[0].num_draft_tokens
     engine.abort("1")
     engine.add_request("1", PROMPTS[1], params)

@@ -185,8 +185,8 @@ def test_mtp_steps_are_never_left_in_flight(tmp_path, reference):
     would otherwise be lost), so the output is unchanged and no step was left in flight."""
     engine = make_engine(tmp_path, {"method": "mtp", "num_speculative_tokens": 2}, async_scheduling=True)
     settled = []
-    settle = engine._settle
-    engine._settle = lambda in_flight, touched: settled.append(in_flight) or settle(in_flight, touched)
+    settle = engine.steps.settle
+    engine.steps.settle = lambda in_flight, touched: settled.append(in_flight) or settle(in_flight, touched)
     assert tokens(generate(engine, MIXED, temperature=0)) == reference
     assert settled == [] and engine.stats()["spec_verify_steps"] > 0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core.executor.executor import MultiprocExecutor
+from deepinfer_core.executor.mp import MultiprocExecutor
 from tests.engine import parallel_workload as workload
 from tests.engine.test_spec_decode import MIXED, generate, tokens
 from tests.engine.test_spec_mtp import echo_weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from deepinfer_core.engine.detokenizer import IncrementalText
+from deepinfer_core.engine.output import IncrementalText
 from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
 from deepinfer_core.tokenizer import load_tokenizer
 

@@ -1,12 +1,7 @@
-"""Executors: run a `StepPlan` on the model side and return rank 0's `StepResult`.
-
-- `UniExecutor` ("uni", the default): one `ModelRunner` in the engine's own process.
-- `MultiprocExecutor` ("mp"): one worker process per rank, started by the engine, joined in a
-  `torch.distributed` group (gloo on CPU, NCCL on CUDA). Every rank gets every plan through its own
-  pipe and answers it; rank 0's answer carries the result. A rank that raises, dies or stays silent
-  past `worker_timeout_s` ends the executor with a `WorkerError` naming the rank and the cause.
-- Under `torchrun` (see `deepinfer_core.executor.worker`), rank 0's process hosts the engine and its own
-  runner, and sends plans to the other ranks over torch.distributed.
+"""`MultiprocExecutor` ("mp"): one worker process per rank, started by the engine, joined in a
+`torch.distributed` group (gloo on CPU, NCCL on CUDA). Every rank gets every plan through its own pipe
+and answers it; rank 0's answer carries the result. A rank that raises, dies or stays silent past
+`worker_timeout_s` ends the executor with a `WorkerError` naming the rank and the cause.
 
 Today every rank holds the whole model (a replica) and computes the same plan; sharding the model
 across ranks plugs in behind the runner without changing this protocol.
@@ -20,93 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from deepinfer_core.backends.attention import BLOCK_SIZE
-from deepinfer_core.backends.parallel import ParallelConfig
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.distributed import context_parallel
-from deepinfer_core.models import tensor_parallel
+from deepinfer_core.executor.protocol import ModelSideInfo, WorkerError, dp_leaders, dp_rank_of
 from deepinfer_core.plan import StepPlan, StepResult
-
-
-class WorkerError(RuntimeError):
-    """A worker rank failed, died or hung; the engine cannot continue."""
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank's share of the model and its cache, in bytes."""
-
-    rank: int
-    weights_bytes: int
-    """Parameters and buffers this rank holds (its experts only, under expert parallelism)."""
-    cache_bytes: int
-    """Its KV cache and per-request state (sized from its own device's free memory)."""
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class ModelSideInfo:
-    """What the engine learns from the model side at start-up."""
-
-    num_blocks: int
-    num_slots: int
-    block_size: int
-    cache_fingerprint: bytes
-    device: torch.device
-    memory: RankMemory | None = None
-    block_layout: tuple = ()
-    """`kv_blocks.block_layout` of the model: what a cache block's bytes are (the prefix tiers' unit)."""
-
-
-class Executor(Protocol):
-    """Runs plans. `info` is fixed once built; `execute` is called once per step, in order."""
-
-    info: ModelSideInfo
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run `plan` on every rank; return rank 0's result."""
-
-    def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
-        """Run one plan per data-parallel rank at once (each on that DP rank's ranks); their results."""
-
-    def shutdown(self) -> None:
-        """Stop every worker (idempotent)."""
-
-
-def runner_info(runner, rank: int = 0) -> ModelSideInfo:
-    """What `runner` tells the engine, with its memory share."""
-    weights = sum(t.numel() * t.element_size() for t in (*runner.model.parameters(), *runner.model.buffers()))
-    cache = sum(t.numel() * t.element_size() for layer in runner.kv_cache.layers
-                for t in vars(layer).values() if isinstance(t, torch.Tensor))
-    memory = RankMemory(rank, weights, cache, runner.num_blocks)
-    return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device,
-                         memory, runner.block_layout)
-
-
-class UniExecutor:
-    """The model runner in this process. Its plans are handed over as they are, so a plan's grammar
-    bitmask may be a function filled once the step's forward is launched (`can_defer_bitmask`)."""
-
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
-        from deepinfer_core.worker.runner import ModelRunner
-
-        self.runner = ModelRunner(model_config, engine_config, device, weights=weights)
-        self.info = runner_info(self.runner)
-        self.infos = [self.info]
-        self.execute = self.runner.execute
-        self.launch = self.runner.launch
-
-    def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
-        return [self.runner.execute(plan) for plan in plans]
-
-    def shutdown(self) -> None:
-        self.runner.close()
 
 
 class MultiprocExecutor:
@@ -115,6 +29,8 @@ class MultiprocExecutor:
     Workers are fresh interpreters (`python -m deepinfer_core.executor.worker`), each holding one end of
     a socket pair: nothing of the caller's `__main__` is re-imported, so no `if __name__ == "__main__"`
     guard is needed around `LLM(...)`."""
+
+    is_in_process = False
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -239,65 +155,6 @@ class MultiprocExecutor:
     def __del__(self) -> None:
         if hasattr(self, "_procs"):
             self.shutdown()
-
-
-def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
-                  weights: dict[str, torch.Tensor] | None = None) -> Executor:
-    """The executor `engine_config.distributed_executor_backend` names (torchrun's when launched by it)."""
-    from deepinfer_core.executor import worker
-
-    engine_config.parallel_config.check_implemented()
-    # refused before any rank starts
-    tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size)
-    context_parallel.check_context_parallel(model_config, engine_config)
-    if worker.launched_by_torchrun():
-        return worker.TorchrunExecutor(model_config, engine_config, device, weights)
-    parallel = engine_config.parallel_config
-    if engine_config.distributed_executor_backend == "mp" or parallel.world_size > 1 or parallel.enable_expert_parallel:
-        return MultiprocExecutor(model_config, engine_config, device, weights)  # a layout needs its ranks
-    if engine_config.num_ranks != 1:
-        raise ValueError(f"world_size={engine_config.num_ranks} needs distributed_executor_backend='mp'")
-    return UniExecutor(model_config, engine_config, device, weights)
-
-
-def can_defer_bitmask(executor: Executor) -> bool:
-    """Whether `executor` takes plans whose grammar bitmask is filled late, by a function of the engine's
-    (`StructuredOutputManager.fill_bitmask`): only the in-process runner does. Plans sent to worker
-    ranks (multi-process and torchrun executors: tensor, data, expert and context parallelism) must
-    pickle, so there a constrained request keeps sitting out the step launched while its last token is
-    still on the device (`Sequence.waits_for_host`), and decodes every other step."""
-    return isinstance(executor, UniExecutor)
-
-
-def can_launch(executor: Executor) -> bool:
-    """Whether `executor` can queue a step and be read later (`launch`, `ModelRunner.launch`): only the
-    in-process runner can; worker ranks answer each plan whole."""
-    return isinstance(executor, UniExecutor)
-
-
-def parallel_stats(executor) -> dict:
-    """Per-rank memory and rank 0's EPLB figures, as far as `executor` knows them (for `stats()`)."""
-    stats = {}
-    memory = getattr(executor, "memory", None)
-    if memory:
-        stats["rank_memory"] = [vars(m) for m in memory if m is not None]
-    eplb = getattr(executor, "eplb_stats", None)
-    if eplb:
-        stats["eplb"] = dict(eplb)
-    reports = getattr(executor, "rank_reports", None)
-    if reports and all(r is not None for r in reports):
-        stats["ranks"] = [{k: v for k, v in r.items() if k != "eplb"} for r in reports]
-    return stats
-
-
-def dp_rank_of(layout: ParallelConfig, rank: int) -> int:
-    """The data-parallel rank whose plans global `rank` runs (0 for a world of replicas)."""
-    return layout.coordinates(rank)[0] if layout.world_size > 1 else 0
-
-
-def dp_leaders(layout: ParallelConfig) -> list[int]:
-    """Per data-parallel rank, the global rank that answers its steps."""
-    return [layout.dp_leader(dp) for dp in range(layout.data_parallel_size)]
 
 
 def _free_port() -> int:

@@ -101,8 +101,8 @@ class DataParallelEngine:
         self._received: list = []
         """Messages read while waiting for something else (stats): handed out by the next `step()`."""
         self._last_heard = time.monotonic()
-        self.host_s, self.num_steps = 0.0, 0
-        """Time `step()` spent on the host, waiting excluded, and its number of calls (the DP bench)."""
+        self.host_s, self.num_steps, self.num_core_steps = 0.0, 0, 0
+        """Time `step()` spent on the host, waiting excluded; its calls; the core steps it merged (bench)."""
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -200,6 +200,7 @@ class DataParallelEngine:
             if not isinstance(message, proto.Outputs):
                 continue
             self.cores.num_free_blocks[message.dp_rank] = message.num_free_blocks
+            self.num_core_steps += 1
             for out in message.outputs:
                 if out.request_id not in self._owner:  # aborted here while the core stepped it
                     continue

@@ -24,6 +24,9 @@ from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine import dp_protocol as proto
 from deepinfer_core.executor.executor import WorkerError
 
+_CORE_MAIN = "from deepinfer_core.engine.dp_core import core_main; core_main({})"
+"""A core process's program (a module run with -m would be imported twice: the package imports it)."""
+
 
 class CoreClient:
     """One engine core process per DP rank (tensor and context parallel size 1: DP rank = global rank)."""
@@ -55,8 +58,8 @@ class CoreClient:
             inbox = context.socket(zmq.PUSH)
             inbox.bind(f"ipc://{folder}/in-{dp}")
             inboxes.append(inbox)
-            procs.append(subprocess.Popen([sys.executable, "-m", "deepinfer_core.engine.dp_core",
-                                           f"ipc://{folder}/in-{dp}", f"ipc://{folder}/out", str(dp)]))
+            addresses = f"'ipc://{folder}/in-{dp}', 'ipc://{folder}/out', {dp}"
+            procs.append(subprocess.Popen([sys.executable, "-c", _CORE_MAIN.format(addresses)]))
             args = (dp, config.data_parallel_size, init_method, model_config, config, str(device), weights)
             inbox.send(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
         return cls(context, outbox, inboxes, procs, config.worker_timeout_s,

@@ -16,8 +16,8 @@ there is no collective inside the model and the cores step on their own, with no
 Addressing: a core connects to two pyzmq addresses it is given, a PULL socket for the front end's
 messages (`dp_protocol.ToCore`) and a PUSH socket for its answers (`dp_protocol.FromCore`), and it
 learns its DP rank and torch.distributed rendezvous from its start-up message. Any process of the
-rank's machine can host a core (`python -m deepinfer_core.engine.dp_core IN OUT DP_RANK` here, a
-torchrun rank on another machine with tcp:// addresses): the front end needs only the two addresses.
+rank's machine can host a core (`core_main(IN, OUT, DP_RANK)` in a fresh process here, a torchrun
+rank on another machine with tcp:// addresses): the front end needs only the two addresses.
 """
 
 from __future__ import annotations
@@ -197,7 +197,3 @@ def core_main(in_address: str, out_address: str, dp_rank: int) -> None:
             dist.destroy_process_group()
     outbox.close(linger=2000)
     inbox.close(linger=0)
-
-
-if __name__ == "__main__":  # python -m deepinfer_core.engine.dp_core <in address> <out address> <dp rank>
-    core_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

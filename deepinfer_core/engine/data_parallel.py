@@ -1,26 +1,27 @@
-"""Attention data parallelism: one engine core per DP rank, stepped in lockstep, behind one front-end.
+"""Attention data parallelism: one engine core per DP rank, in that rank's process, behind a thin front end.
 
-`DataParallelEngine` looks like an `Engine` to `LLM`, `AsyncEngine` and the HTTP server. It holds one
-`Engine` per data-parallel rank, each with its own scheduler, requests, block manager and cache (sized
-from its own ranks' memory), all over one executor. A new request goes to the rank with the least
-load (tokens of its unfinished requests, then most free cache blocks), or, with prefix caching, to
-the rank that last took a prompt with the same first block when that rank is not much busier
-(prefix affinity). Seeds a request does not give are drawn here, in arrival order, so a seeded run
-does not depend on the rank a request lands on.
+`DataParallelEngine` looks like an `Engine` to `LLM`, `AsyncEngine` and the HTTP server. Each DP rank
+runs its own engine core (`engine.dp_core`: scheduler, block manager, cache, output processing and
+its runner) in a process of its own, stepping on its own loop. The front end only routes and merges:
+a new request goes to the rank with the least load (tokens of its unfinished requests, then most free
+cache blocks as the rank last reported them), or, with prefix caching, to the rank that last took a
+prompt with the same first block when that rank is not much busier (prefix affinity). Seeds a request
+does not give are drawn here, in arrival order, so a seeded run does not depend on the rank a request
+lands on. `step()` returns whatever outputs the cores have sent since the last call (waiting briefly
+for the first): one poll of one socket, whatever the number of ranks. The only coupling between
+cores is the MoE lockstep under expert parallelism, which the cores agree on among themselves
+(`dp_core.StepRounds`); the front end takes no part in it.
 
-`step()` steps every core at once: each runs `Engine.step` on a thread of its own up to its executor
-call, where `Lockstep` holds it until every core has either submitted a plan or finished its step
-without one; the plans then go to the ranks together (`Executor.execute_all`), and a core with
-nothing to do gets an empty plan: its ranks run a dummy step that joins the MoE layers' collectives,
-as vLLM's data parallelism does.
+Layouts: each DP rank is one process (tensor and context parallel size 1). Under torchrun each rank's
+process hosts its own core, addressed by two tcp:// pyzmq addresses, with rank 0 fronting the API
+(`engine.dp_torchrun`).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 from dataclasses import replace
 
 import torch
@@ -28,17 +29,29 @@ import torch
 from deepinfer_core import plugins
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.distributed import context_parallel
+from deepinfer_core.engine import dp_protocol as proto
+from deepinfer_core.engine import dp_torchrun
 from deepinfer_core.engine import engine as engine_module
+from deepinfer_core.engine.dp_client import CoreClient
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.executor.factory import make_executor
-from deepinfer_core.executor.protocol import parallel_stats
-from deepinfer_core.models import registry
+from deepinfer_core.engine.input import check_sampling_params
+from deepinfer_core.executor.protocol import WorkerError
+from deepinfer_core.executor.torchrun import launched_by_torchrun
+from deepinfer_core.models import registry, tensor_parallel
 from deepinfer_core.outputs import RequestOutput
-from deepinfer_core.plan import StepPlan, StepResult
 from deepinfer_core.sampling_params import SamplingParams
+from deepinfer_core.structured_output.manager import StructuredOutputManager
+from deepinfer_core.tokenizer import load_tokenizer
 
 _AFFINITY_ENTRIES = 4096
 """First-block keys remembered for prefix affinity."""
+
+_STEP_WAIT_S = 0.1
+"""Longest `step()` waits for the cores' first message before returning nothing."""
+
+_PER_RANK_LISTS = ("rank_memory", "ranks")
+"""`stats()` entries that are per-rank lists: concatenated over the cores, not summed."""
 
 
 def build_engine(config: EngineConfig, weights: dict[str, torch.Tensor] | None = None):
@@ -48,70 +61,17 @@ def build_engine(config: EngineConfig, weights: dict[str, torch.Tensor] | None =
     return engine_module.Engine(config, weights)  # looked up on the module, so tests can stand in for it
 
 
-class Lockstep:
-    """Gathers one plan (or none) per DP core, runs them together, hands each core its result."""
-
-    def __init__(self, executor, num_ranks: int) -> None:
-        self.executor, self.num_ranks = executor, num_ranks
-        self._cond = threading.Condition()
-        self._plans: list[StepPlan | None] = [None] * num_ranks
-        self._results: dict[int, StepResult] = {}
-        self._error: BaseException | None = None
-
-    def view(self, dp_rank: int) -> RankExecutor:
-        return RankExecutor(self, dp_rank)
-
-    def submit(self, dp_rank: int, plan: StepPlan) -> StepResult:
-        """Called on core `dp_rank`'s thread: wait for the step of every core, return this core's result."""
-        with self._cond:
-            self._plans[dp_rank] = plan
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: dp_rank in self._results or self._error is not None)
-            if dp_rank not in self._results:
-                raise self._error
-            return self._results.pop(dp_rank)
-
-    def run(self, futures: list[Future]) -> None:
-        """On the caller's thread: serve the cores' submissions until every core's step has returned."""
-        for future in futures:
-            future.add_done_callback(lambda _: self._notify())
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: all(self._plans[d] is not None or futures[d].done()
-                                                for d in range(self.num_ranks)))
-                submitted = [d for d in range(self.num_ranks) if self._plans[d] is not None]
-                if not submitted:
-                    return
-                plans = [plan if plan is not None else StepPlan(()) for plan in self._plans]
-                self._plans = [None] * self.num_ranks
-            try:
-                results = self.executor.execute_all(plans)
-            except BaseException as err:
-                with self._cond:
-                    self._error = err
-                    self._cond.notify_all()
-                raise
-            with self._cond:
-                self._results.update({d: results[d] for d in submitted})
-                self._cond.notify_all()
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-
-class RankExecutor:
-    """One DP core's executor: its plans go through the `Lockstep`."""
-
-    def __init__(self, lockstep: Lockstep, dp_rank: int) -> None:
-        self.lockstep, self.dp_rank = lockstep, dp_rank
-        self.info = lockstep.executor.infos[dp_rank]
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        return self.lockstep.submit(self.dp_rank, plan)
-
-    def shutdown(self) -> None:
-        """The front-end stops the shared executor."""
+def check_layout(model_config, config: EngineConfig) -> None:
+    """Refuse, before any core starts, the data-parallel layouts the cores cannot run yet."""
+    layout = config.parallel_config
+    layout.check_implemented()
+    tensor_parallel.check_tensor_parallel(model_config, config.tensor_parallel_size)
+    context_parallel.check_context_parallel(model_config, config)
+    if layout.tensor_parallel_size > 1 or layout.context_parallel_size > 1:
+        raise NotImplementedError(
+            f"data_parallel_size={layout.data_parallel_size} with tensor_parallel_size={layout.tensor_parallel_size}"
+            f" and context_parallel_size={layout.context_parallel_size}: each DP rank's engine core runs one "
+            "process, so data parallelism needs tensor and context parallel size 1 for now")
 
 
 class DataParallelEngine:
@@ -120,36 +80,53 @@ class DataParallelEngine:
     def __init__(self, engine_config: EngineConfig, weights: dict[str, torch.Tensor] | None = None) -> None:
         model_config = registry.load_model_config(engine_config.model)
         config = engine_config.resolve(model_config)
+        check_layout(model_config, config)
         device = torch.device(config.device) if config.device else plugins.select_device()
-        self.executor = make_executor(model_config, config, device, weights)
+        self.config, self.model_config = config, model_config
+        self.tokenizer = load_tokenizer(config.model, model_config)
+        self.eos_token_ids = model_config.eos_token_ids
+        self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size,
+                                                         self.eos_token_ids, pin_memory=False)
+        """Compiles grammars to check them (`LLM` and the server wait on it); each core compiles its own."""
+        if launched_by_torchrun():  # every rank hosts its core; only rank 0 returns from here
+            self.cores = dp_torchrun.start_cores(model_config, engine_config, device, weights)
+        else:
+            self.cores = CoreClient.spawn(model_config, engine_config, device, weights)
         num_ranks = config.data_parallel_size
-        self.lockstep = Lockstep(self.executor, num_ranks)
-        self.engines = [Engine(engine_config, executor=self.lockstep.view(d)) for d in range(num_ranks)]
-        first = self.engines[0]
-        self.config, self.model_config, self.tokenizer = first.config, first.model_config, first.tokenizer
-        self.eos_token_ids, self.structured_output = first.eos_token_ids, first.structured_output
-        self._pool = ThreadPoolExecutor(num_ranks, thread_name_prefix="deepinfer-dp")
         self._owner: dict[str, int] = {}
         self._tokens = [0] * num_ranks
         self._request_tokens: dict[str, int] = {}
         self._affinity: dict[bytes, int] = {}
         self._seed_source = random.Random(config.seed)
+        self._received: list = []
+        """Messages read while waiting for something else (stats): handed out by the next `step()`."""
+        self._last_heard = time.monotonic()
+        self.host_s, self.num_steps, self.num_core_steps = 0.0, 0, 0
+        """Time `step()` spent on the host, waiting excluded; its calls; the core steps it merged (bench)."""
 
     # -- requests -----------------------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        self.engines[0].validate_prompt(prompt_token_ids)
+        Engine.validate_prompt(self, prompt_token_ids)  # reads only `model_config` and `config`
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     prompt: str | None = None) -> None:
-        """Queue a request on the least loaded DP rank (see the module docstring)."""
+        """Queue a request on the least loaded DP rank (see the module docstring); raises `ValueError`
+        on bad input here, before it is sent."""
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        check_sampling_params(sampling_params, self.model_config.vocab_size, self.tokenizer, self.eos_token_ids,
+                              token_history=True)
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer (none found); use stop_token_ids")
         if sampling_params.seed is None:
             sampling_params = replace(sampling_params, seed=self._seed_source.getrandbits(63))
         rank = self.pick_rank(prompt_token_ids)
-        self.engines[rank].add_request(request_id, prompt_token_ids, sampling_params, prompt=prompt)
+        self.cores.send(rank, proto.AddRequest(request_id, list(prompt_token_ids), sampling_params, prompt))
         cost = (len(prompt_token_ids) + sampling_params.max_tokens) * sampling_params.n
+        if not self._owner:
+            self._last_heard = time.monotonic()
         self._owner[request_id], self._request_tokens[request_id] = rank, cost
         self._tokens[rank] += cost
         if self.config.enable_prefix_caching and len(prompt_token_ids) >= BLOCK_SIZE:
@@ -162,8 +139,8 @@ class DataParallelEngine:
     def pick_rank(self, prompt_token_ids: list[int]) -> int:
         """The DP rank a new request goes to: least tokens in flight, then most free blocks; a rank that
         holds the prompt's first block wins while it carries at most one step's budget more."""
-        loads = [(self._tokens[d], -engine.block_manager.num_free_blocks, d) for d, engine in enumerate(self.engines)]
-        best = min(loads)[2]
+        free = self.cores.num_free_blocks
+        best = min(range(len(self._tokens)), key=lambda d: (self._tokens[d], -free[d], d))
         if self.config.enable_prefix_caching and len(prompt_token_ids) >= BLOCK_SIZE:
             cached = self._affinity.get(self._first_block(prompt_token_ids))
             if cached is not None and self._tokens[cached] <= self._tokens[best] + self.config.max_num_batched_tokens:
@@ -175,9 +152,10 @@ class DataParallelEngine:
         return torch.tensor(prompt_token_ids[:BLOCK_SIZE], dtype=torch.int64).numpy().tobytes()
 
     def abort(self, request_id: str) -> None:
+        """Abort on its core; its outputs still on the way are dropped."""
         rank = self._owner.get(request_id)
         if rank is not None:
-            self.engines[rank].abort(request_id)
+            self.cores.send(rank, proto.Abort(request_id))
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -186,46 +164,87 @@ class DataParallelEngine:
             self._tokens[rank] -= self._request_tokens.pop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(engine.has_unfinished_requests() for engine in self.engines)
+        return bool(self._owner)
 
     def unfinished_request_ids(self) -> list[str]:
-        return [request_id for engine in self.engines for request_id in engine.unfinished_request_ids()]
+        return list(self._owner)
 
     @property
     def runner(self):
-        raise AttributeError("the model runs in worker processes: this engine has no in-process runner")
+        raise AttributeError("the model runs in the engine cores' processes: this engine has no in-process runner")
 
     # -- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Step every DP core together; the outputs of all of them, in DP rank order."""
-        futures = [self._pool.submit(engine.step) for engine in self.engines]
-        self.lockstep.run(futures)
-        outputs = [out for future in futures for out in future.result()]
-        for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
+        """The outputs every core sent since the last call, waiting up to `_STEP_WAIT_S` for the first."""
+        start = time.perf_counter()
+        messages, self._received = self._received, []
+        waited = 0.0
+        if not messages and self._owner:
+            messages = self.cores.receive(_STEP_WAIT_S)
+            waited = self.cores.waited_s
+        outputs = self._merge(messages)
+        self.host_s += time.perf_counter() - start - waited
+        self.num_steps += 1
+        return outputs
+
+    def _merge(self, messages: list) -> list[RequestOutput]:
+        outputs = []
+        if messages:
+            self._last_heard = time.monotonic()
+        elif self._owner and time.monotonic() - self._last_heard > self.config.worker_timeout_s:
+            self.cores.shutdown(wait_s=0.5)
+            raise WorkerError(f"no engine core sent anything for {self.config.worker_timeout_s:g} s with "
+                              f"{len(self._owner)} requests in flight (worker_timeout_s)")
+        for message in messages:
+            if not isinstance(message, proto.Outputs):
+                continue
+            self.cores.num_free_blocks[message.dp_rank] = message.num_free_blocks
+            self.num_core_steps += 1
+            for out in message.outputs:
+                if out.request_id not in self._owner:  # aborted here while the core stepped it
+                    continue
+                if out.finished:
+                    self._forget(out.request_id)
+                outputs.append(out)
         return outputs
 
     def stats(self) -> dict:
         """Counters summed over the DP ranks, each rank's own under `data_parallel`, memory and EPLB."""
-        per_rank = [engine.stats() for engine in self.engines]
-        ratios = ("prefix_cache_hit_rate", "spec_mean_acceptance_length")  # recomputed from the sums
-        total = {key: _summed([s[key] for s in per_rank]) for key in per_rank[0] if key not in ratios}
-        queried = total.get("prefix_cache_queried_tokens", 0)
-        total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
-        if "spec_verify_steps" in total:
-            steps = total["spec_verify_steps"]
-            total["spec_mean_acceptance_length"] = (total["spec_accepted_tokens"] + steps) / steps if steps else 0.0
-        total["data_parallel"] = per_rank
-        total.update(parallel_stats(self.executor))
-        return total
+        for dp in range(self.cores.num_cores):
+            self.cores.send(dp, proto.QueryStats())
+        per_rank: dict[int, dict] = {}
+        while len(per_rank) < self.cores.num_cores:
+            for message in self.cores.receive(1.0, what="a stats query"):
+                if isinstance(message, proto.Stats):
+                    per_rank[message.dp_rank] = message.stats
+                else:
+                    self._received.append(message)
+        return merge_stats([per_rank[dp] for dp in range(self.cores.num_cores)])
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-        for engine in self.engines:
-            engine.structured_output.shutdown()
-        self._pool.shutdown(wait=False)
+        self.cores.shutdown()
+        self.structured_output.shutdown()
+
+
+def merge_stats(per_rank: list[dict]) -> dict:
+    """The ranks' counters summed (ratios recomputed from the sums), per-rank lists concatenated, rank
+    0's EPLB figures, and each rank's own counters under `data_parallel`."""
+    ratios = ("prefix_cache_hit_rate", "spec_mean_acceptance_length")
+    skip = (*ratios, *_PER_RANK_LISTS, "eplb")
+    total = {key: _summed([s[key] for s in per_rank]) for key in per_rank[0] if key not in skip}
+    queried = total.get("prefix_cache_queried_tokens", 0)
+    total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
+    if "spec_verify_steps" in total:
+        steps = total["spec_verify_steps"]
+        total["spec_mean_acceptance_length"] = (total["spec_accepted_tokens"] + steps) / steps if steps else 0.0
+    for key in _PER_RANK_LISTS:
+        if key in per_rank[0]:
+            total[key] = [entry for s in per_rank for entry in s.get(key, [])]
+    if "eplb" in per_rank[0]:
+        total["eplb"] = per_rank[0]["eplb"]
+    total["data_parallel"] = per_rank
+    return total
 
 
 def _summed(values: list):

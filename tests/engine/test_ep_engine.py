@@ -128,11 +128,11 @@ def test_a_killed_rank_ends_the_engine_naming_it(tmp_path):
     engine = make_engine(tmp_path, data_parallel_size=2, enable_expert_parallel=True, worker_timeout_s=20)
     engine.add_request("a", prompts()[2], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
-    os.kill(engine.executor._procs[1].pid, signal.SIGKILL)
+    os.kill(engine.cores.procs[1].pid, signal.SIGKILL)
     with pytest.raises(WorkerError, match=r"worker rank 1 (exited|.*pipe is closed).*-9"):
         while engine.has_unfinished_requests():
             engine.step()
-    assert all(proc.poll() is not None for proc in engine.executor._procs)  # rank 0 did not hang in a collective
+    assert all(proc.poll() is not None for proc in engine.cores.procs)  # rank 0 did not hang in a collective
 
 
 TORCHRUN_SCRIPT = """

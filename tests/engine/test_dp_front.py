@@ -1,0 +1,87 @@
+"""The data-parallel front end over engine cores in their own processes (engine/data_parallel.py,
+dp_client.py, dp_core.py): routing, merging, aborts, a core's error, and the MoE lockstep's dummy steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.engine import dp_protocol as proto
+from deepinfer_core.engine.data_parallel import DataParallelEngine, merge_stats
+from deepinfer_core.executor.protocol import WorkerError
+from deepinfer_core.testing.serving import serve
+from tests.engine.test_ep_engine import make_engine, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    engine = make_engine(tmp_path_factory.mktemp("single"), num_kv_blocks=8)
+    try:
+        return {out.request_id: out.outputs[0].token_ids for out in serve(engine, prompts(), GREEDY)}
+    finally:
+        engine.shutdown()
+
+
+def test_requests_spread_over_the_cores_and_outputs_merge(tmp_path, single):
+    engine = make_engine(tmp_path, data_parallel_size=2, num_kv_blocks=8)
+    try:
+        assert isinstance(engine, DataParallelEngine)
+        got = {out.request_id: out.outputs[0].token_ids for out in serve(engine, prompts(), GREEDY)}
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert got == single  # each request's tokens, whichever core ran it
+    assert all(rank["num_prefill_tokens"] > 0 for rank in stats["data_parallel"]), "one core got nothing"
+    assert stats["num_prefill_tokens"] == sum(rank["num_prefill_tokens"] for rank in stats["data_parallel"])
+
+
+def test_prefix_affinity_abort_and_a_core_error(tmp_path):
+    engine = make_engine(tmp_path, data_parallel_size=2, num_kv_blocks=8)
+    try:
+        long = prompts()[4]  # 260 tokens: two whole blocks
+        engine.add_request("a", long, GREEDY)
+        engine.add_request("b", prompts()[1] + prompts()[3], GREEDY)  # the other core: fewer tokens in flight
+        engine.add_request("c", long[:200], GREEDY)  # same first block as "a": a's core, though busier
+        assert engine._owner["a"] == engine._owner["c"] != engine._owner["b"]
+        engine.abort("b")
+        assert sorted(engine.unfinished_request_ids()) == ["a", "c"]
+        seen = set()
+        while engine.has_unfinished_requests():
+            seen.update(out.request_id for out in engine.step())
+        assert seen == {"a", "c"}  # nothing of the aborted request comes back
+        bad = SamplingParams(temperature=0, max_tokens=4)
+        bad.max_tokens = -1  # past the front end's checks: the core raises
+        engine.cores.send(1, proto.AddRequest("x", [1, 2, 3], bad))
+        engine._owner["x"], engine._request_tokens["x"] = 1, 0
+        with pytest.raises(WorkerError, match=r"worker rank 1 raised .*max_tokens must be an integer"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert all(proc.poll() is not None for proc in engine.cores.procs)
+    finally:
+        engine.shutdown()
+
+
+def test_an_idle_core_runs_dummy_steps_under_expert_parallelism(tmp_path):
+    engine = make_engine(tmp_path, data_parallel_size=2, enable_expert_parallel=True, num_kv_blocks=8)
+    try:
+        out, = serve(engine, [prompts()[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert len(out.outputs[0].token_ids) == 6
+    idle = min(stats["data_parallel"], key=lambda s: s["num_prefill_tokens"])
+    assert idle["num_prefill_tokens"] == idle["num_decode_tokens"] == 0
+    steps = {report["rank"]: report["num_steps"] for report in stats["ranks"]}
+    assert steps[0] == steps[1] > 0  # every step of the busy core was joined by a dummy step of the idle one
+
+
+def test_merge_stats_sums_counters_and_keeps_per_rank_lists():
+    ranks = [{"num_running": 1, "prefix_cache_hit_tokens": 2, "prefix_cache_queried_tokens": 4,
+              "prefix_cache_hit_rate": 0.5, "rank_memory": [{"rank": r}], "eplb": {"rank": r}, "hist": [1, r]}
+             for r in (0, 1)]
+    total = merge_stats(ranks)
+    assert total["num_running"] == 2 and total["hist"] == [2, 1] and total["prefix_cache_hit_rate"] == 0.5
+    assert total["rank_memory"] == [{"rank": 0}, {"rank": 1}] and total["eplb"] == {"rank": 0}
+    assert total["data_parallel"] == ranks

@@ -61,6 +61,9 @@ class CoreExecutor:
     """The executor of one core: its rank's runner in this process. Plans are run whole (no late
     bitmask, no launch), as they were for a DP rank's worker process, so outputs do not change."""
 
+    is_in_process = False
+    """Plans are run whole (`Executor.is_in_process`)."""
+
     def __init__(self, runner, rank: int, rounds: StepRounds | None) -> None:
         self.runner, self.rounds = runner, rounds
         self.report = worker.RankReport(runner, rank)

@@ -111,7 +111,7 @@ class InFlightSteps:
         self.executor, self.scheduler, self.output = executor, scheduler, output
         self.structured_output, self.speculator, self.prefix_tiers = structured_output, speculator, prefix_tiers
         self.overlap, self.max_model_len = overlap, max_model_len
-        is_in_process = getattr(executor, "is_in_process", False)  # a data-parallel rank's view declares none
+        is_in_process = executor.is_in_process
         self.defers_grammar_masks = overlap and speculator is None and is_in_process
         """Constrained requests' masks may be filled after their step launches (see the module docstring)."""
         self.launches_verify = overlap and speculator is not None and is_in_process

@@ -25,6 +25,11 @@ class KvConnectorWorker:
     def __init__(self, layout: tuple[BlockSegment, ...], layers: list[LayerCache]) -> None:
         self.io = BlockIO(layout, layers)
 
+    @property
+    def layout(self) -> tuple[BlockSegment, ...]:
+        """The block layout its copies follow."""
+        return self.io.layout
+
     def apply(self, ops: tuple[CacheOp, ...]) -> tuple[PendingCopy, ...]:
         """Run `ops` in order; the pending host copy of each saving op ("save", "save_state"), in order."""
         return self.io.apply(ops)

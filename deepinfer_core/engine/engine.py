@@ -48,6 +48,15 @@ def _show_info_logs() -> None:
         package.setLevel(logging.INFO)
 
 
+def scheduler_config(config: EngineConfig, model_config: ModelConfig, block_size: int) -> SchedulerConfig:
+    """What the scheduler needs of the resolved engine config and the model."""
+    return SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                           max_model_len=config.max_model_len, block_size=block_size,
+                           sliding_window=model_config.sliding_window,
+                           enable_prefix_caching=config.enable_prefix_caching, swa_replay=config.swa_replay,
+                           num_layers=model_config.num_hidden_layers)
+
+
 class Engine:
     """Synchronous engine; not thread-safe (see `deepinfer_core.engine.async_engine` for serving).
 
@@ -78,12 +87,7 @@ class Engine:
         self.speculator = Speculator.from_config(config.speculative_config) if config.speculative_config is not None else None
         """Speculative decoding's drafts and statistics (None without `speculative_config`)."""
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=config.max_model_len, block_size=info.block_size,
-                            sliding_window=model_config.sliding_window,
-                            enable_prefix_caching=config.enable_prefix_caching, swa_replay=config.swa_replay,
-                            num_layers=model_config.num_hidden_layers),
-            self.block_manager, info.num_slots,
+            scheduler_config(config, model_config, info.block_size), self.block_manager, info.num_slots,
             # a constrained request waits for its grammar, one whose prefix is read from the store for it
             is_admissible=lambda seq: self.structured_output.is_ready(seq) and self.kv_connector.is_prefix_ready(seq),
             choose_drafts=self.speculator.choose_drafts if self.speculator is not None else None,

@@ -98,7 +98,7 @@ def build_mtp_drafter(engine_config, target, model, local_config, expert_format:
     from deepinfer_core.models.loading.mtp_weights import build_mtp, load_mtp_weights
     from deepinfer_core.speculative.mtp_drafter import MTPDrafter
 
-    config = getattr(engine_config, "speculative_config", None)
+    config = engine_config.speculative_config
     if config is None or config.method != "mtp":
         return None
     keep_fp4 = expert_format == "fp4"

@@ -80,7 +80,7 @@ def trimmed_by_hand(model, ctx: ForwardContext, caches) -> torch.Tensor:
     streams = x.unsqueeze(1).repeat(1, model.hc_mult, 1)
     pre = torch.zeros(x.shape[0], model.hc_mult)
     pre[:, 0] = 1.0
-    mixing, shared, pending = model.mixing, {}, None
+    mixing, shared, pending = model.ops, {}, None
     for i, (block, plan) in enumerate(zip(model.layers, model.plans)):
         if pending is not None and not plan.has_engram:
             streams, pre_a, post_a, comb_a, x = mixing.hc_post_mix(streams, *pending, model.hc[i][0],

@@ -34,7 +34,7 @@ def build(directory, device):
     ops = InvariantTritonLayerOps(runner.model.ops.spec, device)
     model.bind_backends([InvariantTritonAttention(plan.attention) for plan in model.plans],
                         model.moe_backends, ops, device)
-    assert model.mixing is ops and all(isinstance(b, IndexScorer) for b in model.attention_backends)
+    assert model.ops is ops and all(isinstance(b, IndexScorer) for b in model.attention_backends)
     return runner
 
 

@@ -53,7 +53,7 @@ Triton indexer kernel scores the two-level indexer's layers (`IndexScorer`)."""
     ops = TritonLayerOps(model.mix_spec, kernel_device)
     model.bind_backends([TritonAttention(plan.attention) for plan in model.plans], model.moe_backends, ops,
                         kernel_device)
-    assert model.mixing is ops and all(isinstance(b, IndexScorer) for b in model.attention_backends)
+    assert model.ops is ops and all(isinstance(b, IndexScorer) for b in model.attention_backends)
     prompt = torch.randint(3, 129000, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     for tokens, start in ((prompt[:11], 0), (prompt[11:12], 11), (prompt[12:13], 12)):
         expected, got = step(reference, tokens, start), step(triton, tokens, start).cpu()

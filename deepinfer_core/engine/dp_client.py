@@ -22,7 +22,7 @@ import zmq
 
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.engine import dp_protocol as proto
-from deepinfer_core.executor.protocol import WorkerError
+from deepinfer_core.executor.protocol import WorkerError, signalled_peer
 
 _CORE_MAIN = "from deepinfer_core.engine.dp_core import core_main; core_main({})"
 """A core process's program (a module run with -m would be imported twice: the package imports it)."""
@@ -94,17 +94,12 @@ class CoreClient:
         return messages
 
     def _fail_dead_peer(self, rank: int, what: str, cause: str, grace_s: float = 1.0) -> None:
-        """`rank` failed with `cause`, most often the echo of another rank's death (a collective lost its
-        peer): if another core is killed by a signal within `grace_s`, name that one, `rank`'s cause after."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            codes = {peer: proc.poll() for peer, proc in enumerate(self.procs) if peer != rank and proc is not None}
-            for peer, code in codes.items():
-                if code is not None and code < 0:
-                    self._fail(peer, f"exited during {what} (exit code {code}); worker rank {rank} then {cause}")
-            if all(code is not None for code in codes.values()) or time.monotonic() >= deadline:
-                return
-            time.sleep(0.05)
+        """`rank` failed with `cause`: if another core was killed by a signal (`signalled_peer`), name
+        that one, `rank`'s cause after."""
+        peers = {peer: proc for peer, proc in enumerate(self.procs) if peer != rank and proc is not None}
+        found = signalled_peer(peers, grace_s)
+        if found is not None:
+            self._fail(found[0], f"exited during {what} (exit code {found[1]}); worker rank {rank} then {cause}")
 
     def _fail(self, rank: int, cause: str):
         self.shutdown(wait_s=0.5)

@@ -19,7 +19,13 @@ import time
 import torch
 
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.executor.protocol import ModelSideInfo, WorkerError, dp_leaders, dp_rank_of
+from deepinfer_core.executor.protocol import (
+    ModelSideInfo,
+    WorkerError,
+    dp_leaders,
+    dp_rank_of,
+    signalled_peer,
+)
 from deepinfer_core.plan import StepPlan, StepResult
 
 
@@ -116,19 +122,12 @@ class MultiprocExecutor:
         return [answers[rank] for rank in range(self.world_size)]
 
     def _fail_dead_peer(self, rank: int, what: str, cause: str, grace_s: float = 1.0) -> None:
-        """`rank` failed with `cause`; that is most often the echo of another rank's death (a collective
-        lost its peer): if another rank is killed by a signal within `grace_s`, name that one, with
-        `rank`'s cause after it (a rank that raised exits with 1 after its report). Returns once every
-        other rank has exited otherwise, or the time is up."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            codes = {peer: self._procs[peer].poll() for peer in range(self.world_size) if peer != rank}
-            for peer, code in codes.items():
-                if code is not None and code < 0:
-                    self._fail(peer, f"exited during {what} (exit code {code}); worker rank {rank} then {cause}")
-            if all(code is not None for code in codes.values()) or time.monotonic() >= deadline:
-                return
-            time.sleep(0.05)
+        """`rank` failed with `cause`: if another rank was killed by a signal (`signalled_peer`), name that
+        one, with `rank`'s cause after it (a rank that raised exits with 1 after its report)."""
+        peers = {peer: proc for peer, proc in enumerate(self._procs) if peer != rank}
+        found = signalled_peer(peers, grace_s)
+        if found is not None:
+            self._fail(found[0], f"exited during {what} (exit code {found[1]}); worker rank {rank} then {cause}")
 
     def _fail(self, rank: int, cause: str):
         self.shutdown()

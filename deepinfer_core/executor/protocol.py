@@ -6,6 +6,7 @@ learns from the model side at start-up. The executors: `uni.py` (one runner in t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,3 +100,18 @@ def dp_rank_of(layout: ParallelConfig, rank: int) -> int:
 def dp_leaders(layout: ParallelConfig) -> list[int]:
     """Per data-parallel rank, the global rank that answers its steps."""
     return [layout.dp_leader(dp) for dp in range(layout.data_parallel_size)]
+
+
+def signalled_peer(procs: dict[int, object], grace_s: float = 1.0) -> tuple[int, int] | None:
+    """The first of `procs` (rank -> `subprocess.Popen`) killed by a signal within `grace_s`, as
+    `(rank, exit code)`; None once every one has exited otherwise, or the time is up. A rank that fails
+    is most often the echo of another rank's death (a collective lost its peer): this finds that one."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        codes = {rank: proc.poll() for rank, proc in procs.items()}
+        for rank, code in codes.items():
+            if code is not None and code < 0:
+                return rank, code
+        if all(code is not None for code in codes.values()) or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)

@@ -22,7 +22,9 @@ class Recorder:
 
     def __init__(self, kernel) -> None:
         self.names = kernel.arg_names
-        unspecialised = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"] or ()
+        # Triton 3.6 keeps the list on the kernel (empty when none); older releases kept it in `kwargs`
+        unspecialised = (getattr(kernel, "do_not_specialize", None)
+                         or getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
         self.unspecialised = {self.names[a] if isinstance(a, int) else a for a in unspecialised}
         self.variants: list[tuple] = []
 

@@ -140,7 +140,7 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from deepinfer_core.testing.tiny import embedded_tiny_model_dir
+        from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
         model_dir = str(embedded_tiny_model_dir())
     engine = Engine(EngineConfig(model=model_dir, device=args.device, enable_prefix_caching=True))

@@ -52,7 +52,7 @@ def build_engine(args):
                 base.PROMPT_LEN)
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
-    from deepinfer_core.testing.tiny import embedded_tiny_model_dir
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
     config = EngineConfig(model=str(embedded_tiny_model_dir()), device="cpu", max_num_seqs=args.batch,
                           max_model_len=512, num_kv_blocks=4 * args.batch + 8, async_scheduling=True)  # as on CUDA

@@ -19,7 +19,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.llm import MODEL_DIR_ENV
-from deepinfer_core.testing.tiny import MODEL_FAMILIES, embedded_model_dir
+from deepinfer_core.models.tiny import MODEL_FAMILIES, embedded_model_dir
 
 FAMILY_ENV = "DEEPINFER_MODEL_FAMILY"
 

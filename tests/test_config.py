@@ -10,7 +10,7 @@ from deepinfer_core.config import CSA, HCA, SLIDING, ConfigError, EngineConfig, 
 from deepinfer_core.config.speculative import SpeculativeConfig
 from deepinfer_core.models import registry
 from deepinfer_core.models.deepseek_v41.config import V41Config
-from deepinfer_core.testing.tiny import tiny_config
+from deepinfer_core.models.tiny import tiny_config
 
 transformers.logging.set_verbosity_error()
 

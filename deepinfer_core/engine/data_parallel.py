@@ -34,8 +34,7 @@ from deepinfer_core.engine import dp_protocol as proto
 from deepinfer_core.engine import dp_torchrun
 from deepinfer_core.engine import engine as engine_module
 from deepinfer_core.engine.dp_client import CoreClient
-from deepinfer_core.engine.engine import Engine
-from deepinfer_core.engine.input import check_sampling_params
+from deepinfer_core.engine.input import check_prompt, check_sampling_params
 from deepinfer_core.executor.protocol import WorkerError
 from deepinfer_core.executor.torchrun import launched_by_torchrun
 from deepinfer_core.models import registry, tensor_parallel
@@ -107,7 +106,7 @@ class DataParallelEngine:
     # -- requests -----------------------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        Engine.validate_prompt(self, prompt_token_ids)  # reads only `model_config` and `config`
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     prompt: str | None = None) -> None:

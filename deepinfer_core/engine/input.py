@@ -17,6 +17,24 @@ if TYPE_CHECKING:
     from deepinfer_core.tokenizer import Tokenizer
 
 
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise `ValueError` for an empty prompt, ids outside the vocabulary or one too long."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if set(map(type, prompt_token_ids)) == {int}:  # the usual case, checked in C: ~10x faster at 8K ids
+        bad = [] if 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size else [
+            t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    else:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len} "
+            "(prompt + at least one new token); shorten the prompt or raise max_model_len"
+        )
+
+
 class InputProcessor:
     """Checks a request against the model before anything is queued.
 
@@ -37,21 +55,7 @@ class InputProcessor:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise `ValueError` for an empty prompt, ids outside the vocabulary or one too long."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.vocab_size
-        if set(map(type, prompt_token_ids)) == {int}:  # the usual case, checked in C: ~10x faster at 8K ids
-            bad = [] if 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab else [
-                t for t in prompt_token_ids if not 0 <= t < vocab]
-        else:
-            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
-                "(prompt + at least one new token); shorten the prompt or raise max_model_len"
-            )
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int | None, Future | None]:
         """Check the prompt and `params` (resolving `bad_words`), then submit the request's grammar.

@@ -209,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from deepinfer_core.testing.tiny import embedded_tiny_model_dir
+        from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
         model_dir = str(embedded_tiny_model_dir())
     require_chat_encoding(model_dir)

@@ -1,6 +1,6 @@
-"""Tiny DeepSeek-V4 checkpoints for tests and benches: re-exported from `deepinfer_core.testing.tiny`."""
+"""Tiny DeepSeek-V4 checkpoints for tests and benches: re-exported from `deepinfer_core.models.tiny`."""
 
-from deepinfer_core.testing.tiny import (
+from deepinfer_core.models.tiny import (
     PRESETS,
     TINY_MODEL_VERSION,
     bundled_tokenizer_dir,

@@ -12,7 +12,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.config.speculative import SpeculativeConfig
 from deepinfer_core.entrypoints.metrics import ServerMetrics
 from deepinfer_core.entrypoints.serve_cli import add_serve_parser, engine_config_of
-from deepinfer_core.testing.tiny import embedded_tiny_model_dir
+from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
 
 def test_serve_flag_reaches_the_engine_config():

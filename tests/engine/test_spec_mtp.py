@@ -14,7 +14,7 @@ from deepinfer_core.config import CheckpointError, EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.models.deepseek_v4.layers import FP4Experts, FP8Linear
 from deepinfer_core.models.deepseek_v4.mtp import MTPWeightsMissingError
-from deepinfer_core.testing.tiny import write_checkpoint
+from deepinfer_core.models.tiny import write_checkpoint
 from tests.engine.test_spec_decode import CONFIG, MIXED, generate, tokens
 from tests.oracle import random_state_dict, write_config
 

@@ -10,7 +10,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.entrypoints.serve import build_app
 from deepinfer_core.entrypoints.serve_cli import running_server
-from deepinfer_core.testing.tiny import embedded_tiny_config, embedded_tiny_model_dir, random_state_dict
+from deepinfer_core.models.tiny import embedded_tiny_config, embedded_tiny_model_dir, random_state_dict
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.entrypoints.limits import DEFAULT_MAX_BODY_BYTES, HttpLimits
 from deepinfer_core.entrypoints.serve_cli import add_serve_parser, run_serve
-from deepinfer_core.testing.tiny import embedded_tiny_model_dir
+from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

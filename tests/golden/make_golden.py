@@ -45,7 +45,7 @@ def _completion(output) -> dict[str, Any]:
 
 def offline_case(family: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     from deepinfer_core import LLM, SamplingParams
-    from deepinfer_core.testing.tiny import embedded_model_dir
+    from deepinfer_core.models.tiny import embedded_model_dir
 
     llm = LLM(model=str(embedded_model_dir(family)), dtype="float32", device="cpu", **options)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)

@@ -7,7 +7,7 @@ import torch
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.interface import cache_fingerprint, checkpoint_identity, tensors_identity
 from deepinfer_core.models.layer_plan import build_layer_plan
-from deepinfer_core.testing.tiny import random_state_dict, tiny_config, write_checkpoint
+from deepinfer_core.models.tiny import random_state_dict, tiny_config, write_checkpoint
 
 
 def fingerprint(config: dict, identity: bytes, dtype=torch.float32) -> bytes:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from deepinfer_core.backends import quant
 from deepinfer_core.config import CheckpointError, ModelConfig
 from deepinfer_core.models.loading.mtp_weights import load_mtp_weights, num_mtp_layers
-from deepinfer_core.testing.tiny import random_state_dict, tiny_config, write_checkpoint
+from deepinfer_core.models.tiny import random_state_dict, tiny_config, write_checkpoint
 
 CONFIG = tiny_config()
 WEIGHTS = random_state_dict(CONFIG, seed=5, mtp_layers=1)

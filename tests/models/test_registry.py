@@ -12,7 +12,7 @@ from deepinfer_core.config import ConfigError, ModelConfig
 from deepinfer_core.models import registry
 from deepinfer_core.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer_core.models.interface import CausalLM
-from deepinfer_core.testing.tiny import tiny_config
+from deepinfer_core.models.tiny import tiny_config
 
 
 def test_v4_is_found_by_model_type_or_by_architecture():
@@ -52,7 +52,7 @@ def test_a_plugin_adds_families_and_is_asked_before_the_built_ins(isolated_plugi
 
 def test_both_families_satisfy_the_model_contract_and_expose_their_capabilities():
     from deepinfer_core.models.deepseek_v41.config import V41Config
-    from deepinfer_core.testing.v41_tiny import tiny_v41_config
+    from deepinfer_core.models.v41_tiny import tiny_v41_config
 
     for config in (ModelConfig.from_dict(tiny_config()), V41Config.from_dict(tiny_v41_config())):
         cls = registry.model_class(config)

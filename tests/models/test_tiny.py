@@ -10,9 +10,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from deepinfer_core.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer_core.models import tiny
 from deepinfer_core.models.loading.weights import expected_tensors, load_weights
-from deepinfer_core.testing import tiny
-from deepinfer_core.testing.tiny import (
+from deepinfer_core.models.tiny import (
     PRESETS,
     embedded_tiny_model_dir,
     random_state_dict,

@@ -17,7 +17,7 @@ from deepinfer_core.models.deepseek_v41.engram import (
     engram_gate,
     engram_primes,
 )
-from deepinfer_core.testing.v41_tiny import tiny_v41_config, v41_tokenizer_json
+from deepinfer_core.models.v41_tiny import tiny_v41_config, v41_tokenizer_json
 from tests.models.test_v41_config import RELEASE
 
 

@@ -6,7 +6,7 @@ import torch
 
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.deepseek_v41.plan import build_v41_plan
-from deepinfer_core.testing.v41_tiny import tiny_v41_config
+from deepinfer_core.models.v41_tiny import tiny_v41_config
 from tests.models.test_v41_config import RELEASE
 
 # layers -> (ratio, role, kv source, index source); research-v41.md §3

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core.testing.tiny import embedded_model_dir
+from deepinfer_core.models.tiny import embedded_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.models.deepseek_v4 import row_trim
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.interface import ForwardContext
+from deepinfer_core.models.v41_tiny import tiny_v41_config
 from deepinfer_core.reference.layer_ops import hyper_residual
-from deepinfer_core.testing.v41_tiny import tiny_v41_config
 from tests.models.v41_helpers import make_engine, make_runner, random_prompt, run, tiny_checkpoint
 from tests.oracle import FakeSeq, step_plan
 

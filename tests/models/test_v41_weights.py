@@ -89,7 +89,7 @@ def test_differences_from_the_release_are_listed(checkpoint, tmp_path):
     assert "  num_hidden_layers: 9 (release: 40)" in lines and "  hidden_size: 64 (release: 5120)" in lines
     assert any(line.startswith("tokenizer.json SHA-256") for line in lines)
     assert not any("added token" in line for line in lines)  # V4.1's renamed tokens are all there
-    from deepinfer_core.testing.tiny import bundled_tokenizer_dir
+    from deepinfer_core.models.tiny import bundled_tokenizer_dir
 
     shutil.copytree(directory, tmp_path / "v4tok")
     shutil.copyfile(bundled_tokenizer_dir() / "tokenizer.json", tmp_path / "v4tok" / "tokenizer.json")

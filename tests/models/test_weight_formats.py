@@ -13,10 +13,10 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.backends import MoESpec, quant
 from deepinfer_core.config import CheckpointError, ModelConfig
 from deepinfer_core.models.loading.weights import load_weights
+from deepinfer_core.models.tiny import tiny_config, write_checkpoint
 from deepinfer_core.reference import moe as reference_moe
 from deepinfer_core.testing import conformance
 from deepinfer_core.testing.cases import random_moe_case
-from deepinfer_core.testing.tiny import tiny_config, write_checkpoint
 
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)

@@ -14,7 +14,7 @@ from deepinfer_core.models.deepseek_v4.layers import FP8Linear
 from deepinfer_core.models.loading import weight_formats
 from deepinfer_core.models.loading.checkpoint_layout import meta_model
 from deepinfer_core.models.loading.weights import load_weights
-from deepinfer_core.testing.tiny import tiny_config, write_checkpoint
+from deepinfer_core.models.tiny import tiny_config, write_checkpoint
 from tests.models.test_weight_formats import _generate, _runner
 
 OPTIONS = {"max_model_len": 256, "num_kv_blocks": 8, "max_num_seqs": 4}

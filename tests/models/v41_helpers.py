@@ -12,8 +12,8 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
+from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.testing.serving import serve
-from deepinfer_core.testing.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.worker.runner import ModelRunner
 
 

@@ -92,11 +92,11 @@ def forward(family: str, directory: str) -> dict:
 
     deterministic = family.endswith("-det")
     if family.startswith("v41"):
-        from deepinfer_core.testing.v41_tiny import tiny_v41_config, write_v41_checkpoint
+        from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 
         write_v41_checkpoint(directory, tiny_v41_config(), seed=3)
     else:
-        from deepinfer_core.testing.tiny import tiny_config, write_checkpoint
+        from deepinfer_core.models.tiny import tiny_config, write_checkpoint
 
         quant = "fp8+fp4" if family == "v4-quant" else None
         write_checkpoint(directory, tiny_config(moe_intermediate_size=64), seed=3, layout="official", quant=quant,

@@ -22,9 +22,9 @@ from deepinfer_core.backends import quant
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.models.deepseek_v4.layers import FP8Linear
+from deepinfer_core.models.tiny import tiny_config, write_checkpoint
 from deepinfer_core.reference.linear import ReferenceLinear
 from deepinfer_core.testing.serving import serve
-from deepinfer_core.testing.tiny import tiny_config, write_checkpoint
 from deepinfer_core.worker.runner import ModelRunner
 from tests.oracle import run_chunked
 

@@ -67,8 +67,8 @@ def test_v41_with_host_engram_tables_keeps_graph_decode_and_the_device_tables_to
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.models.deepseek_v41.engram_prefetch import DeviceReadPrefetcher
+    from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
     from deepinfer_core.testing.serving import serve
-    from deepinfer_core.testing.v41_tiny import tiny_v41_config, write_v41_checkpoint
 
     directory = write_v41_checkpoint(tmp_path / "tiny", tiny_v41_config(), seed=3)
     gen = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from deepinfer_core.backends import IndexScorer
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
-from deepinfer_core.testing.v41_tiny import tiny_v41_config, write_v41_checkpoint
+from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.worker.runner import ModelRunner
 from tests.models.test_v41_deterministic import TARGET, generate
 from tests.models.v41_helpers import random_prompt, tiny_checkpoint

@@ -9,7 +9,7 @@ import torch
 from deepinfer_core.backends import IndexScorer
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
-from deepinfer_core.testing.v41_tiny import tiny_v41_config, write_v41_checkpoint
+from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 
 TINY = {"hidden_size": 32, "moe_intermediate_size": 32, "hc_sinkhorn_iters": 3}
 """Off the GPU every kernel program runs in Triton's interpreter, and the mHC kernels' Sinkhorn loop (the

@@ -15,12 +15,13 @@ dense) and the per-head sinks, with BF16/FP16 KV in the op's paged layout (`PA_B
   `cmp_len * cmp_ratio + residual` is each request's length, so entry e is visible to position t iff
   `e < (t + 1) // rate`, as the contract says.
 
-Block id 0. The op documents block-table values as positive integers, and the engine hands out block
-0. No view of the pool can give block 0 a positive id, so a step whose block tables hold a 0 (checked
-once per step, one host read) runs its compressed layers through the PyTorch fallback (the reference's
-code on the NPU), and so does any step under static shapes, where that check cannot run: compressed
-specs do not declare `supports_cuda_graphs`. Once the engine never hands out block 0 (vLLM's null
-block; proposed in the plugin README) the check can go. `path_counts` counts which path served.
+Block id 0. The op documents block-table values as positive integers. The engine reserves block 0 as
+its null block (`deepinfer_core.kv.cache.NULL_BLOCK`) and never hands it out, so every eager step takes
+the op; a step whose block tables still hold a 0 (checked once per step, one host read: a guard) would
+run its compressed layers through the PyTorch fallback (the reference's code on the NPU), and so does
+any step under static shapes, where that check cannot run: compressed specs do not declare
+`supports_cuda_graphs` until the captured path is checked on a 950. `path_counts` counts which path
+served.
 
 Step geometry (tables, lengths, the 1024-int metadata) is built once per step per layer kind and reused
 by every layer of the forward pass. Decode steps read no device value on the host (shapes come from

@@ -134,7 +134,7 @@ def check_model_parity(device: torch.device, num_tokens: int = 8) -> str:
     from deepinfer_core import SamplingParams
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.engine import Engine
-    from deepinfer_core.testing.tiny import embedded_tiny_model_dir
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
     prompts = [[5 + i, 17, 230 + 3 * i, 99] * (3 + 20 * i) for i in range(4)]  # 12 to 252 tokens
     outputs = {}

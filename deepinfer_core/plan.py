@@ -7,8 +7,9 @@ tuples, strings, `SamplingParams`), so they pickle to another process as they ar
 
 Where later features plug in: draft tokens are extra `token_ids` of a `ScheduledRequest` with
 `num_draft_tokens` set (every one of them gets a logits row, and the verifier's accepted counts come
-back in `StepResult.num_accepted`); a grammar's next-token mask is `StepPlan.grammar_bitmask`, one row
-per logits row of a request whose `grammar_row` is set; prefix-store transfers are `StepPlan.cache_ops`.
+back in `StepResult.num_accepted`); a grammar's next-token mask is not in the plan but the step's
+second message (the executor's `sample(grammar_rows)`), one row per logits row of a request whose
+`grammar_row` is set; prefix-store transfers are `StepPlan.cache_ops`.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     """Trailing `token_ids` that are speculative drafts to verify (0 without speculation)."""
     grammar_row: int | None = None
-    """Row of `StepPlan.grammar_bitmask` that constrains this request's next token (None: free); with
+    """Row of the step's grammar bitmask (`Executor.sample`'s `grammar_rows`) that constrains this request's next token (None: free); with
     drafts, its d + 1 logits rows take rows `grammar_row .. grammar_row + num_draft_tokens`."""
     replay: ReplayRange | None = None
     """The request's window replay while this step computes positions below its hit (None otherwise):
@@ -149,10 +150,6 @@ class StepPlan:
     new_requests: tuple[NewRequest, ...] = ()
     freed_request_ids: tuple[str, ...] = ()
     """Requests finished, aborted or preempted since the last plan: the runner drops their state."""
-    grammar_bitmask: Any = None
-    """Packed allowed-token bits `[rows, ceil(vocab / 32)]` int32, or None; or a function returning them,
-    which the runner calls once the step's forward is launched (overlapped decode in-process: a row's
-    input is `PENDING_TOKEN`; see `StructuredOutputManager.fill_bitmask`). Such a plan does not pickle."""
     cache_ops: tuple[CacheOp, ...] = ()
     """Prefix-tier transfers, run in order before the step's tokens (a block saved here may be
     rewritten by this step). A plan may hold only cache ops (no requests)."""

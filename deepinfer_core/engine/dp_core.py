@@ -58,11 +58,11 @@ class StepRounds:
 
 
 class CoreExecutor:
-    """The executor of one core: its rank's runner in this process. Plans are run whole (no late
-    bitmask, no launch), as they were for a DP rank's worker process, so outputs do not change."""
+    """The executor of one core: its rank's runner in this process. Steps are answered whole (no late
+    read), as they were for a DP rank's worker process; grammar rows come as `sample`'s data."""
 
     is_in_process = False
-    """Plans are run whole (`Executor.is_in_process`)."""
+    """Steps are answered whole (`Executor.is_in_process`)."""
 
     def __init__(self, runner, rank: int, rounds: StepRounds | None) -> None:
         self.runner, self.rounds = runner, rounds
@@ -74,12 +74,26 @@ class CoreExecutor:
         """Set for the final cache flush at shutdown: cache ops only, no model step (no collective)."""
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.execute_model(plan)
+        return self.sample(None)
+
+    def execute_model(self, plan: StepPlan) -> None:
+        """`Executor.execute_model`; while closing, only the plan's states (no model step)."""
         if self.is_closing:
             self.runner.update_states(plan)
-            return StepResult([], None)
+            return
         if self.rounds is not None:
             self.rounds.agree(True, False)
-        return self._run(plan)
+        self.report.execute_model(plan)
+
+    def sample(self, grammar_rows=None, *, late: bool = False):
+        """`Executor.sample` (`late`: the result, already read, behind a function)."""
+        if self.is_closing:
+            result = StepResult([], None)
+        else:
+            result = worker.host_result(self.report.sample(grammar_rows))
+            self.rank_reports = [self.report.as_dict()]
+        return (lambda: result) if late else result
 
     def dummy_step(self) -> None:
         """Join a round another core runs a plan in: the MoE layers' collectives, no request."""

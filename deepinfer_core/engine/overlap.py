@@ -11,16 +11,21 @@ so prefill and preemption see only real tokens. Under speculative decoding a ver
 in flight (the next plan's positions and drafts follow from its accepted counts), and a step in flight
 is overlapped only while the next would verify no draft (`Speculator.allows_overlap`).
 
-Late read: a verification step is launched (`ModelRunner.launch`) and read by the next `Engine.step`,
-which reads it first, then schedules and launches the next one, and only then builds and returns the
-outputs of the step it read, so the device computes while the host reports (the in-process executor,
-with `async_scheduling`). Everything that decides the next plan still comes before it.
+Two phases: every step is the executor's `execute_model(plan)` (states, cache ops, the forward queued;
+the logits stay on the model side) then `sample(grammar_rows)`, the constrained rows' masks as data
+filled by the host in between (`StructuredOutputManager.plan_rows` / `fill_rows`); in-process the
+matchers' work overlaps the forward on the device. So a structured-output request decodes every step
+under overlapped decode, with any executor (in-process, worker processes, torchrun, a DP rank's core)
+and under speculation: when its input is the step in flight's token, the host first waits for that
+step's tokens and advances the matchers by them (`accept_grammar_tokens`). Only requests whose sampling
+reads their own ids (penalties) or whose state is exported still sit out the step launched while their
+last token is on the device (`Sequence.needs_host_token`).
 
-A structured-output request decodes every step too when the model runs in this process: its row of the
-next plan's grammar bitmask is filled by the runner once that step's forward is launched, through
-`InFlightSteps.accept_grammar_tokens` (`StructuredOutputManager.fill_bitmask`). With worker ranks (plans
-that must pickle) or speculative decoding it sits out the step launched while its last token is on the
-device.
+Late read: a verification step is sampled with `sample(..., late=True)` and read by the next
+`Engine.step`, which reads it first, then schedules and launches the next one, and only then builds
+and returns the outputs of the step it read, so the device computes while the host reports (the
+in-process executor, `Executor.is_in_process`, with `async_scheduling`). Everything that decides the
+next plan still comes before it.
 
 The sampled tokens themselves stay with the runner that sampled them: the next plan names them with
 `PENDING_TOKEN` and the runner substitutes its device copy. The host side only waits for the copy.
@@ -84,7 +89,7 @@ def can_leave_in_flight(plan: StepPlan, result: StepResult) -> bool:
 def can_overlap(scheduler: Scheduler, max_model_len: int) -> bool:
     """Whether the next plan will be all decodes (nothing waiting, every running sequence decoding), so it
     may launch before the step in flight is settled. Sequences whose next step needs their last token on
-    the host (`Sequence.needs_host_token`: penalties, a grammar whose mask is filled before launch) sit
+    the host (`Sequence.needs_host_token`: penalties, an exported state; a grammar only without overlap) sit
     that step out (`waits_for_host`), so it launches only if some other sequence would decode in it, not
     by length alone (a step whose every token ends its sequence by length would compute nothing anybody
     reads)."""
@@ -111,10 +116,9 @@ class InFlightSteps:
         self.executor, self.scheduler, self.output = executor, scheduler, output
         self.structured_output, self.speculator, self.prefix_tiers = structured_output, speculator, prefix_tiers
         self.overlap, self.max_model_len = overlap, max_model_len
-        is_in_process = executor.is_in_process
-        self.defers_grammar_masks = overlap and speculator is None and is_in_process
-        """Constrained requests' masks may be filled after their step launches (see the module docstring)."""
-        self.launches_verify = overlap and speculator is not None and is_in_process
+        self.defers_grammar_masks = overlap
+        """Constrained requests' rows may be filled after their step's `execute_model` (module docstring)."""
+        self.launches_verify = overlap and speculator is not None and getattr(executor, "is_in_process", False)
         """Verification steps are launched before the previous step's outputs are built (module docstring)."""
         self.in_flight: InFlightStep | None = None
         self.launched: tuple[StepPlan, list[Sequence], Callable[[], StepResult]] | None = None
@@ -157,13 +161,20 @@ class InFlightSteps:
             its pending tokens), or None.
         """
         in_flight, self.in_flight = self.in_flight, None
-        plan = self.structured_output.fill_bitmask(
-            plan, functools.partial(self.accept_grammar_tokens, in_flight) if in_flight is not None else None)
+        plan, grammar = self.structured_output.plan_rows(plan)
+        self.executor.execute_model(plan)  # in-process the forward is queued: the host fills rows meanwhile
+        grammar_rows = None
+        if grammar is not None:
+            if grammar.is_pending:
+                if in_flight is None:
+                    raise RuntimeError("a constrained request's input is pending and no step is in flight")
+                self.accept_grammar_tokens(in_flight)
+            grammar_rows = self.structured_output.fill_rows(grammar)
         if self.launches_verify and in_flight is None and not plan.cache_ops and any(
                 r.num_draft_tokens for r in plan.requests):
-            self.launched = plan, seqs, self.executor.launch(plan)
+            self.launched = plan, seqs, self.executor.sample(grammar_rows, late=True)
             return None  # the device runs the step while the host reports the step read before
-        result = self.executor.execute(plan)
+        result = self.executor.sample(grammar_rows)
         if plan.cache_ops:
             self.prefix_tiers.accept_saved(plan.cache_ops, result.saved)
         launched = launch_copy(seqs, result.output) if self.can_leave_in_flight(plan, result) else None
@@ -206,8 +217,8 @@ class InFlightSteps:
 
     def accept_grammar_tokens(self, in_flight: InFlightStep) -> None:
         """Wait for the step in flight's tokens and advance its constrained sequences' matchers by them:
-        the runner calls this through the next plan's deferred bitmask, once that step's forward is
-        launched. `settle` appends the tokens later, and finds them accepted (`accept` by position)."""
+        called once the next step's `execute_model` returned, before its rows are filled. `settle`
+        appends the tokens later, and finds them accepted (`accept` by position)."""
         if in_flight.ready is not None:
             in_flight.ready.synchronize()
         seq_ids, tokens, positions = [], [], []

@@ -1,6 +1,7 @@
 """`MultiprocExecutor` ("mp"): one worker process per rank, started by the engine, joined in a
-`torch.distributed` group (gloo on CPU, NCCL on CUDA). Every rank gets every plan through its own pipe
-and answers it; rank 0's answer carries the result. A rank that raises, dies or stays silent past
+`torch.distributed` group (gloo on CPU, NCCL on CUDA). Every rank gets every step through its own
+pipe as two messages, the plan (`execute_model`) then the grammar rows (`sample`, a pickled array),
+and answers the second; rank 0's answer carries the result. A rank that raises, dies or stays silent past
 `worker_timeout_s` ends the executor with a `WorkerError` naming the rank and the cause.
 
 Today every rank holds the whole model (a replica) and computes the same plan; sharding the model
@@ -71,17 +72,42 @@ class MultiprocExecutor:
         return self.execute_all([plan])[0]
 
     def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
+        self.execute_model_all(plans)
+        return self._sample_all(None)
+
+    def execute_model(self, plan: StepPlan) -> None:
+        if len(self.leaders) != 1:
+            raise RuntimeError("a data-parallel world runs one plan per DP rank: call execute_all")
+        self.execute_model_all([plan])
+
+    def execute_model_all(self, plans: list[StepPlan]) -> None:
+        """Send each data-parallel rank's plan to its ranks (`Executor.execute_model`); nothing waits."""
         if len(plans) != len(self.leaders):
             raise ValueError(f"{len(plans)} plans for {len(self.leaders)} data-parallel ranks")
-        data = [pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) for plan in plans]
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(data[dp_rank_of(self.layout, rank)])
-            except OSError as err:
-                self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].poll()}")
+        data = [pickle.dumps(("model", plan), protocol=pickle.HIGHEST_PROTOCOL) for plan in plans]
+        self._send([data[dp_rank_of(self.layout, rank)] for rank in range(self.world_size)], is_first=True)
+
+    def sample(self, grammar_rows=None, *, late: bool = False):
+        result = self._sample_all(grammar_rows)[0]
+        return (lambda: result) if late else result
+
+    def _sample_all(self, grammar_rows) -> list[StepResult]:
+        """Send the step's grammar rows (one pickled array, the same to every rank) and collect the answers."""
+        data = pickle.dumps(("sample", grammar_rows), protocol=pickle.HIGHEST_PROTOCOL)
+        self._send([data] * self.world_size, is_first=False)
         answers = self._collect(timeout_s=self.timeout_s, what="a step")
         self.rank_reports = [report for _, report in answers]
         return [answers[rank][0] for rank in self.leaders]
+
+    def _send(self, data: list[bytes], *, is_first: bool) -> None:
+        """Send `data[rank]` to each rank. A closed pipe ends the executor at a step's first message; at
+        its second, the rank may have raised at the first: `_collect` then reads its report."""
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(data[rank])
+            except OSError as err:
+                if is_first:
+                    self._fail(rank, f"its pipe is closed ({err}); exit code {self._procs[rank].poll()}")
 
     @property
     def eplb_stats(self) -> dict | None:

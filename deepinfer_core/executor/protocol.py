@@ -48,20 +48,32 @@ class ModelSideInfo:
 
 
 class Executor(Protocol):
-    """Runs plans. `info` is fixed once built; `execute` is called once per step, in order."""
+    """Runs plans, each in two phases (vLLM v1's shape): `execute_model(plan)` queues the step's forward,
+    then `sample(grammar_rows)` samples it with the constrained rows masked. The grammar rows travel as
+    data, filled by the engine in between (in-process, while the forward runs on the device), so a
+    constrained request whose input is still on the device decodes every step under any executor.
+    `info` is fixed once built; steps come in order, each `execute_model` followed by its `sample`."""
 
     info: ModelSideInfo
     is_in_process: bool
-    """The runner lives in the engine's process and takes plans as they are (unpickled): a plan's grammar
-    bitmask may be a function filled once the step's forward is launched, and a step may be launched
-    (`launch`) and read later. Worker ranks (plans that must pickle) answer each plan whole. An executor
-    that does not declare it counts as out of process."""
+    """The runner lives in the engine's process: `sample(..., late=True)` returns before the device has
+    sampled, so the host may report the step before while it runs (`InFlightSteps`). Worker ranks answer
+    a step whole. An executor that does not declare it counts as out of process."""
+
+    def execute_model(self, plan: StepPlan) -> None:
+        """Send `plan` to every rank: states, cache ops, the forward; the logits stay on the device."""
+
+    def sample(self, grammar_rows=None, *, late: bool = False):
+        """Sample the step `execute_model` ran, its constrained rows masked by `grammar_rows` (packed
+        `[rows, ceil(vocab / 32)]` int32 on the host, a tensor or numpy array; None: no grammar); return
+        rank 0's `StepResult`, or with `late` a function returning it (the in-process executor completes
+        the step only when it is called)."""
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run `plan` on every rank; return rank 0's result."""
+        """`execute_model(plan)`, then `sample(None)`: a step with no grammar (cache flushes, dummy steps)."""
 
     def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
-        """Run one plan per data-parallel rank at once (each on that DP rank's ranks); their results."""
+        """Run one plan per data-parallel rank at once (each on that DP rank's ranks, no grammar); their results."""
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""

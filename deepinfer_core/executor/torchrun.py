@@ -1,5 +1,5 @@
 """Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)` returns an engine
-whose `TorchrunExecutor` broadcasts each plan; on every other rank that call serves plans
+whose `TorchrunExecutor` broadcasts each step (the plan, then the grammar rows); on every other rank that call serves plans
 (`serve_plans`) and exits the process when rank 0 shuts down."""
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class TorchrunExecutor:
         self.info: ModelSideInfo = self.infos[0]
         self.report = RankReport(runner, 0)
         self.rank_reports: list[dict | None] = [None] * world_size
+        self._error: str | None = None
+        """Rank 0's error in the step's first phase, reported at its second."""
         self._is_shut_down = False
         atexit.register(self.shutdown)
 
@@ -64,12 +66,34 @@ class TorchrunExecutor:
         return self.execute_all([plan] * len(self.leaders))[0]
 
     def execute_all(self, plans: list) -> list[StepResult]:
-        dist.broadcast_object_list([plans], src=0)
-        error, result = None, None
+        self.execute_model_all(plans)
+        return self._sample_all(None)
+
+    def execute_model(self, plan) -> None:
+        self.execute_model_all([plan] * len(self.leaders))
+
+    def execute_model_all(self, plans: list) -> None:
+        """Broadcast the plans (each rank runs its DP rank's) and run rank 0's forward."""
+        dist.broadcast_object_list([("model", plans)], src=0)
+        self._error = None
         try:
-            result = self.report.run(plans[0])
-        except Exception as err:  # noqa: BLE001 -- the other ranks' answers are still collected
-            error = f"{type(err).__name__}: {err}"
+            self.report.execute_model(plans[0])
+        except Exception as err:  # noqa: BLE001 -- reported with the other ranks' answers at `sample`
+            self._error = f"{type(err).__name__}: {err}"
+
+    def sample(self, grammar_rows=None, *, late: bool = False):
+        result = self._sample_all(grammar_rows)[0]
+        return (lambda: result) if late else result
+
+    def _sample_all(self, grammar_rows) -> list[StepResult]:
+        """Broadcast the grammar rows, sample rank 0's step and gather every rank's answer."""
+        dist.broadcast_object_list([("sample", grammar_rows)], src=0)
+        error, result = self._error, None
+        if error is None:
+            try:
+                result = self.report.sample(grammar_rows)
+            except Exception as err:  # noqa: BLE001 -- the other ranks' answers are still collected
+                error = f"{type(err).__name__}: {err}"
         answers = [None] * self.world_size
         try:
             dist.gather_object((error, None, self.report.as_dict()), answers, dst=0)
@@ -101,23 +125,36 @@ class TorchrunExecutor:
 
 
 def serve_plans(runner, engine_config: EngineConfig, rank: int) -> None:
-    """A torchrun rank other than 0: run its DP rank's plan of every broadcast, report errors (and its
-    result when it answers for its DP rank), stop at `None`."""
+    """A torchrun rank other than 0: run its DP rank's plan of every broadcast step (`("model", plans)`,
+    then `("sample", grammar rows)`), report errors (and its result when it answers for its DP rank) at
+    the second, stop at `None`."""
     is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
     dp = dp_rank_of(engine_config.parallel_config, rank)
+    error = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             break
-        error, result = None, None
-        try:
-            result = report.run(box[0][dp])
-        except Exception as err:  # noqa: BLE001 -- reported to rank 0
-            traceback.print_exc()
-            error = f"{type(err).__name__}: {err}"
+        kind, payload = box[0]
+        if kind == "model":
+            error = _attempt(report.execute_model, payload[dp])[0]
+            continue
+        result = None
+        if error is None:
+            error, result = _attempt(report.sample, payload)
         answer = host_result(result) if is_leader and result is not None else None
         dist.gather_object((error, answer, report.as_dict()), None, dst=0)  # after an error rank 0 stops everyone with `None`
+        error = None
     runner.close()
     dist.barrier()  # rank 0's shutdown waits here too, so neither side tears the group down mid-transfer
     dist.destroy_process_group()
+
+
+def _attempt(call, arg) -> tuple[str | None, object]:
+    """`(None, call(arg))`, or `(its error, None)` (printed here, reported to rank 0)."""
+    try:
+        return None, call(arg)
+    except Exception as err:  # noqa: BLE001 -- reported to rank 0
+        traceback.print_exc()
+        return f"{type(err).__name__}: {err}", None

@@ -11,8 +11,8 @@ from deepinfer_core.worker.runner import ModelRunner
 
 
 class UniExecutor:
-    """The model runner in this process. Its plans are handed over as they are, so a plan's grammar
-    bitmask may be a function filled once the step's forward is launched (`Executor.is_in_process`)."""
+    """The model runner in this process: `sample(..., late=True)` returns the runner's completion, read
+    after the device has run (`Executor.is_in_process`)."""
 
     is_in_process = True
 
@@ -21,8 +21,12 @@ class UniExecutor:
         self.runner = ModelRunner(model_config, engine_config, device, weights=weights)
         self.info = runner_info(self.runner)
         self.infos = [self.info]
+        self.execute_model = self.runner.execute_model
         self.execute = self.runner.execute
-        self.launch = self.runner.launch
+
+    def sample(self, grammar_rows=None, *, late: bool = False):
+        complete = self.runner.sample_late(grammar_rows)
+        return complete if late else complete()
 
     def execute_all(self, plans: list[StepPlan]) -> list[StepResult]:
         return [self.runner.execute(plan) for plan in plans]

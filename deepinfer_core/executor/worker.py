@@ -2,8 +2,9 @@
 `torchrun.py`).
 
 A worker joins the torch.distributed group (`cpu:gloo`, plus `cuda:nccl` on GPUs), builds its
-`ModelRunner` (the ranks agree on the smallest cache that fits every one), then answers plans until
-told to stop. Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)`
+`ModelRunner` (the ranks agree on the smallest cache that fits every one), then runs steps until told
+to stop: each step is two messages, `("model", plan)` (the forward, no answer) and `("sample",
+grammar_rows)` (sampling with the grammar rows the engine filled meanwhile; the answer). Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)`
 returns an engine whose `TorchrunExecutor` broadcasts each plan; on every other rank that call serves
 plans and exits the process when rank 0 shuts down.
 """
@@ -74,38 +75,64 @@ def build_runner(model_config: ModelConfig, engine_config: EngineConfig, device:
                        parallel=groups)
 
 
-def run_plan(runner, plan: StepPlan) -> StepResult:
-    """One step on this rank: `plan`, or with no requests a dummy step that still joins the MoE layers'
-    collectives (a data-parallel rank with nothing to do); then the EPLB bookkeeping."""
+def run_model(runner, plan: StepPlan) -> None:
+    """A step's first phase on this rank (`ModelRunner.execute_model`), or with no requests a dummy step
+    that still joins the MoE layers' collectives (a data-parallel rank with nothing to do)."""
     if plan.requests:
-        result = runner.execute(plan)
+        runner.execute_model(plan)
     else:
         runner.update_states(plan)
         if runner.experts is not None:  # only expert parallelism has collectives inside the model
             runner.model.forward_idle()
-        result = StepResult([], None)
+
+
+def run_sample(runner, plan: StepPlan, grammar_rows) -> StepResult:
+    """A step's second phase on this rank (`ModelRunner.sample`, masked by `grammar_rows`), then the
+    EPLB bookkeeping."""
+    result = runner.sample(grammar_rows) if plan.requests else StepResult([], None)
     if runner.experts is not None:
         runner.experts.after_step(runner.model.moe_weights)
     return result
 
 
+def run_plan(runner, plan: StepPlan) -> StepResult:
+    """One step with no grammar on this rank: `run_model`, then `run_sample`."""
+    run_model(runner, plan)
+    return run_sample(runner, plan, None)
+
+
 class RankReport:
     """What a rank tells the engine after each step: its step count and time (the device synchronised
-    only when `time_ep_dispatch` is on), time in the expert-parallel dispatch, and its EPLB figures."""
+    only when `time_ep_dispatch` is on), time in the expert-parallel dispatch, and its EPLB figures.
+    A step is `execute_model(plan)` then `sample(grammar_rows)` (or `run` for both)."""
 
     def __init__(self, runner, rank: int) -> None:
         self.runner, self.rank = runner, rank
         self.num_steps, self.step_s = 0, 0.0
         self.is_timed = runner.engine_config.time_ep_dispatch and runner.device.type != "cpu"
+        self._plan: StepPlan | None = None
 
-    def run(self, plan: StepPlan) -> StepResult:
+    def execute_model(self, plan: StepPlan) -> None:
         start = time.perf_counter()
-        result = run_plan(self.runner, plan)
+        self._plan = plan
+        run_model(self.runner, plan)
+        self.step_s += time.perf_counter() - start
+
+    def sample(self, grammar_rows) -> StepResult:
+        start = time.perf_counter()
+        plan, self._plan = self._plan, None
+        if plan is None:
+            raise RuntimeError("sample without execute_model before it")
+        result = run_sample(self.runner, plan, grammar_rows)
         if self.is_timed:
             getattr(torch, self.runner.device.type).synchronize(self.runner.device)
         self.num_steps += 1
         self.step_s += time.perf_counter() - start
         return result
+
+    def run(self, plan: StepPlan) -> StepResult:
+        self.execute_model(plan)
+        return self.sample(None)
 
     def as_dict(self) -> dict:
         experts = self.runner.experts
@@ -132,7 +159,7 @@ def host_result(result: StepResult) -> StepResult:
 
 def worker_main(conn) -> None:
     """A rank started by `MultiprocExecutor`: read its start-up arguments from `conn`, build the runner,
-    report, then answer plans from `conn` until `None`."""
+    report, then run steps from `conn` (see the module docstring) until `None`."""
 
     def send(kind: str, payload) -> None:
         conn.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
@@ -147,8 +174,12 @@ def worker_main(conn) -> None:
         del weights
         send("ready", runner_info(runner, rank))
         is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
-        while (plan := pickle.loads(conn.recv_bytes())) is not None:
-            result = report.run(plan)
+        while (message := pickle.loads(conn.recv_bytes())) is not None:
+            kind, payload = message  # ("model", plan), then ("sample", grammar rows)
+            if kind == "model":
+                report.execute_model(payload)
+                continue
+            result = report.sample(payload)
             send("result", (host_result(result) if is_leader else None, report.as_dict()))
     except Exception as err:  # noqa: BLE001 -- reported to the engine, which names the rank
         traceback.print_exc()

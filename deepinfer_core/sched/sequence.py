@@ -60,9 +60,9 @@ class Sequence:
     :param prompt: the prompt text, when there is one, for outputs.
     :param seed: per-request seed; defaults to `sampling_params.seed`, else a random 64-bit seed.
     :param arrival_time: `time.time()` at arrival; defaults to now.
-    :param defers_grammar_mask: its grammar's mask may be filled after its step is launched (overlapped
-        decode with the in-process executor: `StructuredOutputManager.fill_bitmask`), so a grammar alone
-        does not make it wait for its last token on the host.
+    :param defers_grammar_mask: its grammar's mask may be filled after its step's forward is queued
+        (overlapped decode, any executor: `StructuredOutputManager.plan_rows`), so a grammar alone does
+        not make it wait for its last token on the host.
     """
 
     def __init__(

@@ -8,19 +8,20 @@ engine then drives it each step:
 - `pop_failed` before scheduling: sequences whose compile failed or ran past `compile_timeout_s`;
   the others start matching once compiled, and `is_ready` (the scheduler's admission predicate)
   keeps a sequence waiting until then;
-- `fill_bitmask` after scheduling: one packed row (`[rows, ceil(vocab / 32)]` int32) per sampled
+- `plan_rows` after scheduling names the rows, `fill_rows` fills them: one packed row (`[rows, ceil(vocab / 32)]` int32) per sampled
   constrained request, named by its `ScheduledRequest.grammar_row`; the runner applies it to the
   logits on the device (`apply_bitmask`) before sampling. Under speculative decoding a request with d
   drafts has d + 1 rows from its `grammar_row` on, one per logits row it verifies: row j is its mask
   after the drafts before it, filled by advancing the matcher through the drafts and rolling it back
   afterwards (xgrammar's matchers roll back without limit). A draft the grammar rejects cannot be
   accepted (the masked draw of its row is another token), so the rows after it are left free.
-  Under overlapped decode with the in-process executor a request's input may still be on the device
-  (`PENDING_TOKEN`): the bitmask is then deferred, a function the runner calls once the step's
-  forward is launched, which first has the engine accept the tokens of the step in flight (vLLM's
-  async scheduling does the same; such a request has no drafts: verify steps are never overlapped);
+  The rows travel as data, apart from the plan: the engine fills them after the executor's
+  `execute_model` returned (in-process, while the forward runs) and hands them to `sample`. Under
+  overlapped decode a request's input may still be on the device (`PENDING_TOKEN`): the engine then
+  first accepts the tokens of the step in flight (vLLM's async scheduling does the same; such a request
+  has no drafts: verify steps are never overlapped), with any executor;
 - `accept` with each appended token: the matcher advances; True once the grammar is complete. It is
-  idempotent by position, so the engine's settling of a step skips tokens a deferred mask accepted.
+  idempotent by position, so the engine's settling of a step skips tokens accepted before a pending row was filled.
 
 In thinking mode (the prompt's last `<think>` comes after its last `</think>`) the reasoning is free:
 the matcher starts with the first token after the model's `</think>` (a `</think>` draft included: the
@@ -37,7 +38,6 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as wait_futures
@@ -111,10 +111,10 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
         raise GrammarError(f"invalid structured outputs {kind}: {_message(err)}") from None
 
 
-def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> None:
-    """Mask, in place, the disallowed tokens of the constrained rows of `logits` (row k samples
-    `plan.requests[sampled[k]]`, repeated for a request's drafts: its j-th row takes bitmask row
-    `grammar_row + j`); the other rows are not touched."""
+def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int], bitmask: torch.Tensor) -> None:
+    """Mask, in place, the disallowed tokens of the constrained rows of `logits` by `bitmask` (the step's
+    rows, `StructuredOutputManager.fill_rows`): row k samples `plan.requests[sampled[k]]`, repeated for a
+    request's drafts, and its j-th row takes bitmask row `grammar_row + j`; the other rows are not touched."""
     from deepinfer_core.speculative.verify import row_token_offsets
 
     rows, source = [], []
@@ -125,9 +125,6 @@ def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> N
             source.append(request.grammar_row + request.num_draft_tokens + offset)
     if not rows:
         return
-    bitmask = plan.grammar_bitmask
-    if callable(bitmask):  # deferred (`StructuredOutputManager.fill_bitmask`): the forward is launched now
-        bitmask = bitmask()
     if rows != source:  # xgrammar reads bitmask row i for logits row i
         full = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
         full[rows] = bitmask[source]
@@ -144,6 +141,19 @@ def apply_bitmask(logits: torch.Tensor, plan: StepPlan, sampled: list[int]) -> N
         bitmask = bitmask.to(logits.device, non_blocking=True)
         indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
     _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+
+
+@dataclass(frozen=True)
+class GrammarRows:
+    """The constrained rows of one plan (`StructuredOutputManager.plan_rows`), filled by `fill_rows`."""
+
+    seq_ids: list[str]
+    drafts: list[tuple[int, ...]]
+    """Per sequence, the drafts its step verifies (its rows after the first)."""
+    first_rows: list[int]
+    num_rows: int
+    is_pending: bool
+    """Some sequence's input is still on the device: accept the step in flight's tokens before filling."""
 
 
 @dataclass
@@ -340,19 +350,18 @@ class StructuredOutputManager:
         if futures:
             wait_futures(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
-    def fill_bitmask(self, plan: StepPlan, accept_pending: Callable[[], None] | None = None) -> StepPlan:
-        """`plan` with a bitmask row for each sampled constrained request (itself if there are none).
+    def plan_rows(self, plan: StepPlan) -> tuple[StepPlan, GrammarRows | None]:
+        """`plan` with a bitmask row named (`grammar_row`) for each sampled constrained request, and those
+        rows to fill (`fill_rows`) once the plan's forward is queued (None: no constrained request).
 
         A request with d drafts gets d + 1 rows (`apply_bitmask`), one per draft position. A request
-        whose input is `PENDING_TOKEN` (it has no drafts) cannot have its row filled before the step
-        launches: the plan's bitmask is then a function, which the runner calls once the forward is launched
-        (before sampling). It calls `accept_pending`, which waits for the step in flight and `accept`s
-        its tokens, then fills every row, so the matchers' host work overlaps the forward. Such a plan
-        does not pickle: only the in-process executor is given one (`Executor.is_in_process`).
+        whose input is `PENDING_TOKEN` (it has no drafts) has its row filled only after the engine
+        `accept`s the tokens of the step in flight (`GrammarRows.is_pending`): the engine does that after
+        `execute_model`, so the matchers' host work overlaps the forward, in any executor.
         """
         if not self._seqs:
-            return plan
-        indices, seq_ids, drafts, first_rows, is_deferred = [], [], [], [], False
+            return plan, None
+        indices, seq_ids, drafts, first_rows, is_pending_any = [], [], [], [], False
         num_rows = 0  # logits rows before this request's: its grammar rows are its logits rows
         for index, request in enumerate(plan.requests):
             if not request.is_sampled:
@@ -373,21 +382,17 @@ class StructuredOutputManager:
             seq_ids.append(request.request_id)
             drafts.append(request_drafts)
             first_rows.append(num_rows - d - 1)
-            is_deferred |= is_pending
+            is_pending_any |= is_pending
         if not indices:
-            return plan
+            return plan, None
         requests = list(plan.requests)
         for index, row in zip(indices, first_rows):
             requests[index] = replace(requests[index], grammar_row=row)
-        if not is_deferred:
-            bitmask = self.next_token_bitmask(seq_ids, drafts, rows=first_rows, num_rows=num_rows)
-        elif accept_pending is None:
-            raise RuntimeError("a constrained request's input is pending and nothing accepts the step in flight")
-        else:
-            def bitmask() -> torch.Tensor:
-                accept_pending()
-                return self.next_token_bitmask(seq_ids, rows=first_rows, num_rows=num_rows)
-        return replace(plan, requests=tuple(requests), grammar_bitmask=bitmask)
+        return replace(plan, requests=tuple(requests)), GrammarRows(seq_ids, drafts, first_rows, num_rows, is_pending_any)
+
+    def fill_rows(self, rows: GrammarRows) -> torch.Tensor:
+        """The packed masks of `rows` (`next_token_bitmask`), what the executor's `sample` applies."""
+        return self.next_token_bitmask(rows.seq_ids, rows.drafts, rows=rows.first_rows, num_rows=rows.num_rows)
 
     def next_token_bitmask(self, seq_ids: list[str], drafts: list[tuple[int, ...]] | None = None, *,
                            rows: list[int] | None = None, num_rows: int | None = None) -> torch.Tensor:
@@ -441,8 +446,8 @@ class StructuredOutputManager:
 
     def accept(self, seq_id: str, token_id: int, position: int) -> bool:
         """Advance `seq_id`'s matcher by its output token number `position` (0 for the first); True
-        once the grammar is complete. A position already accepted (by a deferred mask, see
-        `fill_bitmask`) gives the same answer again without advancing the matcher.
+        once the grammar is complete. A position already accepted (before a pending row was
+        filled, see `plan_rows`) gives the same answer again without advancing the matcher.
 
         :raises GrammarError: the matcher rejects the token (again at every later call).
         """
@@ -453,7 +458,7 @@ class StructuredOutputManager:
         return state.is_complete
 
     def accept_many(self, seq_ids: list[str], token_ids: list[int], positions: list[int]) -> None:
-        """`accept` for the tokens of one step (a deferred mask's, see `fill_bitmask`), raising nothing:
+        """`accept` for the tokens of one step (the step in flight's, see `plan_rows`), raising nothing:
         sequences not tracked, or whose token at that position was accepted already, are skipped, and a
         rejected token becomes the sequence's error, which its next `accept` raises."""
         think_end = None

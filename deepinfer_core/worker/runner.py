@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,25 @@ from deepinfer_core.worker.model_loader import capture_graphs, load_model, make_
 __all__ = ["CarriedTokens", "ModelRunner", "RequestState"]
 
 
+@dataclass
+class _Step:
+    """What `ModelRunner.execute_model` leaves for `sample`: the plan, its rows' logits and what sampling,
+    verification and drafting read after them (`states` None: a plan of cache ops alone)."""
+
+    plan: StepPlan
+    states: list[RequestState] | None = None
+    rows: list[int] | None = None
+    logits: torch.Tensor | None = None
+    tensors: object = None
+    prompt_logits: dict | None = None
+    saved_rows: SavedRows | None = None
+    input_ids: torch.Tensor | None = None
+    completes: bool = True
+    """Verification and the MTP drafter follow sampling (not for a prefill split over the cp ranks)."""
+    cache_saved: object = None
+    """What the plan's cache ops saved (`KvConnectorWorker.apply`), given back with the result."""
+
+
 def _read_through(owner: str, name: str, doc: str) -> property:
     """A read-only attribute of the runner that is `owner`'s `name` (kept for the runner's readers)."""
     return property(lambda self: getattr(getattr(self, owner), name), doc=doc)
@@ -46,7 +65,7 @@ def _read_through(owner: str, name: str, doc: str) -> property:
 
 class ModelRunner:
     """One rank's model side: built by `model_loader`, it keeps the per-request states (`inputs`), the
-    cache, the sampler and the speculative and graph helpers, and runs each step plan (`launch`)."""
+    cache, the sampler and the speculative and graph helpers, and runs each step plan in two phases (`execute_model`, then `sample`)."""
 
     config = _read_through("loaded", "config", "The whole model's `ModelConfig`.")
     engine_config = _read_through("loaded", "engine_config", "The resolved `EngineConfig`.")
@@ -80,6 +99,8 @@ class ModelRunner:
         self.context_parallel = (ContextParallel(loaded.parallel.cp, device, self.model, self.kv_cache,
                                                  self.inputs.prepare_inputs) if loaded.parallel.cp.size > 1 else None)
         self._carried: CarriedTokens | None = None
+        self._step: _Step | None = None
+        """The step `execute_model` ran and `sample` has not sampled."""
         self._kept_sampling: tuple[list[RequestState], object] | None = None
         """The last step's rows and sampling tensors, while no row's tensors follow its history."""
         self.spec = SpecVerifier.build(engine_config, model_config, loaded.plans, self.kv_cache, device)
@@ -107,34 +128,39 @@ class ModelRunner:
         self.model.close()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one plan: compute every scheduled token, sample the requests it marks."""
-        return self.launch(plan)()
+        """Run one plan whole, with no grammar mask: `execute_model`, then `sample`."""
+        self.execute_model(plan)
+        return self.sample(None)
 
-    def launch(self, plan: StepPlan) -> Callable[[], StepResult]:
-        """Queue `plan`'s forward and sampling on the device and return what completes the step: call it
-        for the `StepResult`. Completing reads the sampled tokens (verification accepts drafts and rolls
-        the rejected ones back, the MTP drafter proposes); the host may do other work in between, such
-        as building the previous step's outputs, while the device runs (`Engine` does so for
-        verification steps). Complete each launch before the next one."""
+    def execute_model(self, plan: StepPlan) -> None:
+        """First phase of a step: take `plan`'s states in, apply its cache ops and queue its forward on the
+        device; the logits (and the cache rows that verification may roll back) wait for `sample`, which
+        must follow before the next plan. The host may fill the step's grammar masks meanwhile."""
+        if self._step is not None:
+            raise RuntimeError("execute_model called twice without sample in between")
         if plan.cache_ops:  # prefix-tier transfers first: a block saved here may be rewritten below
-            result = self._execute_with_cache_ops(plan)
-            return lambda: result
+            saved = self.block_io.apply(plan.cache_ops)
+            if not plan.requests:
+                self._step = _Step(plan, cache_saved=saved)
+                return
+            self.execute_model(replace(plan, cache_ops=()))
+            self._step.cache_saved = saved
+            return
         states = self.update_states(plan)
         if self._graph_width(plan):  # decode, or verification with the same number of drafts everywhere
             rows = spec_verify.logits_row_requests(plan, list(range(len(states))))
             tensors = self._sampling_tensors(plan, states, rows)  # before the launch: no wait on copies
             saved = self.spec.capture(plan, states) if self.spec is not None else None
             logits = self.graphs.run(plan.requests, states, self._carried)
-            sampled = self._sample(plan, rows, logits, tensors, {})
-            return functools.partial(self._complete, plan, states, rows, logits, tensors, sampled, saved,
-                                     self.graphs.input_ids[: plan.num_tokens])
+            self._step = _Step(plan, states, rows, logits, tensors, {}, saved, self.graphs.input_ids[: plan.num_tokens])
+            return
         layout = self.context_parallel.layout(plan, states) if self.context_parallel is not None else None
         if layout is not None:  # a prefill step split over the cp ranks
             logits, sampled, prompt_spans = self.context_parallel.forward(layout, self._carried)
             prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
             tensors = self._sampling_tensors(plan, states, sampled)
-            result = self._sample(plan, sampled, logits[: len(sampled)], tensors, prompt_logits)
-            return lambda: result
+            self._step = _Step(plan, states, sampled, logits[: len(sampled)], tensors, prompt_logits, completes=False)
+            return
         ctx, logits_indices, sampled, prompt_spans, pending = self.prepare_inputs(plan, states)
         if pending:
             if self._carried is None:
@@ -145,9 +171,41 @@ class ModelRunner:
         saved = self.spec.capture(plan, states) if self.spec is not None else None
         logits = self.model(ctx, self.kv_cache.layers, logits_indices)
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
-        sampled = self._sample(plan, rows, logits[: len(rows)], tensors, prompt_logits)
-        return functools.partial(self._complete, plan, states, rows, logits[: len(rows)], tensors, sampled, saved,
-                                 ctx.input_ids)
+        self._step = _Step(plan, states, rows, logits[: len(rows)], tensors, prompt_logits, saved, ctx.input_ids)
+
+    def sample(self, grammar_bitmask=None) -> StepResult:
+        """Second phase of a step: mask, sample and verify the logits `execute_model` left (see
+        `sample_late`), and return the `StepResult`."""
+        return self.sample_late(grammar_bitmask)()
+
+    def sample_late(self, grammar_bitmask=None) -> Callable[[], StepResult]:
+        """Queue the sampling of the step `execute_model` ran, its constrained rows masked by
+        `grammar_bitmask` (`[rows, ceil(vocab / 32)]` int32 on the host, as a tensor or numpy array, the
+        rows the plan's `grammar_row`s name; None: no grammar), and return what completes the step: call
+        it for the `StepResult`. Completing reads the sampled tokens (verification accepts drafts and rolls
+        the rejected ones back, the MTP drafter proposes); the host may do other work in between, such
+        as building the previous step's outputs, while the device runs (`Engine` does so for
+        verification steps). Complete each step before the next `execute_model`."""
+        step, self._step = self._step, None
+        if step is None:
+            raise RuntimeError("sample called without execute_model before it")
+        if step.states is None:  # cache ops alone
+            result = StepResult([], None)
+            result.saved = step.cache_saved
+            return lambda: result
+        if grammar_bitmask is not None and not isinstance(grammar_bitmask, torch.Tensor):
+            grammar_bitmask = torch.from_numpy(grammar_bitmask)
+        plan = step.plan
+        result = self._sample(plan, step.rows, step.logits, step.tensors, step.prompt_logits, grammar_bitmask)
+        if not step.completes:
+            return lambda: result
+        complete = functools.partial(self._complete, plan, step.states, step.rows, step.logits, step.tensors,
+                                     result, step.saved_rows, step.input_ids)
+        if step.cache_saved is None:
+            return complete
+        result = complete()  # a step with cache ops is read at once (`Engine` never reads one late)
+        result.saved = step.cache_saved
+        return lambda: result
 
     def _complete(self, plan: StepPlan, states: list[RequestState], rows: list[int], logits: torch.Tensor, tensors,
                   result: StepResult, saved: SavedRows | None, input_ids: torch.Tensor) -> StepResult:
@@ -158,12 +216,6 @@ class ModelRunner:
             result = self.spec.finish(plan, states, rows, logits, tensors, result, saved, draft_probs)
         if self.mtp is not None and result.output is not None:
             result.drafts = self.mtp.propose(plan, states, input_ids, self.model.final_streams, result)
-        return result
-
-    def _execute_with_cache_ops(self, plan: StepPlan) -> StepResult:
-        saved = self.block_io.apply(plan.cache_ops)
-        result = self.execute(replace(plan, cache_ops=())) if plan.requests else StepResult([], None)
-        result.saved = saved
         return result
 
     def _sampling_tensors(self, plan: StepPlan, states: list[RequestState], sampled: list[int]):
@@ -191,12 +243,12 @@ class ModelRunner:
         return tensors
 
     def _sample(self, plan: StepPlan, sampled: list[int], logits: torch.Tensor, tensors,
-                prompt_logits: dict) -> StepResult:
+                prompt_logits: dict, grammar_bitmask: torch.Tensor | None) -> StepResult:
         if not sampled:
             return StepResult([], None, prompt_logits)
         is_finite = logits.isfinite().all(dim=-1)  # before the grammar mask writes -inf
-        if plan.grammar_bitmask is not None:
-            apply_bitmask(logits, plan, sampled)  # structured output: disallowed tokens to -inf
+        if grammar_bitmask is not None:
+            apply_bitmask(logits, plan, sampled, grammar_bitmask)  # structured output: disallowed tokens to -inf
         output = self.sampler.sample(logits, tensors)
         self._carried = CarriedTokens(output.token_ids, [plan.requests[i].request_id for i in sampled])
         # a row with NaN or infinite logits gets no made-up token (the carried copy stays a valid id)

@@ -292,15 +292,15 @@ def test_token_times_are_stamped_after_the_tokens_are_read(tmp_path):
             reads.append(time.time())
             return self.tensor.tolist()
 
-    execute = engine.executor.execute
+    sample = engine.executor.sample
 
-    def slow_execute(plan):
-        result = execute(plan)
+    def slow_sample(grammar_rows=None, **kwargs):
+        result = sample(grammar_rows, **kwargs)
         if result.output is not None:
             result.output = dataclasses.replace(result.output, token_ids=SlowRead(result.output.token_ids))
         return result
 
-    engine.executor.execute = slow_execute
+    engine.executor.sample = slow_sample
     engine.add_request("a", random_prompts([20])[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     [out] = engine.step()
     assert len(out.outputs[0].token_ids) == 1 and len(reads) == 1

@@ -91,7 +91,7 @@ def test_overlapped_decode_matches_transformers_under_preemption(tmp_path, oracl
 def test_next_step_launches_before_the_last_is_read(tmp_path):
     engine = make_engine(tmp_path, max_num_seqs=4, num_kv_blocks=8, async_scheduling=True)
     events = []
-    execute, settle = engine.executor.execute, engine.steps.settle
+    execute, settle = engine.executor.execute_model, engine.steps.settle
 
     def record_execute(plan):
         events.append(("launch", any(PENDING_TOKEN in r.token_ids for r in plan.requests)))
@@ -101,7 +101,7 @@ def test_next_step_launches_before_the_last_is_read(tmp_path):
         events.append(("settle", None))
         return settle(in_flight, touched)
 
-    engine.executor.execute, engine.steps.settle = record_execute, record_settle
+    engine.executor.execute_model, engine.steps.settle = record_execute, record_settle
     run(engine, random_prompts([10, 12]), [6, 6])
     launches = [carried for kind, carried in events if kind == "launch"]
     # prefill, first decode (nothing in flight), then every decode launches from carried tokens

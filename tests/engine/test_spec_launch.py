@@ -25,17 +25,23 @@ def spec_engine(path, reference, offset: int, k: int = 3, **options) -> Engine:
 
 def count_launches(engine: Engine) -> tuple[list, list]:
     """Two lists gaining, per step launched ahead and per step that verified drafts, its plan."""
-    launched, verified, launch, record = [], [], engine.executor.launch, engine.speculator.record
+    launched, verified, record = [], [], engine.speculator.record
+    execute_model, sample, plans = engine.executor.execute_model, engine.executor.sample, []
 
-    def counted(plan):
-        launched.append(plan)
-        return launch(plan)
+    def executed(plan):
+        plans.append(plan)
+        return execute_model(plan)
+
+    def counted(grammar_rows=None, *, late=False):
+        if late:
+            launched.append(plans[-1])
+        return sample(grammar_rows, late=late)
 
     def recorded(plan, num_accepted, is_overlapped=False):
         if any(r.num_draft_tokens for r in plan.requests):
             verified.append(plan)
         return record(plan, num_accepted, is_overlapped)
-    engine.executor.launch, engine.speculator.record = counted, recorded
+    engine.executor.execute_model, engine.executor.sample, engine.speculator.record = executed, counted, recorded
     return launched, verified
 
 
@@ -110,8 +116,8 @@ def test_outputs_of_a_launched_step_come_with_the_next_call(tmp_path, references
     with the call before); the launched step's tokens come with the call after it, which launches the
     next verification step before it builds them."""
     engine = spec_engine(tmp_path, continuations(references["greedy"]), 0)
-    events, launch, make_output = [], engine.executor.launch, engine.output.make_output
-    engine.executor.launch = lambda plan: events.append("launch") or launch(plan)
+    events, sample, make_output = [], engine.executor.sample, engine.output.make_output
+    engine.executor.sample = lambda rows=None, *, late=False: (late and events.append("launch")) or sample(rows, late=late)
     engine.output.make_output = lambda *args: events.append("output") or make_output(*args)
     engine.add_request("0", PROMPTS[0], GREEDY[0])
     seen = []

@@ -15,6 +15,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.engine import Engine
+from deepinfer_core.plan import PENDING_TOKEN
 from deepinfer_core.sampling_params import StructuredOutputsParams
 from deepinfer_core.structured_output.manager import GrammarError, StructuredOutputManager
 from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
@@ -136,15 +137,16 @@ def free(seed: int) -> SamplingParams:
 
 
 def count_deferred(engine: Engine, monkeypatch) -> list[str]:
-    """The ids of the requests of each plan whose bitmask the runner fills after launch, in order."""
-    execute, deferred = engine.executor.execute, []
+    """The ids of the constrained requests of each plan whose input is the step in flight's token (their
+    rows filled once that step's tokens are accepted, after `execute_model`), in order."""
+    execute, deferred = engine.executor.execute_model, []
 
     def record(plan):
-        if callable(plan.grammar_bitmask):
-            deferred.extend(r.request_id for r in plan.requests if r.grammar_row is not None)
+        deferred.extend(r.request_id for r in plan.requests
+                        if r.grammar_row is not None and r.token_ids[-1] == PENDING_TOKEN)
         return execute(plan)
 
-    monkeypatch.setattr(engine.executor, "execute", record)
+    monkeypatch.setattr(engine.executor, "execute_model", record)
     return deferred
 
 
@@ -181,18 +183,18 @@ def test_a_token_rejected_under_overlap_ends_that_request_alone(overlapped_engin
                 "free": free(0)}
     reference = run_engine(step_by_step, requests)
     manager, unmasked = overlapped_engine.structured_output, []
-    fill = manager.fill_bitmask
+    plan_rows = manager.plan_rows
 
-    def unmask_third(plan, *accept_pending):  # "bad" samples its third token without its mask: `</think>`
-        plan = fill(plan, *accept_pending)
+    def unmask_third(plan):  # "bad" samples its third token without its mask: `</think>`
+        plan, grammar = plan_rows(plan)
         requests = list(plan.requests)
         for i, r in enumerate(requests):
             if r.request_id == "bad" and r.start == 4:  # its prompt has 3 tokens
-                unmasked.append(callable(plan.grammar_bitmask))
+                unmasked.append(grammar.is_pending)
                 requests[i] = replace(r, grammar_row=None)
-        return replace(plan, requests=tuple(requests))
+        return replace(plan, requests=tuple(requests)), grammar
 
-    monkeypatch.setattr(manager, "fill_bitmask", unmask_third)
+    monkeypatch.setattr(manager, "plan_rows", unmask_third)
     done = run_engine(overlapped_engine, requests)
     assert unmasked == [True]  # the overlapped path: its mask was to be filled after launch
     assert len(reference["bad"].token_ids) > 2
@@ -275,10 +277,10 @@ def test_a_constrained_rows_mask_row_is_its_logits_row(overlapped_engine: Engine
 
     seen, apply = [], runner_module.apply_bitmask
 
-    def spy(logits, plan, sampled):
+    def spy(logits, plan, sampled, bitmask):
         seen.append([(k, plan.requests[i].grammar_row) for k, i in enumerate(sampled)
                      if plan.requests[i].grammar_row is not None])
-        return apply(logits, plan, sampled)
+        return apply(logits, plan, sampled, bitmask)
 
     monkeypatch.setattr(runner_module, "apply_bitmask", spy)
     mixed = {f"free{i}": free(i) for i in range(3)}
@@ -314,14 +316,14 @@ def test_thinking_is_free_and_the_grammar_constrains_the_answer(llm: LLM) -> Non
 
 def test_a_matcher_error_ends_that_request_alone(overlapped_engine: Engine, monkeypatch) -> None:
     manager = overlapped_engine.structured_output
-    fill = manager.fill_bitmask
+    plan_rows = manager.plan_rows
 
-    def unmask_bad(plan, *accept_pending):  # the request "bad" samples without its mask: the matcher rejects it
-        plan = fill(plan, *accept_pending)
+    def unmask_bad(plan):  # the request "bad" samples without its mask: the matcher rejects it
+        plan, grammar = plan_rows(plan)
         return replace(plan, requests=tuple(replace(r, grammar_row=None) if r.request_id == "bad" else r
-                                            for r in plan.requests))
+                                            for r in plan.requests)), grammar
 
-    monkeypatch.setattr(manager, "fill_bitmask", unmask_bad)
+    monkeypatch.setattr(manager, "plan_rows", unmask_bad)
     choice = CONSTRAINTS["choice"]
     done = run_engine(overlapped_engine, {"bad": SamplingParams(max_tokens=8, seed=1, structured_outputs=choice),
                                           "good": SamplingParams(max_tokens=8, seed=1, structured_outputs=choice),

@@ -75,15 +75,13 @@ class ScriptedDrafter:
 
 
 def count_constrained_drafts(engine: Engine, monkeypatch) -> list[int]:
-    """Per constrained request of each plan, the drafts it verified (plans run at once or launched)."""
-    counts = []
-    for name in ("execute", "launch"):
-        run = getattr(engine.executor, name)
+    """Per constrained request of each plan, the drafts it verified (plans read at once or late)."""
+    counts, run = [], engine.executor.execute_model
 
-        def record(plan, run=run):
-            counts.extend(r.num_draft_tokens for r in plan.requests if r.grammar_row is not None)
-            return run(plan)
-        monkeypatch.setattr(engine.executor, name, record)
+    def record(plan):
+        counts.extend(r.num_draft_tokens for r in plan.requests if r.grammar_row is not None)
+        return run(plan)
+    monkeypatch.setattr(engine.executor, "execute_model", record)
     return counts
 
 

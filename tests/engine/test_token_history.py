@@ -43,8 +43,8 @@ def test_penalised_greedy_equals_the_oracle_under_chunking_and_preemption(tmp_pa
     names = {"presence": "presence_penalty", "frequency": "frequency_penalty", "repetition": "repetition_penalty"}
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **{names[k]: v for k, v in pen.items()})
               for pen in penalties]
-    plans, execute = [], engine.executor.execute
-    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
+    plans, execute_model = [], engine.executor.execute_model  # every step's first phase sees its plan
+    engine.executor.execute_model = lambda plan: plans.append(plan) or execute_model(plan)
     done = {out.request_id: out for out in serve(engine, prompts, params)}
     assert engine.stats()["num_preemptions"] > 0, "the pool was meant to force a readmission"
     pending = [r for plan in plans for r in plan.requests if PENDING_TOKEN in r.token_ids]

@@ -22,6 +22,14 @@ def _backend(spec):
     return InvariantTritonMoE(spec)
 
 
+def _on(device, x, input_ids, weights):
+    """The case's tensors on `device` (the kernels take device pointers: a CPU tensor cannot reach a GPU launch)."""
+    weights = dataclasses.replace(weights, **{f.name: getattr(weights, f.name).to(device)
+                                              for f in dataclasses.fields(weights)
+                                              if isinstance(getattr(weights, f.name), torch.Tensor)})
+    return x.to(device), input_ids.to(device), weights
+
+
 def test_conforms_to_the_reference(kernel_device) -> None:
     conformance.check_moe(_backend(SPEC), kernel_device, num_tokens_list=(1, 7, 70))
 
@@ -38,10 +46,7 @@ def test_token_is_the_same_alone_and_in_batches(kernel_device, expert_format) ->
     x, input_ids, weights = random_moe_case(spec, 70, seed=4)
     if expert_format == "fp4":
         weights = conformance.fp4_moe_weights(weights)
-    x, input_ids = x.to(kernel_device), input_ids.to(kernel_device)
-    weights = dataclasses.replace(weights, **{f.name: getattr(weights, f.name).to(kernel_device)
-                                              for f in dataclasses.fields(weights)
-                                              if isinstance(getattr(weights, f.name), torch.Tensor)})
+    x, input_ids, weights = _on(kernel_device, x, input_ids, weights)
     full = backend.forward(x, input_ids, weights)
     for rows in (slice(69, 70), slice(50, 70), slice(0, 70, 3)):
         assert torch.equal(backend.forward(x[rows], input_ids[rows], weights), full[rows])
@@ -50,7 +55,7 @@ def test_token_is_the_same_alone_and_in_batches(kernel_device, expert_format) ->
 def test_refuses_other_tiles(kernel_device) -> None:
     from deepinfer_nvidia_sm100.moe import GemmConfig
 
-    x, input_ids, weights = random_moe_case(SPEC, 2, seed=1)
+    x, input_ids, weights = _on(kernel_device, *random_moe_case(SPEC, 2, seed=1))
     ids, topk_weights = _backend(SPEC).route(x, input_ids, weights)
     with pytest.raises(ValueError, match="one tile configuration"):
         _backend(SPEC).experts(x, ids, topk_weights, weights, GemmConfig(64, 64, 64, 4, 4))

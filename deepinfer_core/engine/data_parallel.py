@@ -12,9 +12,10 @@ for the first): one poll of one socket, whatever the number of ranks. The only c
 cores is the MoE lockstep under expert parallelism, which the cores agree on among themselves
 (`dp_core.StepRounds`); the front end takes no part in it.
 
-Layouts: each DP rank is one process (tensor and context parallel size 1). Under torchrun each rank's
-process hosts its own core, addressed by two tcp:// pyzmq addresses, with rank 0 fronting the API
-(`engine.dp_torchrun`).
+Layouts: each DP rank's core runs in the process of its first rank; with tensor parallelism its other
+ranks are processes of their own that the core drives each step over their gloo group
+(`executor.broadcast`). Under torchrun each DP rank's first rank hosts its core, addressed by two
+tcp:// pyzmq addresses, with rank 0 fronting the API (`engine.dp_torchrun`).
 """
 
 from __future__ import annotations
@@ -61,16 +62,12 @@ def build_engine(config: EngineConfig, weights: dict[str, torch.Tensor] | None =
 
 
 def check_layout(model_config, config: EngineConfig) -> None:
-    """Refuse, before any core starts, the data-parallel layouts the cores cannot run yet."""
+    """Refuse, before any core starts, the data-parallel layouts the cores cannot run yet (context
+    parallelism with data parallelism: `ParallelConfig.check_implemented`)."""
     layout = config.parallel_config
     layout.check_implemented()
     tensor_parallel.check_tensor_parallel(model_config, config.tensor_parallel_size)
     context_parallel.check_context_parallel(model_config, config)
-    if layout.tensor_parallel_size > 1 or layout.context_parallel_size > 1:
-        raise NotImplementedError(
-            f"data_parallel_size={layout.data_parallel_size} with tensor_parallel_size={layout.tensor_parallel_size}"
-            f" and context_parallel_size={layout.context_parallel_size}: each DP rank's engine core runs one "
-            "process, so data parallelism needs tensor and context parallel size 1 for now")
 
 
 class DataParallelEngine:

@@ -29,12 +29,17 @@ _CORE_MAIN = "from deepinfer_core.engine.dp_core import core_main; core_main({})
 
 
 class CoreClient:
-    """One engine core process per DP rank (tensor and context parallel size 1: DP rank = global rank)."""
+    """One engine core per DP rank, in the process of the DP rank's first rank; a DP rank of several
+    (tensor-parallel) ranks has its other ranks in processes of their own, driven by its core."""
 
-    def __init__(self, context, outbox, inboxes: list, procs: list, timeout_s: float, cleanup=None) -> None:
+    def __init__(self, context, outbox, inboxes: list, procs: list, timeout_s: float, cleanup=None,
+                 workers: dict | None = None, ranks_per_core: int = 1) -> None:
         """Over bound sockets: `outbox` (every core's answers), `inboxes` (one per core); `procs`, per core,
-        something with `poll()` and `returncode` (a `Popen`, or a thread's stand-in) or None (a remote core)."""
+        something with `poll()` and `returncode` (a `Popen`, or a thread's stand-in) or None (a remote core);
+        `workers`, global rank -> `Popen` of each DP rank's later ranks started here (killed at shutdown);
+        `ranks_per_core`, the ranks of one DP rank (core `dp` is global rank `dp * ranks_per_core`)."""
         self._context, self.outbox, self.inboxes, self.procs = context, outbox, inboxes, procs
+        self.workers, self.ranks_per_core = workers or {}, ranks_per_core
         self.num_cores, self.timeout_s, self._cleanup = len(inboxes), timeout_s, cleanup
         self.is_shut_down, self.waited_s = False, 0.0
         ready: dict[int, proto.Ready] = {}
@@ -48,22 +53,30 @@ class CoreClient:
     @classmethod
     def spawn(cls, model_config: ModelConfig, config: EngineConfig, device: torch.device,
               weights: dict[str, torch.Tensor] | None = None) -> CoreClient:
-        """One core process per DP rank on this machine, over ipc:// sockets in a fresh folder."""
+        """One process per rank on this machine, over ipc:// sockets in a fresh folder: each DP rank's
+        first rank hosts its core, its other ranks (tensor parallelism) follow it."""
         context, folder = zmq.Context(), tempfile.mkdtemp(prefix="deepinfer-dp-")
         outbox = context.socket(zmq.PULL)
         outbox.bind(f"ipc://{folder}/out")
-        inboxes, procs = [], []
+        inboxes, procs, workers = [], [], {}
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        for dp in range(config.data_parallel_size):
-            inbox = context.socket(zmq.PUSH)
-            inbox.bind(f"ipc://{folder}/in-{dp}")
-            inboxes.append(inbox)
-            addresses = f"'ipc://{folder}/in-{dp}', 'ipc://{folder}/out', {dp}"
-            procs.append(subprocess.Popen([sys.executable, "-c", _CORE_MAIN.format(addresses)]))
-            args = (dp, config.data_parallel_size, init_method, model_config, config, str(device), weights)
-            inbox.send(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+        layout = config.parallel_config
+        for rank in range(layout.world_size):
+            dp = layout.coordinates(rank)[0]
+            inbox = context.socket(zmq.PUSH)  # a later rank's socket carries only its start-up arguments
+            inbox.bind(f"ipc://{folder}/in-{rank}")
+            addresses = f"'ipc://{folder}/in-{rank}', 'ipc://{folder}/out', {dp}"
+            proc = subprocess.Popen([sys.executable, "-c", _CORE_MAIN.format(addresses)])
+            if rank == layout.dp_leader(dp):
+                inboxes.append(inbox)
+                procs.append(proc)
+            else:
+                workers[rank] = proc
+            args = (rank, layout.world_size, init_method, model_config, config, str(device), weights)
+            inbox.send(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))  # a later rank's: closed with the context
         return cls(context, outbox, inboxes, procs, config.worker_timeout_s,
-                   cleanup=lambda: shutil.rmtree(folder, ignore_errors=True))
+                   cleanup=lambda: shutil.rmtree(folder, ignore_errors=True), workers=workers,
+                   ranks_per_core=layout.world_size // layout.data_parallel_size)
 
     def send(self, dp_rank: int, message) -> None:
         try:
@@ -83,27 +96,35 @@ class CoreClient:
             ready = False
             message = proto.decode_from_core(self.outbox.recv())
             if isinstance(message, proto.Failed):
-                self._fail_dead_peer(message.dp_rank, what, f"raised during {what}: {message.message}")
-                self._fail(message.dp_rank, f"raised during {what}: {message.message}")
+                rank = message.rank if message.rank is not None else message.dp_rank
+                self._fail_dead_peer(rank, what, f"raised during {what}: {message.message}")
+                self._fail(rank, f"raised during {what}: {message.message}", message.dp_rank)
             messages.append(message)
         if not messages:
-            for dp, proc in enumerate(self.procs):
-                if proc is not None and proc.poll() is not None:
-                    self._fail_dead_peer(dp, what, f"exited during {what} (exit code {proc.returncode})")
-                    self._fail(dp, f"exited during {what} (exit code {proc.returncode})")
+            for rank, proc in self._all_procs().items():
+                if proc.poll() is not None:
+                    self._fail_dead_peer(rank, what, f"exited during {what} (exit code {proc.returncode})")
+                    self._fail(rank, f"exited during {what} (exit code {proc.returncode})")
         return messages
+
+    def _all_procs(self) -> dict:
+        """Global rank -> process, for every rank started here (a remote core's is unknown)."""
+        leaders = {dp * self.ranks_per_core: proc for dp, proc in enumerate(self.procs) if proc is not None}
+        return {**leaders, **self.workers}
 
     def _fail_dead_peer(self, rank: int, what: str, cause: str, grace_s: float = 1.0) -> None:
         """`rank` failed with `cause`: if another core was killed by a signal (`signalled_peer`), name
         that one, `rank`'s cause after."""
-        peers = {peer: proc for peer, proc in enumerate(self.procs) if peer != rank and proc is not None}
+        peers = {peer: proc for peer, proc in self._all_procs().items() if peer != rank}
         found = signalled_peer(peers, grace_s)
         if found is not None:
             self._fail(found[0], f"exited during {what} (exit code {found[1]}); worker rank {rank} then {cause}")
 
-    def _fail(self, rank: int, cause: str):
+    def _fail(self, rank: int, cause: str, dp_rank: int | None = None):
+        """End every core with a `WorkerError` naming global `rank` and its DP rank."""
         self.shutdown(wait_s=0.5)
-        raise WorkerError(f"worker rank {rank} {cause} (the engine core of DP rank {rank})")
+        dp = dp_rank if dp_rank is not None else rank // self.ranks_per_core
+        raise WorkerError(f"worker rank {rank} {cause} (DP rank {dp})")
 
     def shutdown(self, wait_s: float = 30.0) -> None:
         """Tell every core to stop; kill one still running after `wait_s` (idempotent)."""
@@ -116,7 +137,7 @@ class CoreClient:
             except zmq.Again:
                 pass
         deadline = time.monotonic() + wait_s
-        for proc in self.procs:
+        for proc in (*self.procs, *self.workers.values()):  # a core stops its DP rank's later ranks
             if proc is None:
                 continue
             try:

@@ -34,6 +34,7 @@ import zmq
 from deepinfer_core.engine import dp_protocol as proto
 from deepinfer_core.engine.engine import Engine
 from deepinfer_core.executor import worker
+from deepinfer_core.executor.broadcast import StepLeader, serve_plans
 from deepinfer_core.executor.protocol import runner_info
 from deepinfer_core.plan import StepPlan, StepResult
 
@@ -58,15 +59,17 @@ class StepRounds:
 
 
 class CoreExecutor:
-    """The executor of one core: its rank's runner in this process. Steps are answered whole (no late
-    read), as they were for a DP rank's worker process; grammar rows come as `sample`'s data."""
+    """The executor of one core: its DP rank's runner in this process, and with tensor parallelism the
+    DP rank's other ranks, fed each step over their group (`broadcast.StepLeader`). Steps are answered
+    whole (no late read); grammar rows come as `sample`'s data."""
 
     is_in_process = False
     """Steps are answered whole (`Executor.is_in_process`)."""
 
-    def __init__(self, runner, rank: int, rounds: StepRounds | None) -> None:
+    def __init__(self, runner, rank: int, rounds: StepRounds | None, peers: DpRankGroup | None = None) -> None:
         self.runner, self.rounds = runner, rounds
         self.report = worker.RankReport(runner, rank)
+        self.driver = StepLeader(self.report, peers.group, rank, peers.ranks) if peers is not None else None
         self.info = runner_info(runner, rank)
         self.infos, self.memory = [self.info], [self.info.memory]
         self.rank_reports: list[dict | None] = [None]
@@ -78,37 +81,50 @@ class CoreExecutor:
         return self.sample(None)
 
     def execute_model(self, plan: StepPlan) -> None:
-        """`Executor.execute_model`; while closing, only the plan's states (no model step)."""
-        if self.is_closing:
+        """`Executor.execute_model`; while closing, only the plan's states (no model step; no lockstep
+        round: the other cores have stopped)."""
+        if self.is_closing and self.driver is None:
             self.runner.update_states(plan)
             return
-        if self.rounds is not None:
+        if self.rounds is not None and not self.is_closing:
             self.rounds.agree(True, False)
-        self.report.execute_model(plan)
+        self._execute_model(plan)
 
     def sample(self, grammar_rows=None, *, late: bool = False):
         """`Executor.sample` (`late`: the result, already read, behind a function)."""
-        if self.is_closing:
+        if self.is_closing and self.driver is None:
             result = StepResult([], None)
-        else:
-            result = worker.host_result(self.report.sample(grammar_rows))
-            self.rank_reports = [self.report.as_dict()]
+        else:  # the DP rank's other ranks apply a closing plan's cache ops too
+            result = self._sample(grammar_rows)
         return (lambda: result) if late else result
 
     def dummy_step(self) -> None:
         """Join a round another core runs a plan in: the MoE layers' collectives, no request."""
-        self._run(StepPlan(()))
+        self._execute_model(StepPlan(()))
+        self._sample(None)
 
-    def _run(self, plan: StepPlan) -> StepResult:
-        result = worker.host_result(self.report.run(plan))
-        self.rank_reports = [self.report.as_dict()]
-        return result
+    def _execute_model(self, plan: StepPlan) -> None:
+        if self.driver is None:
+            self.report.execute_model(plan)
+        else:
+            self.driver.execute_model([plan])
+
+    def _sample(self, grammar_rows) -> StepResult:
+        if self.driver is None:
+            result = self.report.sample(grammar_rows)
+            self.rank_reports = [self.report.as_dict()]
+        else:
+            result, _ = self.driver.sample(grammar_rows)
+            self.rank_reports = self.driver.rank_reports
+        return worker.host_result(result)
 
     @property
     def eplb_stats(self) -> dict | None:
         return self.rank_reports[0]["eplb"] if self.rank_reports[0] else None
 
     def shutdown(self) -> None:
+        if self.driver is not None:
+            self.driver.stop()
         self.runner.close()
 
 
@@ -177,36 +193,76 @@ class EngineCore:
         self.engine.shutdown()
 
 
-def build_core(engine_config, model_config, runner, rank: int, dp_rank: int, inbox, outbox) -> EngineCore:
-    """The core of DP rank `dp_rank` over `runner` (built collectively, with its groups)."""
-    rounds = StepRounds() if runner.experts is not None else None  # only EP has collectives in the model
-    executor = CoreExecutor(runner, rank, rounds)
+class DpRankGroup:
+    """The global ranks of one DP rank (its tensor-parallel ranks) and their gloo group."""
+
+    def __init__(self, ranks: list[int], group) -> None:
+        self.ranks, self.group = ranks, group
+
+    @classmethod
+    def build(cls, layout, rank: int) -> DpRankGroup | None:
+        """This rank's DP-rank group, None when every DP rank is one rank. Collective: every rank of the
+        world calls it, in the same order (each `new_group` is)."""
+        size = layout.tensor_parallel_size * layout.context_parallel_size
+        if size == 1:
+            return None
+        mine = None
+        for dp in range(layout.data_parallel_size):
+            ranks = list(range(dp * size, (dp + 1) * size))
+            group = dist.new_group(ranks, backend="gloo")  # objects cross it: host tensors
+            if rank in ranks:
+                mine = cls(ranks, group)
+        return mine
+
+
+def build_core(engine_config, model_config, runner, rank: int, dp_rank: int, inbox, outbox,
+               peers: DpRankGroup | None = None) -> EngineCore:
+    """The core of DP rank `dp_rank` over `runner` (built collectively, with its groups), driving the
+    DP rank's other ranks (`peers`) when it has more than one."""
+    rounds = None
+    if runner.experts is not None:  # only EP has collectives in the model that cross DP ranks
+        if peers is not None:
+            raise NotImplementedError("expert parallelism over data-parallel ranks of several ranks each")
+        rounds = StepRounds()
+    executor = CoreExecutor(runner, rank, rounds, peers)
     engine = Engine(engine_config, executor=executor)
     return EngineCore(engine, executor, dp_rank, inbox, outbox)
 
 
+def serve_rank(model_config, engine_config, runner, rank: int, dp_rank: int, inbox, outbox) -> bool:
+    """Run this rank's part, given its runner, until the front end stops: the core of its DP rank when it
+    leads it (its first rank), else its leader's plans. Whether it ran a core."""
+    layout = engine_config.parallel_config
+    peers = DpRankGroup.build(layout, rank)
+    if peers is not None and rank != peers.ranks[0]:
+        serve_plans(runner, rank, False, 0, group=peers.group, src=peers.ranks[0])
+        return False
+    core = build_core(engine_config, model_config, runner, rank, dp_rank, inbox, outbox, peers)
+    outbox.send(proto.encode(proto.Ready(dp_rank, core.engine.block_manager.num_free_blocks)))
+    core.run()
+    core.close()
+    return True
+
+
 def core_main(in_address: str, out_address: str, dp_rank: int) -> None:
-    """A core process started by the front end: start-up arguments, runner, `Ready`, then the loop."""
+    """A rank's process started by the front end: start-up arguments, runner, then its core (`Ready`,
+    the loop) or, for a DP rank's later ranks, its leader's plans."""
     context = zmq.Context()
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(in_address)
     outbox.connect(out_address)
-    core = None
+    rank = None
     try:
         rank, world_size, init_method, model_config, engine_config, device, weights = pickle.loads(inbox.recv())
         local_device = worker.rank_device(torch.device(device), rank)
-        if local_device.type != "cpu":  # its own accelerator (torch.cuda / torch.npu)
-            getattr(torch, local_device.type).set_device(local_device)
+        worker.set_device(local_device)
         worker.init_group(local_device, rank, world_size, init_method, engine_config.worker_timeout_s)
         runner = worker.build_runner(model_config, engine_config, local_device, weights)
         del weights
-        core = build_core(engine_config, model_config, runner, rank, dp_rank, inbox, outbox)
-        outbox.send(proto.encode(proto.Ready(dp_rank, core.engine.block_manager.num_free_blocks)))
-        core.run()
-        core.close()
+        serve_rank(model_config, engine_config, runner, rank, dp_rank, inbox, outbox)
     except Exception as err:  # noqa: BLE001 -- reported to the front end, which names the rank
         traceback.print_exc()
-        outbox.send(proto.encode(proto.Failed(dp_rank, f"{type(err).__name__}: {err}")))
+        outbox.send(proto.encode(proto.Failed(dp_rank, f"{type(err).__name__}: {err}", rank)))
         outbox.close(linger=2000)
         sys.exit(1)
     finally:

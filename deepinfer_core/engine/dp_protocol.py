@@ -56,10 +56,11 @@ class Stats(msgspec.Struct, tag="stats"):
 
 
 class Failed(msgspec.Struct, tag="failed"):
-    """The core raised `message`; it exits after sending this."""
+    """A rank of DP rank `dp_rank` raised `message` (global `rank`, when known); it exits after sending this."""
 
     dp_rank: int
     message: str
+    rank: int | None = None
 
 
 ToCore = AddRequest | Abort | QueryStats | Stop

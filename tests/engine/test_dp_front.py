@@ -37,6 +37,31 @@ def test_requests_spread_over_the_cores_and_outputs_merge(tmp_path, single):
     assert stats["num_prefill_tokens"] == sum(rank["num_prefill_tokens"] for rank in stats["data_parallel"])
 
 
+def test_data_parallel_ranks_of_two_tensor_parallel_ranks_each(tmp_path, single):
+    """DP 2 x TP 2: each core drives its DP rank's second rank over their group; the tokens are the
+    single process's (split sums round differently, but not enough to flip a greedy token here)."""
+    engine = make_engine(tmp_path, data_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=8)
+    try:
+        got = {out.request_id: out.outputs[0].token_ids for out in serve(engine, prompts(), GREEDY)}
+        stats = engine.stats()
+        followers = dict(engine.cores.workers)
+        assert sorted(followers) == [1, 3]  # each DP rank's second rank, in a process of its own
+        for dp in (0, 1):  # work on both cores, then the death of DP rank 1's second rank
+            engine.add_request(f"late-{dp}", prompts()[dp], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        followers[3].kill()
+        with pytest.raises(WorkerError, match=r"worker rank 3 exited .*-9.* \(DP rank 1\)"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.shutdown()
+    assert got == single
+    assert all(proc.poll() is not None for proc in (*engine.cores.procs, *followers.values()))
+    steps = {report["rank"]: report["num_steps"] for report in stats["ranks"]}
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert steps[0] == steps[1] > 0 and steps[2] == steps[3] > 0  # a follower runs every step of its core
+
+
 def test_prefix_affinity_abort_and_a_core_error(tmp_path):
     engine = make_engine(tmp_path, data_parallel_size=2, num_kv_blocks=8)
     try:

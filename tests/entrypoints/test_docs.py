@@ -1,4 +1,5 @@
-"""The Serving docs: the README's client snippets and the load bench's requirements."""
+"""The Serving docs (docs/serving.md, once the README's Serving section): the client snippets and the load
+bench's requirements."""
 
 from __future__ import annotations
 
@@ -11,10 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def serving_section() -> str:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("## Serving")
-    end = readme.find("\n## ", start + 1)
-    return readme[start:end if end >= 0 else len(readme)]
+    return (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
 
 
 def test_readme_client_snippets_bound_the_answer() -> None:

@@ -28,9 +28,9 @@ def install(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite on the CPU (accelerator tests skip themselves), in two processes (pytest-xdist;
-    a test file's tests stay in one, so its module fixtures are built once)."""
+    a test file's tests stay in one, so its module fixtures are built once); the 20 slowest tests printed."""
     install(session)
-    session.run("pytest", "-q", "-n", "2", "--dist", "loadfile", *session.posargs)
+    session.run("pytest", "-q", "-n", "2", "--dist", "loadfile", "--durations=20", *session.posargs)
 
 
 @nox.session

@@ -40,6 +40,13 @@ class ReplayPolicy:
     sliding_window: int
     num_layers: int = 1
 
+    def __post_init__(self) -> None:
+        if self.mode not in ("exact", "bounded"):  # a third mode would silently take the exact span
+            raise ValueError(f'swa_replay must be "exact" or "bounded", got {self.mode!r}')
+        if self.sliding_window < 0 or self.num_layers < 1:
+            raise ValueError(f"a replay needs sliding_window >= 0 and num_layers >= 1, got "
+                             f"{self.sliding_window} and {self.num_layers}")
+
     def range_for(self, hit_tokens: int) -> ReplayRange:
         """The replay of a hit of `hit_tokens` (a whole number of blocks) from `start`: "bounded" takes
         `max(0, H - sliding_window)` (SWA Bounded Replay, approximate); "exact" takes

@@ -212,3 +212,10 @@ def test_padded_block_table_rows_point_to_the_null_block():
     assert row[:3] == seq.block_table and NULL_BLOCK not in seq.block_table
     assert row[3:] == [NULL_BLOCK] * 2  # padding reads a block no request owns
     assert tables.tables[1].tolist() == [NULL_BLOCK] * 5  # a slot with no request
+
+
+@pytest.mark.parametrize(("args", "message"), [(("full", 4), "swa_replay"), (("exact", -1), "sliding_window"),
+                                               (("bounded", 4, 0), "num_layers")])
+def test_a_replay_policy_refuses_what_it_cannot_replay(args, message):
+    with pytest.raises(ValueError, match=message):
+        ReplayPolicy(*args)

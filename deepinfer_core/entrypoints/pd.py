@@ -139,6 +139,9 @@ def setup_pd(app: FastAPI, state: ServerState, engine, key: InstanceKey | None, 
         return
     if key is None:
         raise ValueError(NO_KEY_HINT)
+    if role == "decode" and not prefill_urls:
+        raise ValueError("a decode instance reads KV only from the prefill instances it is given: add "
+                         "--prefill-url URL (repeatable)")
     tiers = getattr(engine, "prefix_tiers", None)
     if tiers is None:
         raise NotImplementedError("prefill/decode disaggregation with data_parallel_size > 1: give each DP rank "
@@ -146,9 +149,6 @@ def setup_pd(app: FastAPI, state: ServerState, engine, key: InstanceKey | None, 
     if role == "prefill":
         add_prefill_routes(app, state, public_url, key)
         return
-    if not prefill_urls:
-        raise ValueError("a decode instance reads KV only from the prefill instances it is given: add "
-                         "--prefill-url URL (repeatable)")
     allowed = frozenset(normalized_url(url) for url in prefill_urls)
     app.state.kv_transfer_gate = KvTransferGate(key, allowed, state.metrics)
     tiers.importer.client = HandleClient(allowed, lambda handle_id: {INSTANCE_AUTH_HEADER: key.sign("handle", handle_id)},

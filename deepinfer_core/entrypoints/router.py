@@ -197,6 +197,16 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str],
     for path, (api, shape) in ROUTED.items():
         app.add_api_route(path, _endpoint(upstream, path, api, shape), methods=["POST"], name=api)
 
+    _add_status_routes(app, upstream)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _add_status_routes(app: FastAPI, upstream: _Upstream) -> None:
+    """`/v1/models` (a decode instance's, with the client's key), `/health` and `/metrics`."""
+    client, pools = upstream.client, upstream.pools
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
@@ -216,10 +226,6 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str],
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(_render(pools), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    return app
 
 
 def _forwarded(request: Request) -> dict[str, str]:

@@ -2,8 +2,8 @@
 
 The handle comes over the network, so nothing in it is trusted before it is checked here: it is read
 only from a configured prefill instance (`HandleClient.allowed`, compared as normalized base URLs),
-with the instance key's credential (`HandleClient.headers_for`), within `timeout_s` in all and at most
-`max_bytes` (a bound from the request's own prompt), and parsed into `Handle` field by field: types,
+with the instance key's credential (`HandleClient.headers_for`), within `HandleClient.timeout_s` (twice
+that at worst) and a size bound from the request's own prompt, and parsed into `Handle` field by field: types,
 ranges, sizes consistent with this engine's block bytes. Any failure is a `KvTransferError` with one
 plain sentence; the importer then computes the prompt locally.
 """
@@ -53,6 +53,8 @@ class HandleClient:
     headers_for: Callable[[str], dict[str, str]] = field(default=lambda handle_id: {})
     """The headers authenticating the read of handle `id` to the prefill instance."""
     timeout_s: float = HANDLE_TIMEOUT_S
+    """Longest wait for the connection, the answer's start or each next chunk; the whole read stops at
+    the first chunk past it (so it takes at most twice this)."""
     block_bytes: int | None = None
     """This engine's bytes per block: a handle's must equal it (None: not checked)."""
     state_bytes: Callable[[int], int | None] | None = None
@@ -116,7 +118,7 @@ def _read_bounded(url: str, headers: dict[str, str], timeout_s: float, max_bytes
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > max_bytes:
                 raise KvTransferError(f"the handle is larger than {max_bytes} bytes")
-            for chunk in response.iter_raw():
+            for chunk in response.iter_bytes():  # decoded: a compressed answer is bounded by what it expands to
                 size += len(chunk)
                 if size > max_bytes:
                     raise KvTransferError(f"the handle is larger than {max_bytes} bytes")

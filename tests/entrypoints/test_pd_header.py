@@ -112,3 +112,38 @@ def test_instance_urls_compare_normalized(url, normalized):
 def test_a_url_that_is_not_an_instance_base_url_is_refused(url):
     with pytest.raises(ValueError, match="URL"):
         normalized_url(url)
+
+
+def instance(role: str | None) -> SimpleNamespace:
+    """What `setup_pd` reads of an engine before it builds anything."""
+    return SimpleNamespace(config=SimpleNamespace(kv_transfer_role=role), prefix_tiers=None)
+
+
+@pytest.mark.parametrize(("role", "key", "urls", "why"), [
+    ("decode", None, ["http://prefill:8000"], "DEEPINFER_PD_SECRET"),
+    ("prefill", None, [], "DEEPINFER_PD_SECRET"),
+    ("decode", KEY, [], "--prefill-url"),
+    (None, None, ["http://prefill:8000"], "--role decode"),
+    ("prefill", KEY, ["http://prefill:8000"], "--role decode"),
+])
+def test_an_instance_without_its_trust_refuses_to_start(role, key, urls, why):
+    from deepinfer_core.entrypoints.pd import setup_pd
+
+    app = SimpleNamespace(state=SimpleNamespace())
+    with pytest.raises(ValueError, match=why):
+        setup_pd(app, SimpleNamespace(metrics=ServerMetrics()), instance(role), key, urls, "http://me:1")
+
+
+def test_serve_with_a_role_and_no_instance_key_fails_before_loading_weights(monkeypatch):
+    import argparse
+
+    from deepinfer_core.entrypoints import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_serve_parser(parser.add_subparsers())
+    monkeypatch.delenv("DEEPINFER_PD_SECRET", raising=False)
+    monkeypatch.delenv("DEEPINFER_API_KEY", raising=False)
+    args = parser.parse_args(["serve", "--role", "decode", "--prefill-url", "http://prefill:8000"])
+    monkeypatch.setattr("deepinfer_core.engine.data_parallel.build_engine", lambda config: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match="DEEPINFER_PD_SECRET"):
+        serve_cli.run_serve(args)

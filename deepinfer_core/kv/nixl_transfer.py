@@ -4,8 +4,8 @@ A prefill instance computes a prompt and samples its first token, then `export_p
 its NIXL agent, one buffer holding the prompt's full blocks (from its host tier) followed by the
 request's state (its slot's window rings and compressor tails, and its partial last block: see
 `kv_blocks`), and returns a handle: plain JSON (`kv_transfer_params`) naming the agent (with its
-metadata), the memory descriptors, each block's key, parent key and tokens, the state's size and the
-first token. The router passes the handle to a decode instance with the request; there the engine
+metadata), the exported region (address, size, device, memory type), each block's key, parent key and
+tokens, the state's size and the first token. The router passes the handle to a decode instance with the request; there the engine
 appends the first token at once (`Engine.add_request`), `KvImporter.fetch` reads the buffer with one
 NIXL READ into host memory (UCX: DRAM to DRAM between processes here; GPU memory and RDMA in
 production), checks each block against the request's own key chain, and stages blocks and state like

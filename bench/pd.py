@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -47,9 +48,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PD_SECRET = secrets.token_hex(16)
+
+
 def launch(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
+    env.setdefault("DEEPINFER_PD_SECRET", PD_SECRET)  # the instance key the router and instances share
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", *args, "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
@@ -154,7 +159,7 @@ def main(argv=None) -> None:
             else:  # the three start at once
                 (p_options, p_env), (d_options, d_env) = where["prefill"], where["decode"]
                 prefill, prefill_url = launch([*serve, "--role", "prefill", *p_options], p_env)
-                decode, decode_url = launch([*serve, "--role", "decode", *d_options], d_env)
+                decode, decode_url = launch([*serve, "--role", "decode", "--prefill-url", prefill_url, *d_options], d_env)
                 router, url = launch(["router", "--prefill", prefill_url, "--decode", decode_url])
                 procs += [prefill, decode, router]
                 for proc, at, what in ((prefill, prefill_url, "prefill"), (decode, decode_url, "decode"),

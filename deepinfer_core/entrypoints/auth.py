@@ -7,11 +7,18 @@ must present KEY, as each API's clients send it:
 
 Keys are compared in constant time (`hmac.compare_digest`); a missing or wrong key is answered 401 in
 the API's error shape. `/health` and `/metrics` stay open, as probes and scrapers expect.
+
+Between the router and prefill/decode instances (`pd.py`), an instance key (`InstanceKey`: the
+`DEEPINFER_PD_SECRET` environment variable, else the API key) signs what only the router may send:
+the KV transfer handle a decode instance is given, the router's prefill calls, and a decode instance's
+read of a handle. Signatures are HMAC-SHA256 over a purpose and the message, compared in constant time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -19,7 +26,35 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deepinfer_core.entrypoints.errors import api_of_path, error_response
 
 API_KEY_ENV = "DEEPINFER_API_KEY"
+PD_SECRET_ENV = "DEEPINFER_PD_SECRET"
 PROTECTED_PREFIX = "/v1/"
+INSTANCE_AUTH_HEADER = "x-deepinfer-instance-auth"
+"""Header carrying an instance key's signature (`InstanceKey.sign`) between the router and instances."""
+
+
+@dataclass(frozen=True, repr=False)
+class InstanceKey:
+    """The secret the router and its prefill and decode instances share (never printed)."""
+
+    secret: bytes
+
+    def sign(self, purpose: str, message: str) -> str:
+        """HMAC-SHA256 of `message` for `purpose` (a signature for one purpose never passes for another)."""
+        return hmac.new(self.secret, f"{purpose}\n{message}".encode(), hashlib.sha256).hexdigest()
+
+    def verify(self, purpose: str, message: str, signature: str | None) -> bool:
+        """Whether `signature` is `sign(purpose, message)`, compared in constant time."""
+        return signature is not None and hmac.compare_digest(self.sign(purpose, message).encode(),
+                                                             signature.encode("utf-8", "replace"))
+
+    def __repr__(self) -> str:
+        return "InstanceKey(...)"
+
+
+def instance_key_of(secret: str | None, api_key: str | None) -> InstanceKey | None:
+    """The instance key: `secret` (`DEEPINFER_PD_SECRET`), else the API key, else None."""
+    chosen = secret or api_key
+    return InstanceKey(chosen.encode()) if chosen else None
 
 
 def presented_key(headers: Headers, is_anthropic: bool) -> str | None:
@@ -59,4 +94,5 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
-__all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "is_valid_key", "presented_key"]
+__all__ = ["API_KEY_ENV", "INSTANCE_AUTH_HEADER", "PD_SECRET_ENV", "ApiKeyMiddleware", "InstanceKey", "instance_key_of",
+           "is_valid_key", "presented_key"]

@@ -73,6 +73,29 @@ class HttpLimits:
                 "http": bounded_headers_protocol(self.header_read_timeout_s)}
 
 
+def add_http_limit_arguments(parser: Any) -> None:
+    """The HTTP limits' command-line options (`http_limits_from` reads them back)."""
+    group = parser.add_argument_group("HTTP limits")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
+    group.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
+                       help=f"seconds a request body may take to arrive, then 408 (default {DEFAULT_BODY_READ_TIMEOUT_S:g})")
+    group.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S,
+                       help="seconds a request's headers may take to arrive, then the connection is closed "
+                            f"(default {DEFAULT_HEADER_READ_TIMEOUT_S:g})")
+    group.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                       help=f"most connections served at once, 503 beyond (default {DEFAULT_LIMIT_CONCURRENCY})")
+    group.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                       help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
+
+
+def http_limits_from(args: Any) -> HttpLimits:
+    """The HTTP limits `add_http_limit_arguments`' options ask for."""
+    return HttpLimits(max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout,
+                      limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive,
+                      header_read_timeout_s=args.header_read_timeout)
+
+
 def bounded_headers_protocol(timeout_s: float) -> type:
     """uvicorn's h11 protocol, closing a connection whose request headers take longer than `timeout_s`."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -177,7 +200,8 @@ def check_prompt_bytes(text: str, context_limit: int, max_token_bytes: int | Non
 
 __all__ = [
     "DEFAULT_BODY_READ_TIMEOUT_S", "DEFAULT_LIMIT_CONCURRENCY", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_TIMEOUT_KEEP_ALIVE_S",
-    "ClientGone", "HttpLimits", "check_prompt_bytes", "max_prompt_bytes", "max_token_bytes_of", "read_body",
+    "ClientGone", "HttpLimits", "add_http_limit_arguments", "check_prompt_bytes", "http_limits_from", "max_prompt_bytes",
+    "max_token_bytes_of", "read_body",
 ]
 
 

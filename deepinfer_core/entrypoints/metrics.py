@@ -56,6 +56,14 @@ class ServerMetrics:
     generation_tokens: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)
     e2e_latency: Histogram = field(default_factory=Histogram)
+    kv_transfer_refused: dict[str, int] = field(default_factory=dict)
+    """reason -> KV transfer handles a decode instance refused at the door (`pd.KvTransferGate`):
+    `signature` (missing or wrong), `source` (not a configured prefill instance), `role` (not a decode
+    instance). Its engine's own failures are `kv_transfer_failures_total`."""
+
+    def count_kv_transfer_refused(self, reason: str) -> None:
+        """Count one handle refused for `reason` (the request is then computed here)."""
+        self.kv_transfer_refused[reason] = self.kv_transfer_refused.get(reason, 0) + 1
 
     def count_request(self, api: str, outcome: str) -> None:
         """Count one finished request of `api` with `outcome`."""
@@ -84,6 +92,11 @@ class ServerMetrics:
             ("generation_tokens_total", self.generation_tokens, "Generated tokens."),
         ):
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {value}"]
+        if self.kv_transfer_refused:
+            lines += [f"# HELP {PREFIX}_kv_transfer_refused_total KV transfer handles refused (prompt computed here).",
+                      f"# TYPE {PREFIX}_kv_transfer_refused_total counter"]
+            lines += [f'{PREFIX}_kv_transfer_refused_total{{reason="{reason}"}} {n}'
+                      for reason, n in sorted(self.kv_transfer_refused.items())]
         for name, value, text in self._gauges(engine_stats):
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"]
         lines += prefix_tier_lines(engine_stats)

@@ -16,9 +16,17 @@ answer (or that refused a connection) is out of rotation until it answers again.
 sent twice once an instance may have started it: an instance that refuses the connection is skipped
 for the next one, but a prefill instance that fails or dies during the request ends it with a 503 in
 the API's error shape naming the instance (the decode instances never see such a request), and with no
-healthy instance of a role left the client gets a 503 saying so. A client that leaves closes the
-decode stream, which aborts the request there. `/health` of the router lists each instance's state and
-answers 503 while a role has no healthy instance.
+healthy instance of a role left the client gets a 503 saying so. Only a refused connection or a failed
+health check takes an instance out of rotation: a failure during a request asks its `/health` at once,
+and an instance's answer to a client's error (a 4xx) is relayed as it is. A client that leaves closes
+the decode stream, which aborts the request there. `/health` of the router lists each instance's state
+and answers 503 while a role has no healthy instance.
+
+It is the cluster's front door, with the server's limits (`limits.HttpLimits`: body size and read time,
+header read time, connection cap; a body over the limit is a 413 that reaches no instance) and its API
+key (`--api-key`, checked here and passed on). It signs what it sends the instances with the instance
+key (`auth.InstanceKey`: `DEEPINFER_PD_SECRET`, else the API key), so a decode instance takes a KV
+transfer handle from the router only (`pd.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,8 +46,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.responses import Response, StreamingResponse
 
-from deepinfer_core.entrypoints.errors import error_response
-from deepinfer_core.entrypoints.pd import KV_TRANSFER_HEADER
+from deepinfer_core.chat_contract import ApiError
+from deepinfer_core.entrypoints.auth import (
+    API_KEY_ENV,
+    INSTANCE_AUTH_HEADER,
+    PD_SECRET_ENV,
+    ApiKeyMiddleware,
+    InstanceKey,
+    instance_key_of,
+)
+from deepinfer_core.entrypoints.errors import api_error_response, error_response
+from deepinfer_core.entrypoints.limits import (
+    ClientGone,
+    HttpLimits,
+    add_http_limit_arguments,
+    http_limits_from,
+    read_body,
+)
+from deepinfer_core.entrypoints.pd import NO_KEY_HINT, sign_kv_transfer
 from deepinfer_core.sampling_params import KvTransferParams
 
 ROUTED: dict[str, tuple[str, str]] = {
@@ -95,30 +120,64 @@ class Pool:
         return any(i.is_healthy for i in self.instances)
 
 
+async def check_instance(client: httpx.AsyncClient, instance: Instance) -> None:
+    """Ask `instance`'s `/health`: in rotation if it answers 200, out otherwise."""
+    try:
+        answer = await client.get(f"{instance.url}/health", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as err:
+        instance.mark_down(f"health check failed ({type(err).__name__})")
+        return
+    if answer.status_code == 200:
+        instance.is_healthy, instance.last_error = True, ""
+    else:
+        instance.mark_down(f"health check answered {answer.status_code}")
+
+
 async def check_health(client: httpx.AsyncClient, pools: dict[str, Pool]) -> None:
     """One round of health checks: each instance's `/health` sets whether it is in rotation."""
-    async def check(instance: Instance) -> None:
-        try:
-            answer = await client.get(f"{instance.url}/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as err:
-            instance.mark_down(f"health check failed ({type(err).__name__})")
-            return
-        if answer.status_code == 200:
-            instance.is_healthy, instance.last_error = True, ""
-        else:
-            instance.mark_down(f"health check answered {answer.status_code}")
+    await asyncio.gather(*(check_instance(client, i) for pool in pools.values() for i in pool.instances))
 
-    await asyncio.gather(*(check(i) for pool in pools.values() for i in pool.instances))
+
+@dataclass
+class _Upstream:
+    """What every routed request shares: the HTTP client to the instances, the pools, the limits, the
+    instance key, and the health probes started by failures (kept until done)."""
+
+    client: httpx.AsyncClient
+    pools: dict[str, Pool]
+    limits: HttpLimits
+    key: InstanceKey
+    probes: set = field(default_factory=set)
+
+    def failed(self, instance: Instance) -> None:
+        """`instance` failed during a request: count it and ask its `/health` now (a failure may be the
+        request's, never reason enough alone to take a healthy instance out of rotation)."""
+        instance.num_failures += 1
+        probe = asyncio.ensure_future(check_instance(self.client, instance))
+        self.probes.add(probe)
+        probe.add_done_callback(self.probes.discard)
 
 
 def build_router_app(prefill_urls: list[str], decode_urls: list[str],
-                     health_interval_s: float = HEALTH_INTERVAL_S) -> FastAPI:
-    """The router's app (see the module docstring); `health_interval_s` <= 0: no periodic checks."""
+                     health_interval_s: float = HEALTH_INTERVAL_S, *, limits: HttpLimits | None = None,
+                     api_key: str | None = None, pd_secret: str | None = None) -> FastAPI:
+    """The router's app (see the module docstring); `health_interval_s` <= 0: no periodic checks.
+
+    :param limits: the server's limits on what clients send (body size and read time); the connection
+        limits are uvicorn's (`HttpLimits.uvicorn_options`, as `run_router` serves it).
+    :param api_key: every `/v1/...` request must present it (`auth.ApiKeyMiddleware`); passed on.
+    :param pd_secret: the instance key's secret (`DEEPINFER_PD_SECRET`); None: the API key.
+    :raises ValueError: no instance of a role, or no instance key.
+    """
     if not prefill_urls or not decode_urls:
         raise ValueError("a router needs at least one --prefill and one --decode instance")
+    key = instance_key_of(pd_secret, api_key)
+    if key is None:
+        raise ValueError(NO_KEY_HINT)
     pools = {"prefill": Pool("prefill", [Instance(u.rstrip("/")) for u in prefill_urls]),
              "decode": Pool("decode", [Instance(u.rstrip("/")) for u in decode_urls])}
     client = httpx.AsyncClient(timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=10.0))
+    upstream = _Upstream(client, pools, limits or HttpLimits(), key)
 
     async def watch() -> None:
         while True:
@@ -134,17 +193,27 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str],
         await client.aclose()
 
     app = FastAPI(title="DeepInfer router", lifespan=lifespan)
-    app.state.pools = pools
+    app.state.pools, app.state.limits = pools, upstream.limits
     for path, (api, shape) in ROUTED.items():
-        app.add_api_route(path, _endpoint(client, pools, path, api, shape), methods=["POST"], name=api)
+        app.add_api_route(path, _endpoint(upstream, path, api, shape), methods=["POST"], name=api)
+
+    _add_status_routes(app, upstream)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _add_status_routes(app: FastAPI, upstream: _Upstream) -> None:
+    """`/v1/models` (a decode instance's, with the client's key), `/health` and `/metrics`."""
+    client, pools = upstream.client, upstream.pools
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         try:
-            upstream = await client.get(f"{pools['decode'].pick().url}/v1/models")
+            answer = await client.get(f"{pools['decode'].pick().url}/v1/models", headers=_forwarded(request))
         except (NoHealthyInstanceError, httpx.HTTPError) as err:
             return error_response(503, str(err) or type(err).__name__, "chat")
-        return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -158,14 +227,18 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str],
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(_render(pools), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app
+
+def _forwarded(request: Request) -> dict[str, str]:
+    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
 
 
-async def _send(client: httpx.AsyncClient, pool: Pool, request_of) -> tuple[Instance, httpx.Response]:
+async def _send(upstream: _Upstream, pool: Pool, request_of) -> tuple[Instance, httpx.Response]:
     """Send to the least loaded healthy instance, skipping (and taking out of rotation) those that refuse
-    the connection: the request never reached them. Other failures propagate (it may have started).
-    The chosen instance's `num_in_flight` is raised; the caller lowers it.
+    the connection: the request never reached them. Other failures propagate (it may have started) and
+    ask the instance's health (`_Upstream.failed`). The chosen instance's `num_in_flight` is raised; the
+    caller lowers it.
     :raises NoHealthyInstanceError: when every instance refused or is down."""
+    client = upstream.client
     tried: tuple[Instance, ...] = ()
     while True:
         instance = pool.pick(exclude=tried)
@@ -180,8 +253,8 @@ async def _send(client: httpx.AsyncClient, pool: Pool, request_of) -> tuple[Inst
             tried += (instance,)
         except httpx.HTTPError as err:
             instance.num_in_flight -= 1
-            instance.num_failures += 1
-            instance.mark_down(f"failed during a request ({type(err).__name__})")  # back once /health answers
+            instance.last_error = f"failed during a request ({type(err).__name__})"
+            upstream.failed(instance)
             raise _Failed(instance) from None
 
 
@@ -192,35 +265,42 @@ class _Failed(Exception):
         self.instance = instance
 
 
-def _endpoint(client: httpx.AsyncClient, pools: dict[str, Pool], path: str, api: str, shape: str):
+def _endpoint(upstream: _Upstream, path: str, api: str, shape: str):
+    client, pools = upstream.client, upstream.pools
+
     async def endpoint(request: Request) -> Response:
-        body = await request.body()
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        try:  # the server's limits: a body over the size is a 413 that reaches no instance
+            body = await read_body(request, upstream.limits, shape)
+        except ApiError as err:
+            return api_error_response(err)
+        except ClientGone:
+            return Response(status_code=499)
+        headers = _forwarded(request)
+        prefill_headers = {**headers, INSTANCE_AUTH_HEADER: upstream.key.sign("prefill", api)}
         try:
-            instance, upstream = await _send(client, pools["prefill"], lambda i: client.build_request(
-                "POST", f"{i.url}/v1/pd/prefill/{api}", content=body, headers=headers))
+            instance, answered = await _send(upstream, pools["prefill"], lambda i: client.build_request(
+                "POST", f"{i.url}/v1/pd/prefill/{api}", content=body, headers=prefill_headers))
         except NoHealthyInstanceError as err:
             return error_response(503, str(err), shape)
         except _Failed as failed:
             return _prefill_failed(failed.instance, "connection lost", shape)
         try:
-            answer = await upstream.aread()
+            answer = await answered.aread()
         except httpx.HTTPError as err:
-            instance.num_failures += 1
-            instance.mark_down(f"failed during a request ({type(err).__name__})")
+            upstream.failed(instance)
             return _prefill_failed(instance, f"{type(err).__name__}: {err or 'connection lost'}", shape)
         finally:
-            await upstream.aclose()
+            await answered.aclose()
             instance.num_in_flight -= 1
-        if upstream.status_code != 200:  # the API's own answer (a 400 for a bad body, a 401, ...)
-            return Response(answer, status_code=upstream.status_code, media_type="application/json")
+        if answered.status_code != 200:  # the API's own answer (a 400 for a bad body, a 401, ...)
+            return Response(answer, status_code=answered.status_code, media_type="application/json")
         try:  # parsed once here; the decode instance gets the same JSON back
             kv = KvTransferParams.from_json(json.loads(answer)["kv_transfer_params"])
         except (ValueError, KeyError, TypeError) as err:
             instance.num_failures += 1
             return _prefill_failed(instance, f"malformed kv_transfer_params: {err}", shape)
-        return await _relay(client, pools["decode"], path, body,
-                            {**headers, KV_TRANSFER_HEADER: json.dumps(kv.to_json())}, shape)
+        return await _relay(upstream, pools["decode"], path, body, {**headers, **sign_kv_transfer(upstream.key, kv)},
+                            shape)
 
     return endpoint
 
@@ -230,9 +310,10 @@ def _prefill_failed(instance: Instance, why: str, shape: str) -> Response:
                                "retry the request", shape)
 
 
-async def _relay(client: httpx.AsyncClient, pool: Pool, path: str, body: bytes, headers: dict, shape: str):
+async def _relay(upstream: _Upstream, pool: Pool, path: str, body: bytes, headers: dict, shape: str):
+    client = upstream.client
     try:
-        instance, upstream = await _send(client, pool, lambda i: client.build_request(
+        instance, answered = await _send(upstream, pool, lambda i: client.build_request(
             "POST", f"{i.url}{path}", content=body, headers=headers))
     except NoHealthyInstanceError as err:
         return error_response(503, str(err), shape)
@@ -241,14 +322,14 @@ async def _relay(client: httpx.AsyncClient, pool: Pool, path: str, body: bytes, 
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in answered.aiter_raw():
                 yield chunk
         finally:
-            await upstream.aclose()
+            await answered.aclose()
             instance.num_in_flight -= 1
 
-    media_type = upstream.headers.get("content-type", "application/json")
-    return StreamingResponse(chunks(), status_code=upstream.status_code, media_type=media_type)
+    media_type = answered.headers.get("content-type", "application/json")
+    return StreamingResponse(chunks(), status_code=answered.status_code, media_type=media_type)
 
 
 def _render(pools: dict[str, Pool]) -> str:
@@ -275,14 +356,22 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S,
                         help="seconds between health checks of the instances (0: none)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"key every /v1 request must present, as `deepinfer serve --api-key` (default: "
+                             f"${API_KEY_ENV}); also the instance key unless ${PD_SECRET_ENV} is set")
+    add_http_limit_arguments(parser)
     parser.set_defaults(handler=run_router)
     return parser
 
 
 def run_router(args: argparse.Namespace) -> int:
+    """Serve the router with uvicorn, under the HTTP limits the options ask for."""
     import uvicorn
 
-    uvicorn.run(build_router_app(args.prefill, args.decode, args.health_interval), host=args.host, port=args.port, log_level="info")
+    limits = http_limits_from(args)
+    app = build_router_app(args.prefill, args.decode, args.health_interval, limits=limits, api_key=args.api_key,
+                           pd_secret=os.environ.get(PD_SECRET_ENV) or None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
     return 0
 
 

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from deepinfer_core.chat_contract import Api, ApiError, ChatEncoding
 from deepinfer_core.engine.async_engine import AsyncEngine
-from deepinfer_core.entrypoints.auth import ApiKeyMiddleware
+from deepinfer_core.entrypoints.auth import ApiKeyMiddleware, instance_key_of
 from deepinfer_core.entrypoints.chat import load_chat_encoding
 from deepinfer_core.entrypoints.completions import handle_completions
 from deepinfer_core.entrypoints.errors import add_error_handlers, api_error_response, error_response
@@ -40,6 +40,7 @@ from deepinfer_core.entrypoints.limits import (
     read_body,
 )
 from deepinfer_core.entrypoints.metrics import ServerMetrics
+from deepinfer_core.entrypoints.pd import setup_pd
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.engine import Engine
@@ -79,6 +80,8 @@ def build_app(
     limits: HttpLimits | None = None,
     api_key: str | None = None,
     public_url: str | None = None,
+    pd_secret: str | None = None,
+    prefill_urls: list[str] | tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI app serving `engine`; the engine loop thread starts now and stops with the app.
 
@@ -91,6 +94,9 @@ def build_app(
     :param api_key: when set, every `/v1/...` request must present it (see `auth.py`).
     :param public_url: this server's base URL as other instances reach it; a prefill instance
         (`kv_transfer_role="prefill"`) serves its prefill routes under it (see `pd.py`).
+    :param pd_secret: the secret the router and prefill/decode instances share (`DEEPINFER_PD_SECRET`);
+        None: the API key is the instance key (`auth.instance_key_of`).
+    :param prefill_urls: a decode instance's prefill instances, the only sources it reads KV from.
     """
     encoding = load_chat_encoding(engine.tokenizer, engine.model_config)
     names = [n for n in (served_model_name, *model_aliases) if n]
@@ -113,10 +119,8 @@ def build_app(
     app.state.server = state
     add_error_handlers(app)
     _add_routes(app, state)
-    if engine.config.kv_transfer_role == "prefill":
-        from deepinfer_core.entrypoints.pd import add_prefill_routes
-
-        add_prefill_routes(app, state, public_url or "http://127.0.0.1:8000")
+    setup_pd(app, state, engine, instance_key_of(pd_secret, api_key), list(prefill_urls),
+             public_url or "http://127.0.0.1:8000")
     app.add_middleware(TrimHeapAfterLargeBodies)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

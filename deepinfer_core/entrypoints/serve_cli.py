@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from deepinfer_core.entrypoints.auth import API_KEY_ENV
+from deepinfer_core.entrypoints.auth import API_KEY_ENV, PD_SECRET_ENV
 from deepinfer_core.entrypoints.limits import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
@@ -101,6 +101,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "front (implies --enable-prefix-caching; a prefill instance's --host-cache-gib defaults to 1)")
     parser.add_argument("--public-url", default=None,
                         help="this server's base URL as other instances reach it (default http://HOST:PORT)")
+    parser.add_argument("--prefill-url", action="append", default=[],
+                        help="a decode instance's prefill instance (its --public-url), the only sources it reads KV "
+                             f"from (repeatable); the router and instances share ${PD_SECRET_ENV}, else --api-key")
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
@@ -213,10 +216,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
         model_dir = str(embedded_tiny_model_dir())
     require_chat_encoding(model_dir)
+    if args.role is not None and not (os.environ.get(PD_SECRET_ENV) or args.api_key):
+        from deepinfer_core.entrypoints.pd import NO_KEY_HINT
+
+        raise ValueError(NO_KEY_HINT)  # before the weights load
     limits = http_limits_of(args)
     app = build_app(build_engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
                     model_aliases=args.model_alias, limits=limits, api_key=args.api_key,
-                    public_url=args.public_url or f"http://{args.host}:{args.port}")
+                    public_url=args.public_url or f"http://{args.host}:{args.port}",
+                    pd_secret=os.environ.get(PD_SECRET_ENV) or None, prefill_urls=args.prefill_url)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
     return 0
 

@@ -4,8 +4,8 @@ A prefill instance computes a prompt and samples its first token, then `export_p
 its NIXL agent, one buffer holding the prompt's full blocks (from its host tier) followed by the
 request's state (its slot's window rings and compressor tails, and its partial last block: see
 `kv_blocks`), and returns a handle: plain JSON (`kv_transfer_params`) naming the agent (with its
-metadata), the memory descriptors, each block's key, parent key and tokens, the state's size and the
-first token. The router passes the handle to a decode instance with the request; there the engine
+metadata), the exported region (address, size, device, memory type), each block's key, parent key and
+tokens, the state's size and the first token. The router passes the handle to a decode instance with the request; there the engine
 appends the first token at once (`Engine.add_request`), `KvImporter.fetch` reads the buffer with one
 NIXL READ into host memory (UCX: DRAM to DRAM between processes here; GPU memory and RDMA in
 production), checks each block against the request's own key chain, and stages blocks and state like
@@ -14,6 +14,11 @@ the first token, with no replay and no prompt token computed. The READ carries a
 handle's id, on which the exporter releases the memory; a handle nobody reads is released after
 `HANDLE_TTL_S`. A failed read (the prefill instance died) stages nothing: the decode instance computes
 the prompt itself (the first token, already known, is computed as part of it).
+
+The handle is read only from the prefill instances the decode instance was given, with the instance
+key's credential, bounded in size and time, and checked field by field (`kv.pd_handle`); the exported
+buffer travels as plain numbers (address, size, device, memory type), never pickled. Whatever a
+handle holds, a bad one is a warning and a count (`num_failed`) and the prompt is computed here.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.kv.pd_handle import Handle, HandleClient, KvTransferError, parse_handle, read_handle
 from deepinfer_core.kv.tiers import BlockRef
 from deepinfer_core.sampling_params import KvTransferParams
 
@@ -36,10 +42,6 @@ HANDLE_TTL_S = 120.0
 """A handle no decode instance read within this long is released."""
 READ_TIMEOUT_S = 30.0
 NIXL_HINT = 'prefill/decode disaggregation needs NIXL: pip install "deepinfer[pd]" (nixl-cu13)'
-
-
-class KvTransferError(RuntimeError):
-    """NIXL is missing, or a transfer failed."""
 
 
 def _nixl():
@@ -90,9 +92,10 @@ class KvExporter:
         buffer = torch.cat(parts).contiguous()
         with self._lock:  # one thread at a time in the agent (the engine thread exports, the server reads)
             registration = self.agent.register_memory(buffer)
-            descs = self.agent.get_xfer_descs(buffer)
+            device = buffer.get_device()
+            region = [buffer.data_ptr(), int(buffer.numel()), max(device, 0), "VRAM" if device >= 0 else "DRAM"]
             handle.update(agent=self.agent.name, metadata=base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                          descs=base64.b64encode(self.agent.get_serialized_descs(descs)).decode())
+                          region=region)
             self._exports[handle_id] = _Export(buffer, registration, time.monotonic() + HANDLE_TTL_S, handle)
             self.num_exported += 1
         return handle
@@ -120,10 +123,14 @@ class KvExporter:
 
 
 class KvImporter:
-    """The decode side: reads exported blocks (called from the prefix tiers' loader thread)."""
+    """The decode side: reads exported blocks (called from the prefix tiers' loader thread).
 
-    def __init__(self) -> None:
+    `client` says which prefill instances it reads from and how (`pd_handle.HandleClient`); until the
+    server sets it, no handle is read."""
+
+    def __init__(self, client: HandleClient | None = None) -> None:
         self.agent = _agent("decode")
+        self.client = client
         self.num_fetched = self.num_failed = 0
         self.bytes_read = 0
 
@@ -131,47 +138,46 @@ class KvImporter:
                                                                    tuple[int, torch.Tensor] | None]:
         """The blocks of `source` (`SamplingParams.kv_transfer_params`: the base URL and handle id) that
         equal `chain` from its first block, read by NIXL, and the request's state `(prompt length, bytes)`
-        when every block matched (else None); `([], None)` on any failure (the caller computes them)."""
+        when every block matched (else None); `([], None)` on any failure (the caller computes them).
+        Never raises: its result is taken on the engine's thread, where an exception would stop it."""
         try:
-            handle = _fetch_handle(source)
-        except (KvTransferError, OSError, ValueError, KeyError, TypeError) as err:
+            return self._fetch(source, chain)
+        except Exception as err:  # noqa: BLE001 - whatever a handle holds, the prompt is computed here instead
             self.num_failed += 1
-            logger.warning("no KV handle from the prefill instance %s (%s); the decode instance computes the prompt",
-                           source.prefill, err)
+            logger.warning("KV transfer from the prefill instance %r refused or failed (%s); the decode instance "
+                           "computes the prompt", source.prefill, f"{type(err).__name__}: {err}"[:300])
             return [], None
+
+    def _fetch(self, source: KvTransferParams, chain: list[BlockRef]):
+        client = self.client or HandleClient()
+        handle = parse_handle(_fetch_handle(source, self.client, len(chain)), source.id, len(chain), client)
         refs = []
-        for ref, (key, parent, tokens) in zip(chain, handle.get("blocks", [])):
+        for ref, (key, parent, tokens) in zip(chain, handle.blocks):
             if (ref.key.hex(), ref.parent.hex(), list(ref.tokens)) != (key, parent, tokens):
                 break
             refs.append(ref)
-        has_state = handle.get("state_bytes") is not None and len(refs) == len(handle["blocks"])
+        has_state = handle.state_bytes is not None and len(refs) == len(handle.blocks)
         if not refs and not has_state:
             return [], None
-        try:
-            data = self._read(handle)
-        except (KvTransferError, RuntimeError, ValueError, KeyError) as err:
-            self.num_failed += 1
-            logger.warning("reading KV blocks from %s failed (%s); the decode instance computes the prompt",
-                           handle.get("agent"), err)
-            return [], None
-        block_bytes, num_blocks = int(handle["block_bytes"]), len(handle["blocks"])
+        data = self._read(handle)
+        block_bytes, num_blocks = handle.block_bytes, len(handle.blocks)
         rows = data[: num_blocks * block_bytes].view(num_blocks, block_bytes)[: len(refs)].clone()
         self.num_fetched += len(refs)
         self.bytes_read += data.numel()
-        state = (int(handle["num_prompt_tokens"]), data[num_blocks * block_bytes :].clone()) if has_state else None
+        state = (handle.num_prompt_tokens, data[num_blocks * block_bytes :].clone()) if has_state else None
         return list(zip(refs, rows)), state
 
-    def _read(self, handle: dict) -> torch.Tensor:
-        name = handle["agent"]
+    def _read(self, handle: Handle) -> torch.Tensor:
+        name = handle.agent
         # the metadata names the memory registered when it was taken: load it afresh for each handle
-        self.agent.add_remote_agent(base64.b64decode(handle["metadata"]))
-        remote = self.agent.deserialize_descs(base64.b64decode(handle["descs"]))
-        size = len(handle["blocks"]) * int(handle["block_bytes"]) + int(handle.get("state_bytes") or 0)
+        self.agent.add_remote_agent(base64.b64decode(handle.metadata, validate=True))
+        address, size, device, memory = handle.region
+        remote = self.agent.get_xfer_descs([(address, size, device)], memory)
         buffer = torch.empty(size, dtype=torch.uint8)
         registration = self.agent.register_memory(buffer)
         try:
             local = self.agent.get_xfer_descs(buffer)
-            xfer = self.agent.initialize_xfer("READ", local, remote, name, handle["id"].encode())
+            xfer = self.agent.initialize_xfer("READ", local, remote, name, handle.id.encode())
             state, deadline = self.agent.transfer(xfer), time.monotonic() + READ_TIMEOUT_S
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
@@ -217,15 +223,9 @@ def first_token_output(token: int):
                          ranks=torch.ones(1, dtype=torch.long))
 
 
-def _fetch_handle(source: KvTransferParams) -> dict:
-    import httpx
-
-    try:
-        response = httpx.get(f"{source.prefill.rstrip('/')}/v1/pd/handles/{source.id}", timeout=READ_TIMEOUT_S)
-        response.raise_for_status()
-    except httpx.HTTPError as err:  # gone (404: read already, or expired), or the instance is down
-        raise KvTransferError(f"{type(err).__name__}: {err}") from None
-    return response.json()
+def _fetch_handle(source: KvTransferParams, client: HandleClient | None, num_blocks: int) -> object:
+    """The handle `source` names, decoded (`pd_handle.read_handle`; tests stand in for it)."""
+    return read_handle(source, client, num_blocks)
 
 
 def export_prompt(engine, prompt_token_ids: list[int], request_id: str, first_token: int | None) -> dict:

@@ -38,7 +38,7 @@ def engines(request):
     exporter = built["prefill"].prefix_tiers.exporter
     patch = pytest.MonkeyPatch()
 
-    def fetch_handle(source) -> dict:  # what GET /v1/pd/handles/{id} answers
+    def fetch_handle(source, *_) -> dict:  # what GET /pd/handles/{id} answers
         handle = exporter.handle(source.id)
         if handle is None:
             raise kv_transfer.KvTransferError("HTTPStatusError: 404 Not Found")

@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation: a prefill instance, a decode instance and a router as three processes on
-127.0.0.1, driven by the openai SDK; KV blocks move by NIXL (UCX, DRAM to DRAM)."""
+127.0.0.1, driven by the openai SDK; KV blocks move by NIXL (UCX, DRAM to DRAM). All three run with
+`--api-key`, which is also the instance key they authenticate each other with."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.entrypoints.live import SERVED_NAME, tiny_engine
 pytest.importorskip("nixl_cu13._api", reason="prefill/decode disaggregation needs NIXL (the pd extra: nixl-cu13)")
 
 NO_THINKING = {"thinking": {"type": "disabled"}}  # DeepSeek's switch: with thinking on, temperature is 1.0
+API_KEY = "pd-test-key"
 LONG = " ".join(f"tool call {i} returned status ok with value {i * 7}." for i in range(60))
 MESSAGES = [{"role": "user", "content": LONG}]
 
@@ -41,6 +43,7 @@ def metric_samples(url: str) -> dict[str, str]:
 def start(*args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "UCX_NET_DEVICES": "lo"}
+    env.pop("DEEPINFER_PD_SECRET", None)  # the API key is the instance key
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", *args, "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -62,13 +65,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 420.0) -> 
 
 @pytest.fixture(scope="module")
 def cluster():
-    serve = ["serve", "--max-model-len", "2048", "--max-num-seqs", "4", "--served-model-name", SERVED_NAME]
+    serve = ["serve", "--max-model-len", "2048", "--max-num-seqs", "4", "--served-model-name", SERVED_NAME,
+             "--api-key", API_KEY]
     prefill, prefill_url = start(*serve, "--role", "prefill", "--max-num-batched-tokens", "32")
-    decode, decode_url = start(*serve, "--role", "decode")
+    decode, decode_url = start(*serve, "--role", "decode", "--prefill-url", prefill_url)
     # one more prefill and decode instance each that never started: the router takes them out of rotation
     dead_prefill, dead_decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     router, router_url = start("router", "--prefill", dead_prefill, "--prefill", prefill_url, "--decode", dead_decode,
-                               "--decode", decode_url, "--health-interval", "0.5")
+                               "--decode", decode_url, "--health-interval", "0.5", "--api-key", API_KEY)
     procs = {"prefill": prefill, "decode": decode, "router": router}
     try:
         for proc, url in ((prefill, prefill_url), (decode, decode_url), (router, router_url)):
@@ -88,13 +92,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def single_answer() -> openai.types.chat.ChatCompletion:
-    with running_server(build_app(tiny_engine(), served_model_name=SERVED_NAME)) as base_url:
+    with running_server(build_app(tiny_engine(), served_model_name=SERVED_NAME, api_key=API_KEY)) as base_url:
         return client(base_url).chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=8,
                                                          temperature=0, extra_body=NO_THINKING)
 
 
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+def client(base_url: str, api_key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 def test_the_router_answers_as_a_single_instance(cluster, single_answer):
@@ -122,6 +126,30 @@ def test_the_router_answers_as_a_single_instance(cluster, single_answer):
     health = httpx.get(f"{cluster['router']}/health", timeout=10).json()
     assert {i["url"]: i["healthy"] for i in health["prefill"] + health["decode"]} == {
         cluster["prefill"]: True, cluster["decode"]: True, cluster["dead"][0]: False, cluster["dead"][1]: False}
+
+
+def test_under_an_api_key_the_router_checks_it_and_the_instances_authenticate_each_other(cluster, single_answer):
+    router = cluster["router"]
+    assert SERVED_NAME in [m.id for m in client(router).models.list().data]  # a valid key passes /v1/models
+    for wrong in (client(router, "wrong-key"), client(cluster["decode"], "wrong-key")):
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    # a client cannot reach the prefill instance's internal routes, even with the API key
+    body = {"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 1}
+    direct = httpx.post(f"{cluster['prefill']}/v1/pd/prefill/chat", json=body, timeout=30,
+                        headers={"authorization": f"Bearer {API_KEY}"})
+    assert direct.status_code == 403
+    assert httpx.get(f"{cluster['prefill']}/pd/handles/anything", timeout=10).status_code == 403
+    # the decode instance read the handle with the key: a transfer, not a recompute
+    before = metric_samples(cluster["decode"])
+    answer = client(router).chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=8,
+                                                    temperature=0, extra_body=NO_THINKING)
+    assert answer.choices[0].message.content == single_answer.choices[0].message.content
+    after = metric_samples(cluster["decode"])
+    states = "deepinfer_kv_transfer_states_in_total"
+    assert int(after[states]) - int(before[states]) == 1
+    assert after["deepinfer_kv_transfer_failures_total"] == "0"
+    assert after["deepinfer_prefill_computed_tokens_total"] == before["deepinfer_prefill_computed_tokens_total"]
 
 
 def test_a_prefill_instance_killed_mid_request_is_a_clear_error_and_leaks_nothing(cluster):

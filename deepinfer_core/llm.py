@@ -13,17 +13,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.config.engine import DTYPE_ALIASES
 from deepinfer_core.engine.data_parallel import build_engine
 from deepinfer_core.engine.input import check_sampling_params
 from deepinfer_core.engine.output import apply_final_text
+from deepinfer_core.entrypoints.engine_flags import check_vllm_options
 from deepinfer_core.models import registry
+from deepinfer_core.models.loading.checkpoint_files import require_checkpoint_dir
 from deepinfer_core.models.loading.weight_formats import check_quantization
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
-DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""vLLM's other spellings of `dtype`."""
 
 
 class LLM:
@@ -52,14 +53,12 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: Any = "auto", seed: int | None = 0,
                  max_model_len: int | None = None, *, tokenizer: str | None = None, trust_remote_code: bool = False,
                  expert_parallel_size: int = 1, tensor_parallel_size: int = 1, decode_sequence: bool = False,
-                 quantization: str | None = None, **engine_options: Any) -> None:
+                 quantization: str | None = None, pipeline_parallel_size: int = 1, **engine_options: Any) -> None:
         model = model or os.environ.get(MODEL_DIR_ENV)
         if not model:
             raise ValueError(f"no model given: pass LLM(model=<checkpoint dir>) or set {MODEL_DIR_ENV}")
-        if tokenizer not in (None, model):
-            raise NotImplementedError("tokenizer: a tokenizer directory other than the model's")
-        if expert_parallel_size != 1:
-            raise NotImplementedError("expert_parallel_size > 1 (expert parallelism)")
+        check_vllm_options(str(model), tokenizer, expert_parallel_size, pipeline_parallel_size)
+        require_checkpoint_dir(model)  # a hub id or a wrong path: one sentence, before pydantic wraps it
         dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         seed = secrets.randbits(63) if seed is None else operator.index(seed)
         del trust_remote_code  # nothing here runs checkpoint code

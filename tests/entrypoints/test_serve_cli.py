@@ -69,7 +69,8 @@ def test_without_the_serving_extra_any_options_get_the_install_hint(monkeypatch:
     for name in ("deepinfer_core.entrypoints.serve", "deepinfer_core.entrypoints.serve_cli"):
         monkeypatch.setitem(sys.modules, name, None)  # as if fastapi were missing
     assert cli.main(["serve", "--port", "8000", "/ckpt", "--max-model-len", "4"]) == 2
-    assert 'pip install "deepinfer[recipe]"' in capsys.readouterr().err
+    # the README's route: our wheels are not on PyPI, where `deepinfer` is another project
+    assert 'pip install --find-links dist "deepinfer[recipe]"' in capsys.readouterr().err
 
 
 def test_without_the_recipe_plugin_serve_says_what_to_install_before_loading(

@@ -9,6 +9,7 @@ safetensors (garbage, truncated, a directory), a tensor whose bytes cannot be re
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,6 +20,28 @@ from deepinfer_core.config import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+"""`owner/name`: how a Hugging Face hub id looks (a relative path of two parts may look the same)."""
+
+
+def require_checkpoint_dir(model: str | Path) -> Path:
+    """`model` as a checkpoint directory (one holding config.json), before anything is built from it.
+
+    :raises CheckpointError: one sentence saying what `model` is instead: a hub id (nothing is downloaded
+        here), a missing path, or a directory without config.json.
+    """
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise CheckpointError(f"{model} is not a checkpoint directory: it has no config.json")
+    if _HUB_ID.fullmatch(str(model)) and not path.parent.exists():
+        raise CheckpointError(f"{model!r} looks like a Hugging Face hub id, but checkpoints are read from a local "
+                              f"directory: download it first (huggingface-cli download {model} --local-dir DIR) "
+                              f"and pass DIR")
+    raise CheckpointError(f"{model}: no such checkpoint directory (one holding config.json and *.safetensors)")
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:

@@ -114,3 +114,47 @@ def test_module_runs_as_a_command():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("device: cpu")
     assert "reference" in result.stdout
+
+
+HELP_IMPORTS = """
+import sys
+from deepinfer_core import cli
+try:
+    cli.main({argv!r})
+except SystemExit:
+    pass
+print(sorted({{name.partition(".")[0] for name in sys.modules}} & {{"torch", "fastapi", "httpx", "uvicorn"}}))
+"""
+
+
+@pytest.mark.parametrize(("argv", "allowed"), [(["--help"], []), (["serve", "--help"], ["fastapi"]),
+                                                (["router", "--help"], ["fastapi", "httpx"])])
+def test_help_imports_no_torch(argv, allowed):
+    # `deepinfer --help` must answer at once: what it imports is checked, not how long it takes
+    result = subprocess.run([sys.executable, "-c", HELP_IMPORTS.format(argv=argv)], capture_output=True, text=True,
+                            check=False, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: deepinfer" in result.stdout
+    assert result.stdout.splitlines()[-1] == str(allowed)
+
+
+def test_router_without_httpx_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "deepinfer_core.entrypoints.router", raising=False)
+    monkeypatch.setitem(sys.modules, "httpx", None)  # as if the pd extra were not installed
+    assert cli.main(["router", "--help"]) == 2
+    assert capsys.readouterr().err.strip() == ('deepinfer router is not available (httpx is not installed): '
+                                               'pip install "deepinfer[pd]"')
+
+
+def test_options_are_never_abbreviated(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plugins", "--mod", "/ckpt"])
+    assert "unrecognized arguments: --mod" in capsys.readouterr().err
+
+
+def test_config_errors_are_plain_sentences(capsys):
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
+
+    assert cli.main(["serve", str(embedded_tiny_model_dir()), "--max-num-seqs", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err == "deepinfer serve: error: max_num_seqs: Input should be greater than 0\n"

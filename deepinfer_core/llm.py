@@ -40,13 +40,22 @@ class LLM:
         FP4 experts stay in their bytes where a backend runs them (start-up says which, and who runs them),
         a bf16 checkpoint runs in bf16; "fp8" asks for the same of a checkpoint quantised so. Quantising a
         checkpoint that is not (vLLM's online quantisation) is not implemented. `dtype` sets activations.
-    :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
-        `gpu_memory_utilization`, `enable_prefix_caching`, `host_cache_gib` and `prefix_store_path` (the prefix
-        cache's host and store tiers), `swa_replay`, `device`, `cuda_graph_sizes`, `quantized_weights`,
-        `deterministic` (batch-invariant outputs), `engram_placement`, `engram_prefetch` and
-        `decoder_trimming` (DeepSeek-V4.1), and the parallel layout
-        `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
-        `eplb_config` (see `EngineConfig` and `deepinfer_core.backends.parallel`); a layout this build
+    :param tokenizer: vLLM's tokenizer directory: None or the model's own (its tokenizer.json); another
+        raises `NotImplementedError`.
+    :param trust_remote_code: accepted for vLLM's code; nothing here runs checkpoint code.
+    :param expert_parallel_size: DeepInfer 0.1's spelling; only 1 (use `enable_expert_parallel=True`).
+    :param pipeline_parallel_size: only 1 (pipeline parallelism raises `NotImplementedError`).
+    :param decode_sequence: DeepInfer 0.1's behaviour: `generate` returns the completions' texts, not
+        `RequestOutput`s.
+    :param engine_options: every other field of `EngineConfig` (`deepinfer_core/config/engine.py`, each
+        field described there; `deepinfer serve --help` lists them as flags, and docs/cli.md): e.g.
+        `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, `gpu_memory_utilization`,
+        `enable_prefix_caching`, the prefix cache's tiers (`host_cache_gib`, `prefix_store_path`,
+        `prefix_store_gib`, `prefix_store_ttl_s`, `default_traffic_class`), `kv_transfer_role`
+        (prefill/decode disaggregation), `swa_replay`, `device`, `cuda_graph_sizes`, `quantized_weights`,
+        `async_scheduling`, `deterministic`, `engram_placement`, `engram_prefetch` and `decoder_trimming`
+        (DeepSeek-V4.1), and the parallel layout (`data_parallel_size`, `context_parallel_size`,
+        `enable_expert_parallel`, `enable_eplb`, `eplb_config`, `time_ep_dispatch`); a layout this build
         cannot run raises `NotImplementedError` naming it.
     """
 

@@ -158,3 +158,16 @@ def test_config_errors_are_plain_sentences(capsys):
     assert cli.main(["serve", str(embedded_tiny_model_dir()), "--max-num-seqs", "0"]) == 1
     err = capsys.readouterr().err
     assert err == "deepinfer serve: error: max_num_seqs: Input should be greater than 0\n"
+
+
+def test_every_option_is_listed_in_the_docs():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    parser = cli.build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, subparser in subcommands.items():
+        assert f"## `deepinfer {name}`" in page
+        missing = [option for action in subparser._actions for option in action.option_strings
+                   if option not in ("-h", "--help") and f"`{option}`" not in page]
+        assert missing == [], f"docs/cli.md does not list deepinfer {name}'s {missing}"

@@ -9,6 +9,7 @@ safetensors (garbage, truncated, a directory), a tensor whose bytes cannot be re
 from __future__ import annotations
 
 import json
+import math
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,6 +19,8 @@ from safetensors import SafetensorError, safe_open
 
 from deepinfer_core.config import CheckpointError
 
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+"""Bytes per element of the safetensors dtypes wider than one byte."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -109,6 +112,10 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[name].get_slice(name).get_shape())
+
+    def nbytes(self, name: str) -> int:
+        """The tensor's size in the file (FP8, packed FP4, I8 and E8M0: one byte an element)."""
+        return math.prod(self.shape(name)) * _ITEMSIZE.get(self.dtype(name), 1)
 
     def read(self, name: str) -> torch.Tensor:
         try:

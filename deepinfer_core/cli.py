@@ -129,13 +129,6 @@ SUBCOMMANDS = {
 """Only the subcommand being run has its module imported, so `deepinfer --help` imports no torch or server."""
 EXTRA_OF_MODULE = {"httpx": "pd", "nixl": "pd", "nixl_cu13": "pd"}
 """The extra that installs an optional module; any other one of a subcommand's is the recipe extra's."""
-INSTALL_HINTS = {
-    "recipe": 'pip install --find-links dist "deepinfer[recipe]" (the wheels `nox -s wheels` builds; from a source '
-              "checkout: pip install -e plugins/recipe)",
-    "pd": 'pip install "deepinfer[pd]"',
-}
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, but an option is never taken for a prefix of another (`--model` is not
     `--model-alias`): `allow_abbrev=False` here and in every subcommand's parser."""
@@ -163,8 +156,10 @@ def add_subcommand(subparsers: argparse._SubParsersAction, name: str) -> None:
 
 
 def _unavailable(args: argparse.Namespace, command: str, missing: str | None) -> int:
+    from deepinfer_core.plugins import install_hint
+
     extra = EXTRA_OF_MODULE.get((missing or "").partition(".")[0], "recipe")
-    print(f"deepinfer {command} is not available ({missing} is not installed): {INSTALL_HINTS[extra]}",
+    print(f"deepinfer {command} is not available ({missing} is not installed): {install_hint(extra)}",
           file=sys.stderr)
     return 2
 

@@ -55,7 +55,8 @@ def test_plugins_reads_the_model_config(isolated_plugin_manager, tmp_path, capsy
 def test_plugins_reports_a_missing_accelerator_plugin(isolated_plugin_manager, monkeypatch, capsys):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     assert cli.main(["plugins"]) == 1
-    assert 'pip install "deepinfer[nvidia]"' in capsys.readouterr().err
+    # the README's route: our plugin wheels are not on PyPI
+    assert 'pip install --find-links dist "deepinfer[nvidia]"' in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

@@ -57,6 +57,22 @@ def test_versions_agree_and_the_extras_pin_them():
     assert __version__ == version
 
 
+def test_extras_pull_no_torch_but_the_pinned_one():
+    """`[ascend]` adds no torch, CUDA or NVIDIA requirement (torch-npu's torch is the user's); every torch
+    requirement of the core and `[nvidia]` accepts the torch the README and noxfile pin."""
+    from packaging.requirements import Requirement
+
+    (pinned,) = re.findall(r'^TORCH = "torch==([\d.]+)"', (ROOT / "noxfile.py").read_text(), re.MULTILINE)
+    assert f"torch=={pinned}" in (ROOT / "README.md").read_text()
+    core = {Requirement(r).name for r in _declared_requirements()}
+    added = [Requirement(r) for r in _declared_requirements(("ascend",)) if Requirement(r).name not in core]
+    assert added == []
+    for requirement in map(Requirement, _declared_requirements(("nvidia",))):
+        if requirement.name == "torch":
+            assert requirement.specifier.contains(pinned), requirement
+        assert not re.match(r"nvidia-|cuda", requirement.name), requirement
+
+
 def _copy_sources(destination: Path) -> list[Path]:
     """Copies of the four source trees without build outputs (setuptools would package a stale build/)."""
     ignore = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", "tests", "benchmarks")
@@ -170,6 +186,8 @@ def test_extras_install_from_a_fresh_wheelhouse(tmp_path):
     _add_to_view(view, _declared_requirements(tuple(PLUGINS)))
     _run(python, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse,
          f"deepinfer[{','.join(PLUGINS)}]", env=env, cwd=tmp_path)
+    installed = sorted(path.name.split("-")[0] for path in Path(site).glob("*.dist-info"))
+    assert installed == wheels  # the extras needed nothing but our four distributions beside the view's
     report = _deepinfer(environment, "plugins", env=env, cwd=tmp_path).stdout
     plugin_rows = report.split("backends:")[0].splitlines()
     versions = {row.split()[0]: row.split()[1] for row in plugin_rows[4:] if row.strip()}

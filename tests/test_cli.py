@@ -172,3 +172,12 @@ def test_every_option_is_listed_in_the_docs():
         missing = [option for action in subparser._actions for option in action.option_strings
                    if option not in ("-h", "--help") and f"`{option}`" not in page]
         assert missing == [], f"docs/cli.md does not list deepinfer {name}'s {missing}"
+
+
+def test_plugins_builds_no_engine(isolated_plugin_manager, monkeypatch, capsys):
+    from deepinfer_core.engine import data_parallel, engine
+
+    monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("an engine was built"))
+    monkeypatch.setattr(data_parallel, "build_engine", lambda *a, **k: pytest.fail("an engine was built"))
+    assert cli.main(["plugins"]) == 0
+    assert "make_attention" in capsys.readouterr().out

@@ -1,9 +1,10 @@
 """The `deepinfer` command.
 
 Subcommands register themselves through an `add_<name>_parser(subparsers)` function that adds a parser
-and sets its `handler` default (a function taking the parsed arguments and returning an exit code).
-`deepinfer serve` comes from `deepinfer_core.entrypoints.serve_cli.add_serve_parser` when the serving
-dependencies are installed.
+and sets its `handler` default (a function taking the parsed arguments and returning an exit code);
+`SUBCOMMANDS` says where each lives. Only the subcommand being run is imported, and only when it runs do
+torch and the engine load: `deepinfer --help` and `deepinfer serve --help` import no torch. A subcommand
+whose optional dependencies are missing answers with what to install.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 def add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
     """`deepinfer plugins [--model DIR]`."""
     parser = subparsers.add_parser(
-        "plugins", help="list installed plugins and which one serves each hook on this machine",
+        "plugins", help=SUBCOMMANDS["plugins"].help,
         description="List installed plugins, their versions, and which plugin builds each backend on the "
                     "current device (with every decline reason).")
     parser.add_argument("--model", metavar="DIR",
@@ -107,46 +109,111 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [line(header)] + [line(row) for row in rows]
 
 
-def add_serve_parser_or_hint(subparsers: argparse._SubParsersAction) -> None:
-    """`deepinfer serve`, from the serving module when it imports, else a parser that says what to install."""
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    """A `deepinfer` subcommand: its one-line help, and the module function that adds its parser."""
+
+    help: str
+    module: str
+    add_parser: str
+
+
+SUBCOMMANDS = {
+    "plugins": Subcommand("list installed plugins and which one serves each hook on this machine",
+                          "deepinfer_core.cli", "add_plugins_parser"),
+    "serve": Subcommand("serve a checkpoint over HTTP (OpenAI and Anthropic APIs)",
+                        "deepinfer_core.entrypoints.serve_cli", "add_serve_parser"),
+    "router": Subcommand("route requests to prefill and decode instances (prefill/decode disaggregation)",
+                         "deepinfer_core.entrypoints.router", "add_router_parser"),
+}
+"""Only the subcommand being run has its module imported, so `deepinfer --help` imports no torch or server."""
+EXTRA_OF_MODULE = {"httpx": "pd", "nixl": "pd", "nixl_cu13": "pd"}
+"""The extra that installs an optional module; any other one of a subcommand's is the recipe extra's."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but an option is never taken for a prefix of another (`--model` is not
+    `--model-alias`): `allow_abbrev=False` here and in every subcommand's parser."""
+
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+
+def add_subcommand(subparsers: argparse._SubParsersAction, name: str) -> None:
+    """Add `name`'s parser from its module; when the module needs what is not installed, a parser that
+    answers every argument with what to install."""
+    command = SUBCOMMANDS[name]
     try:
-        from deepinfer_core.entrypoints.serve_cli import add_serve_parser
+        module = importlib.import_module(command.module)
     except ModuleNotFoundError as err:
+        if (err.name or "").startswith("deepinfer_core.") and err.name != command.module:
+            raise  # our own module is missing: a broken install, not a missing extra
         # Whatever options follow, the answer is what to install, not "unrecognized arguments": with no
         # option prefix of its own, this parser takes every argument as one of its positionals.
-        parser = subparsers.add_parser("serve", help="serve a model over HTTP (needs the recipe extra)",
-                                       add_help=False, prefix_chars="\0")
+        parser = subparsers.add_parser(name, help=command.help, add_help=False, prefix_chars="\0")
         parser.add_argument("ignored", nargs="*")
-        parser.set_defaults(handler=functools.partial(_serve_unavailable, missing=err.name))
+        parser.set_defaults(handler=functools.partial(_unavailable, command=name, missing=err.name))
         return
-    add_serve_parser(subparsers)
+    getattr(module, command.add_parser)(subparsers)
 
 
-def _serve_unavailable(args: argparse.Namespace, missing: str | None) -> int:
-    print(f'deepinfer serve is not available ({missing} is not installed): pip install "deepinfer[recipe]"',
+def _unavailable(args: argparse.Namespace, command: str, missing: str | None) -> int:
+    from deepinfer_core.plugins import install_hint
+
+    extra = EXTRA_OF_MODULE.get((missing or "").partition(".")[0], "recipe")
+    print(f"deepinfer {command} is not available ({missing} is not installed): {install_hint(extra)}",
           file=sys.stderr)
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `deepinfer` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference.")
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The `deepinfer` argument parser: every subcommand, with the full parsers of `commands` (None: all);
+    the others are listed by name and help only, their modules not imported."""
+    parser = ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_plugins_parser(subparsers)
-    add_serve_parser_or_hint(subparsers)
+    full = set(SUBCOMMANDS if commands is None else commands)
+    for name, command in SUBCOMMANDS.items():
+        if name in full:
+            add_subcommand(subparsers, name)
+        else:
+            subparsers.add_parser(name, help=command.help)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `deepinfer` console script."""
-    from deepinfer_core.plugins import PluginError
-
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # only the subcommand named (the first argument that is not an option) is built in full
+    named = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser([named] if named in SUBCOMMANDS else []).parse_args(argv)
     try:
         return args.handler(args)
-    except (PluginError, ValueError) as err:  # ValueError covers config errors
-        print(f"deepinfer {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        print(f"deepinfer {args.command}: error: {plain_error(err)}", file=sys.stderr)
         return 1
+
+
+def is_user_error(err: Exception) -> bool:
+    """Whether `err` is a problem the user fixes (printed as one line, no traceback): bad options or config
+    (`ValueError`: `ConfigError`, `CheckpointError`, pydantic's errors), a feature not implemented, no plugin
+    for the device."""
+    from deepinfer_core.plugins import PluginError
+
+    return isinstance(err, (ValueError, NotImplementedError, PluginError))
+
+
+def plain_error(err: Exception) -> str:
+    """`err` as plain sentences: a pydantic validation error without its envelope (the count, the error
+    type, the link to pydantic's site); each error as `field: message`."""
+    errors = getattr(err, "errors", None)
+    if not callable(errors) or type(err).__name__ != "ValidationError":
+        return str(err)
+    parts = []
+    for error in errors(include_url=False):
+        message = str(error["msg"]).removeprefix("Value error, ")
+        location = ".".join(str(part) for part in error["loc"])
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.config.engine import DTYPE_ALIASES
 from deepinfer_core.engine.data_parallel import build_engine
 from deepinfer_core.engine.input import check_sampling_params
 from deepinfer_core.engine.output import apply_final_text
+from deepinfer_core.entrypoints.engine_flags import check_vllm_options
 from deepinfer_core.models import registry
+from deepinfer_core.models.loading.checkpoint_files import require_checkpoint_dir
 from deepinfer_core.models.loading.weight_formats import check_quantization
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.sampling_params import SamplingParams
 
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
-DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""vLLM's other spellings of `dtype`."""
 
 
 class LLM:
@@ -39,27 +40,34 @@ class LLM:
         FP4 experts stay in their bytes where a backend runs them (start-up says which, and who runs them),
         a bf16 checkpoint runs in bf16; "fp8" asks for the same of a checkpoint quantised so. Quantising a
         checkpoint that is not (vLLM's online quantisation) is not implemented. `dtype` sets activations.
-    :param engine_options: `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`,
-        `gpu_memory_utilization`, `enable_prefix_caching`, `host_cache_gib` and `prefix_store_path` (the prefix
-        cache's host and store tiers), `swa_replay`, `device`, `cuda_graph_sizes`, `quantized_weights`,
-        `deterministic` (batch-invariant outputs), `engram_placement`, `engram_prefetch` and
-        `decoder_trimming` (DeepSeek-V4.1), and the parallel layout
-        `data_parallel_size`, `context_parallel_size`, `enable_expert_parallel`, `enable_eplb`,
-        `eplb_config` (see `EngineConfig` and `deepinfer_core.backends.parallel`); a layout this build
+    :param tokenizer: vLLM's tokenizer directory: None or the model's own (its tokenizer.json); another
+        raises `NotImplementedError`.
+    :param trust_remote_code: accepted for vLLM's code; nothing here runs checkpoint code.
+    :param expert_parallel_size: DeepInfer 0.1's spelling; only 1 (use `enable_expert_parallel=True`).
+    :param pipeline_parallel_size: only 1 (pipeline parallelism raises `NotImplementedError`).
+    :param decode_sequence: DeepInfer 0.1's behaviour: `generate` returns the completions' texts, not
+        `RequestOutput`s.
+    :param engine_options: every other field of `EngineConfig` (`deepinfer_core/config/engine.py`, each
+        field described there; `deepinfer serve --help` lists them as flags, and docs/cli.md): e.g.
+        `max_num_seqs`, `max_num_batched_tokens`, `num_kv_blocks`, `gpu_memory_utilization`,
+        `enable_prefix_caching`, the prefix cache's tiers (`host_cache_gib`, `prefix_store_path`,
+        `prefix_store_gib`, `prefix_store_ttl_s`, `default_traffic_class`), `kv_transfer_role`
+        (prefill/decode disaggregation), `swa_replay`, `device`, `cuda_graph_sizes`, `quantized_weights`,
+        `async_scheduling`, `deterministic`, `engram_placement`, `engram_prefetch` and `decoder_trimming`
+        (DeepSeek-V4.1), and the parallel layout (`data_parallel_size`, `context_parallel_size`,
+        `enable_expert_parallel`, `enable_eplb`, `eplb_config`, `time_ep_dispatch`); a layout this build
         cannot run raises `NotImplementedError` naming it.
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", seed: int | None = 0,
                  max_model_len: int | None = None, *, tokenizer: str | None = None, trust_remote_code: bool = False,
                  expert_parallel_size: int = 1, tensor_parallel_size: int = 1, decode_sequence: bool = False,
-                 quantization: str | None = None, **engine_options: Any) -> None:
+                 quantization: str | None = None, pipeline_parallel_size: int = 1, **engine_options: Any) -> None:
         model = model or os.environ.get(MODEL_DIR_ENV)
         if not model:
             raise ValueError(f"no model given: pass LLM(model=<checkpoint dir>) or set {MODEL_DIR_ENV}")
-        if tokenizer not in (None, model):
-            raise NotImplementedError("tokenizer: a tokenizer directory other than the model's")
-        if expert_parallel_size != 1:
-            raise NotImplementedError("expert_parallel_size > 1 (expert parallelism)")
+        check_vllm_options(str(model), tokenizer, expert_parallel_size, pipeline_parallel_size)
+        require_checkpoint_dir(model)  # a hub id or a wrong path: one sentence, before pydantic wraps it
         dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         seed = secrets.randbits(63) if seed is None else operator.index(seed)
         del trust_remote_code  # nothing here runs checkpoint code

@@ -286,6 +286,19 @@ def platforms() -> dict[str, list[str]]:
     return {impl.plugin_name: list(impl.function() or []) for impl in reversed(caller.get_hookimpls())}
 
 
+PLUGIN_DIRECTORIES = {"nvidia": "nvidia_sm100", "ascend": "ascend950", "recipe": "recipe"}
+"""Our plugin extras -> their source directories under plugins/."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs `extra`, the README's way: our plugins are not on PyPI (where `deepinfer`
+    is another project), so they install from the wheels `nox -s wheels` builds into dist/, or from source."""
+    if extra not in PLUGIN_DIRECTORIES:
+        return f'pip install "deepinfer[{extra}]"'
+    return (f'pip install --find-links dist "deepinfer[{extra}]" (the wheels `nox -s wheels` builds; from a source '
+            f"checkout: pip install -e plugins/{PLUGIN_DIRECTORIES[extra]})")
+
+
 def select_device() -> torch.device:
     """The device to run on: from `DEEPINFER_ACCELERATOR` when set, else the `detect_device` hook.
 
@@ -306,7 +319,7 @@ def select_device() -> torch.device:
         if accelerator == "cpu":
             fix = f"the built-in {REFERENCE_PLUGIN!r} plugin serves it: remove it from DEEPINFER_PLUGINS_BLOCK"
         else:
-            fix = f'install its plugin with: pip install "deepinfer[{accelerator}]"'
+            fix = f"install its plugin with: {install_hint(accelerator)}"
         raise PluginError(f"DEEPINFER_ACCELERATOR={accelerator} but no installed plugin serves {accelerator!r}; "
                           f"{fix}")
     device_type = ACCELERATOR_DEVICE_TYPES[accelerator]

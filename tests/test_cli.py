@@ -55,7 +55,8 @@ def test_plugins_reads_the_model_config(isolated_plugin_manager, tmp_path, capsy
 def test_plugins_reports_a_missing_accelerator_plugin(isolated_plugin_manager, monkeypatch, capsys):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     assert cli.main(["plugins"]) == 1
-    assert 'pip install "deepinfer[nvidia]"' in capsys.readouterr().err
+    # the README's route: our plugin wheels are not on PyPI
+    assert 'pip install --find-links dist "deepinfer[nvidia]"' in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
@@ -114,3 +115,69 @@ def test_module_runs_as_a_command():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("device: cpu")
     assert "reference" in result.stdout
+
+
+HELP_IMPORTS = """
+import sys
+from deepinfer_core import cli
+try:
+    cli.main({argv!r})
+except SystemExit:
+    pass
+print(sorted({{name.partition(".")[0] for name in sys.modules}} & {{"torch", "fastapi", "httpx", "uvicorn"}}))
+"""
+
+
+@pytest.mark.parametrize(("argv", "allowed"), [(["--help"], []), (["serve", "--help"], ["fastapi"]),
+                                                (["router", "--help"], ["fastapi", "httpx"])])
+def test_help_imports_no_torch(argv, allowed):
+    # `deepinfer --help` must answer at once: what it imports is checked, not how long it takes
+    result = subprocess.run([sys.executable, "-c", HELP_IMPORTS.format(argv=argv)], capture_output=True, text=True,
+                            check=False, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: deepinfer" in result.stdout
+    assert result.stdout.splitlines()[-1] == str(allowed)
+
+
+def test_router_without_httpx_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "deepinfer_core.entrypoints.router", raising=False)
+    monkeypatch.setitem(sys.modules, "httpx", None)  # as if the pd extra were not installed
+    assert cli.main(["router", "--help"]) == 2
+    assert capsys.readouterr().err.strip() == ('deepinfer router is not available (httpx is not installed): '
+                                               'pip install "deepinfer[pd]"')
+
+
+def test_options_are_never_abbreviated(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plugins", "--mod", "/ckpt"])
+    assert "unrecognized arguments: --mod" in capsys.readouterr().err
+
+
+def test_config_errors_are_plain_sentences(capsys):
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
+
+    assert cli.main(["serve", str(embedded_tiny_model_dir()), "--max-num-seqs", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err == "deepinfer serve: error: max_num_seqs: Input should be greater than 0\n"
+
+
+def test_every_option_is_listed_in_the_docs():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    parser = cli.build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, subparser in subcommands.items():
+        assert f"## `deepinfer {name}`" in page
+        missing = [option for action in subparser._actions for option in action.option_strings
+                   if option not in ("-h", "--help") and f"`{option}`" not in page]
+        assert missing == [], f"docs/cli.md does not list deepinfer {name}'s {missing}"
+
+
+def test_plugins_builds_no_engine(isolated_plugin_manager, monkeypatch, capsys):
+    from deepinfer_core.engine import data_parallel, engine
+
+    monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("an engine was built"))
+    monkeypatch.setattr(data_parallel, "build_engine", lambda *a, **k: pytest.fail("an engine was built"))
+    assert cli.main(["plugins"]) == 0
+    assert "make_attention" in capsys.readouterr().out

@@ -317,3 +317,11 @@ def test_speculative_config_is_resolved_against_the_drafters_the_model_carries(m
         engine.resolve(v41)
     ngram = EngineConfig(model=str(model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert ngram.resolve(v41).speculative_config.method == "ngram"  # drafts from the request's own tokens
+
+
+def test_config_warnings_are_logged_once_however_often_the_config_is_read(tmp_path, caplog):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "sliding_window": 1}))
+    with caplog.at_level("WARNING", logger="deepinfer_core.config"):
+        for _ in range(3):  # an engine's build reads it more than once (LLM(...) and serve check options first)
+            ModelConfig.from_dir(tmp_path)
+    assert len(caplog.messages) == 1 and "sliding_window is 1" in caplog.messages[0]

@@ -4,16 +4,21 @@ config and capabilities (`EngineConfig.resolve`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from deepinfer_core.backends.parallel import EplbConfig, ParallelConfig
 from deepinfer_core.config.family import ConfigError, FamilyConfig, SwaReplay
 from deepinfer_core.config.speculative import MODEL_DRAFTERS, SpeculativeConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""vLLM's other spellings of `dtype` (`LLM(dtype="half")`, `deepinfer serve --dtype half`)."""
+"""The compute dtypes, by their torch names (torch is imported when one is needed: the CLI parses without it)."""
 
 
 class EngineConfig(BaseModel):
@@ -40,7 +45,8 @@ class EngineConfig(BaseModel):
         None, description="KV blocks to allocate; None sizes from memory."
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of device memory to use.")
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse the KV blocks of prompt prefixes already computed (chained block hashes).")
     swa_replay: SwaReplay | None = Field(
         None,
         description='How a prefix-cache hit rebuilds the sliding windows: "exact" recomputes the last '
@@ -219,6 +225,9 @@ class EngineConfig(BaseModel):
 
     def torch_dtype(self, model_config: FamilyConfig) -> torch.dtype:
         """The compute dtype: explicit, or the checkpoint's declared float dtype, else bfloat16."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        return _DTYPES.get(model_config.checkpoint_dtype or "", torch.bfloat16)
+            return getattr(torch, self.dtype)
+        declared = model_config.checkpoint_dtype
+        return getattr(torch, declared) if declared in _DTYPES else torch.bfloat16

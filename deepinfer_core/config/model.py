@@ -9,6 +9,7 @@ V4.1 shares are defined once in `config.family.FamilyConfig`.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from pathlib import Path
@@ -124,7 +125,7 @@ class ModelConfig(FamilyConfig):
                 f"{config_path} does not describe a supported DeepSeek-V4 model: {err}"
             ) from err
         for message in config.unusual_values():
-            logger.warning("%s: %s", config_path, message)
+            _warn_once(str(config_path), message)
         return config
 
     @model_validator(mode="before")
@@ -361,3 +362,8 @@ def _nest_rope_parameters(data: dict[str, Any], given_factor: float | None) -> d
     return {"main": main, "compress": compress}
 
 
+@functools.lru_cache(maxsize=1024)
+def _warn_once(config_path: str, message: str) -> None:
+    """Log a config warning once per process: building an engine reads its config.json more than once
+    (the options are checked against it before the engine is built)."""
+    logger.warning("%s: %s", config_path, message)

@@ -1,23 +1,26 @@
 """The `deepinfer serve` command: its options (vLLM's names for the engine's), and uvicorn.
 
     deepinfer serve /path/to/checkpoint --port 8000 --max-model-len 65536 --api-key "$KEY"
+    deepinfer serve --model /path/to/checkpoint ...      # vLLM's other spelling
+
+The engine options are generated from `EngineConfig`'s fields (`engine_flags`). Parsing imports neither
+torch nor the engine (`deepinfer serve --help` answers at once); `run_serve` does.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
+import sys
 import threading
 import time
-import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from deepinfer_core.entrypoints.auth import API_KEY_ENV, PD_SECRET_ENV
+from deepinfer_core.entrypoints.engine_flags import add_engine_arguments, check_vllm_options, engine_options
 from deepinfer_core.entrypoints.limits import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
@@ -26,30 +29,21 @@ from deepinfer_core.entrypoints.limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     HttpLimits,
 )
-from deepinfer_core.entrypoints.serve import build_app
 
-# `deepinfer serve` option -> EngineConfig field; unset options keep EngineConfig's defaults.
-ENGINE_OPTIONS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "enforce_eager", "cuda_graph_sizes", "enable_prefix_caching", "tensor_parallel_size",
-                  "data_parallel_size", "context_parallel_size", "enable_expert_parallel", "enable_eplb",
-                  "eplb_config", "speculative_config", "deterministic", "host_cache_gib", "prefix_store_path",
-                  "prefix_store_gib", "prefix_store_ttl_s", "default_traffic_class", "engram_placement",
-                  "engram_prefetch", "decoder_trimming")
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
-
-def _dtype_choices() -> list[str]:
-    from deepinfer_core.config import EngineConfig
-
-    return list(typing.get_args(EngineConfig.model_fields["dtype"].annotation))
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to `deepinfer`'s argument parser."""
     parser = subparsers.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI and Anthropic APIs)",
                                    description="Serve a checkpoint over HTTP: OpenAI Chat Completions, Responses "
-                                               "and Completions, Anthropic Messages.")
-    parser.add_argument("model_dir", nargs="?", default=None,
-                        help="checkpoint directory; omitted, the embedded tiny model is served")
+                                               "and Completions, Anthropic Messages.", allow_abbrev=False)
+    parser.add_argument("model_dir", nargs="?", default=None, metavar="MODEL",
+                        help="checkpoint directory; omitted (and no --model), the embedded tiny model is served")
+    parser.add_argument("--model", default=None, metavar="MODEL", help="checkpoint directory (vLLM's spelling)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--served-model-name", default=None,
@@ -58,53 +52,23 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"key every /v1 request must present (Bearer, or x-api-key for Anthropic's API); "
                              f"default: ${API_KEY_ENV}, else none")
-    engine = parser.add_argument_group("engine (vLLM's option names; unset ones keep the engine's defaults)")
-    engine.add_argument("--dtype", choices=_dtype_choices(), default=None, help="weights and activations dtype")
-    engine.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    engine.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="fraction of device memory to use (0, 1]")
-    engine.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
-    engine.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
-                        help="decode batch sizes captured as CUDA graphs: one value caps the default ladder, "
-                             "several are used as given")
-    engine.add_argument("--speculative-config", type=json.loads, default=None,
-                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    engine.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                        help="reuse cached prompt prefixes")
-    engine.add_argument("--deterministic", action="store_true", default=None,
-                        help="batch-invariant inference: a request's tokens and logprobs do not depend on what "
-                             "shares its batch (costs throughput)")
-    engine.add_argument("--engram-placement", choices=["device", "host"], default=None,
-                        help="where DeepSeek-V4.1's Engram tables live (host: pinned host memory, decode eager)")
-    engine.add_argument("--no-engram-prefetch", dest="engram_prefetch", action="store_false", default=None,
-                        help="host-placed Engram tables: gather at the layer instead of on a worker thread ahead of it")
-    engine.add_argument("--decoder-trimming", action="store_true", default=None,
-                        help="DeepSeek-V4.1: run the layers after the candidate source only on each prompt's last "
-                             "128 rows in prefill (faster, not exact; never for prompt-logprob requests)")
-    add_parallel_arguments(engine)
-    tiers = parser.add_argument_group("prefix tiers (need --enable-prefix-caching)")
-    tiers.add_argument("--host-cache-gib", type=float, default=None,
-                       help="GiB of pinned host memory holding prefix blocks behind the device cache")
-    tiers.add_argument("--prefix-store-path", default=None,
-                       help="directory (shared by several servers; a 3FS mount in production) or plugin URL of the "
-                            "prefix store; its blocks outlive the process")
-    tiers.add_argument("--prefix-store-gib", type=float, default=None, help="capacity of the prefix store in GiB")
-    tiers.add_argument("--prefix-store-ttl", dest="prefix_store_ttl_s", action="append", type=_class_ttl, default=None,
-                       metavar="CLASS=SECONDS", help="retention of a traffic class after its last use (repeatable; "
-                       "default agent=259200 chat=604800); requests name theirs in the x-deepinfer-traffic-class header")
-    tiers.add_argument("--default-traffic-class", default=None, help="class of requests that name none (default chat)")
-    parser.add_argument("--role", choices=["prefill", "decode"], default=None,
-                        help="prefill/decode disaggregation: a prefill instance computes prompts and exports their KV "
-                             "blocks, a decode instance reads them by NIXL and answers; `deepinfer router` sits in "
-                             "front (implies --enable-prefix-caching; a prefill instance's --host-cache-gib defaults to 1)")
     parser.add_argument("--public-url", default=None,
                         help="this server's base URL as other instances reach it (default http://HOST:PORT)")
     parser.add_argument("--prefill-url", action="append", default=[],
                         help="a decode instance's prefill instance (its --public-url), the only sources it reads KV "
                              f"from (repeatable); the router and instances share ${PD_SECRET_ENV}, else --api-key")
-    http = parser.add_argument_group("HTTP limits")
+    parser.add_argument("--chat-template", default=None,
+                        help="vLLM's custom chat template: not implemented; chats are encoded the model family's "
+                             "official way (the recipe plugin)")
+    add_engine_arguments(parser)
+    add_http_arguments(parser)
+    parser.set_defaults(handler=run_serve)
+    return parser
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's limits, CORS, TLS and logging (uvicorn's)."""
+    http = parser.add_argument_group("HTTP server")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
     http.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
@@ -116,46 +80,61 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help=f"most connections served at once, 503 beyond (default {DEFAULT_LIMIT_CONCURRENCY})")
     http.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                       help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
-    parser.set_defaults(handler=run_serve)
-    from deepinfer_core.entrypoints.router import add_router_parser
+    http.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                      help="uvicorn's log level (default info)")
+    http.add_argument("--allowed-origins", type=json_list, default=None, metavar="JSON",
+                      help='CORS: origins browsers may call from, e.g. \'["https://app.example"]\' or \'["*"]\' '
+                           "(default: no CORS headers, so browsers refuse other origins; vLLM allows every origin)")
+    http.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                      help='CORS: allowed methods (default ["*"]; with --allowed-origins)')
+    http.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                      help='CORS: allowed request headers (default ["*"]; with --allowed-origins)')
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    http.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: serve HTTPS)")
+    http.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
 
-    add_router_parser(subparsers)
-    return parser
 
+def json_list(text: str) -> list[str]:
+    """A JSON list of strings option (`--allowed-origins '["*"]'`)."""
+    import json
 
-def _class_ttl(text: str) -> tuple[str, float]:
-    name, sep, seconds = text.partition("=")
     try:
-        return name, float(seconds) if sep else float("nan")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS (e.g. agent=259200), got {text!r}") from None
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings (e.g. \'["*"]\'), got {text!r}')
+    return value
 
 
-def add_parallel_arguments(group: Any) -> None:
-    """The parallel layout's options (vLLM's spellings; `deepinfer_core.backends.parallel`)."""
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                       help="ranks splitting attention heads and dense projections")
-    group.add_argument("--data-parallel-size", "-dp", type=int, default=None,
-                       help="attention data-parallel ranks, each with its own requests and cache")
-    group.add_argument("--context-parallel-size", type=int, default=None, help="ranks splitting a long prefill")
-    group.add_argument("--enable-expert-parallel", action="store_true", default=None,
-                       help="spread the routed experts over every rank (EP size = TP x DP)")
-    group.add_argument("--enable-eplb", action="store_true", default=None, help="rebalance expert replicas by load")
-    group.add_argument("--eplb-config", type=json.loads, default=None,
-                       help='JSON, e.g. \'{"num_redundant_experts": 32, "window_size": 1000, "step_interval": 3000}\'')
+def checkpoint_of(args: argparse.Namespace) -> str | None:
+    """The checkpoint asked for: `deepinfer serve MODEL` or `--model MODEL` (None: neither).
+
+    :raises ValueError: when both are given and differ.
+    """
+    positional, option = args.model_dir, getattr(args, "model", None)
+    if positional and option and positional != option:
+        raise ValueError(f"two checkpoints given ({positional!r} and --model {option!r}): give one")
+    return option or positional
 
 
 def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:
-    """The `EngineConfig` the parsed options ask for (options left unset keep its defaults)."""
+    """The `EngineConfig` the parsed options ask for (options left unset keep its defaults).
+
+    :raises NotImplementedError: for a vLLM option accepted by name but not implemented (`--tokenizer`
+        elsewhere, `--pipeline-parallel-size` > 1, `--chat-template`).
+    """
     from deepinfer_core.config import EngineConfig
 
-    chosen = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
-    if "prefix_store_ttl_s" in chosen:
-        chosen["prefix_store_ttl_s"] = dict(chosen["prefix_store_ttl_s"])
-    role = getattr(args, "role", None)
-    if role is not None:
-        chosen |= {"kv_transfer_role": role, "enable_prefix_caching": True}
-        if role == "prefill":
+    if getattr(args, "chat_template", None) is not None:
+        raise NotImplementedError("--chat-template (a custom chat template): chats are encoded the model family's "
+                                  "official way, by the recipe plugin")
+    if hasattr(args, "pipeline_parallel_size"):
+        check_vllm_options(model_dir, args.tokenizer, pipeline_parallel_size=args.pipeline_parallel_size)
+    chosen = engine_options(args)
+    if chosen.get("kv_transfer_role") is not None:
+        chosen["enable_prefix_caching"] = True
+        if chosen["kv_transfer_role"] == "prefill":
             chosen.setdefault("host_cache_gib", 1.0)
     return EngineConfig(model=model_dir, **chosen)
 
@@ -165,6 +144,30 @@ def http_limits_of(args: argparse.Namespace) -> HttpLimits:
     return HttpLimits(max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout,
                       limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive,
                       header_read_timeout_s=args.header_read_timeout)
+
+
+def uvicorn_options_of(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's keyword arguments for the parsed options: limits, TLS, log level.
+
+    :raises ValueError: for only one of `--ssl-keyfile` and `--ssl-certfile`.
+    """
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    return {**http_limits_of(args).uvicorn_options(), "log_level": args.uvicorn_log_level,
+            "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}
+
+
+def add_cors(app: FastAPI, args: argparse.Namespace) -> None:
+    """Answer browsers' cross-origin requests from `--allowed-origins` (none given: no CORS headers).
+
+    Added last, so it is the outermost layer: a preflight is answered before the API key is asked for.
+    """
+    if args.allowed_origins is None:
+        return
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                       allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
 
 
 @contextmanager
@@ -205,29 +208,60 @@ def require_chat_encoding(model_dir: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine for `args.model_dir` and serve it until interrupted."""
+    """Build the engine for the checkpoint asked for (else the embedded tiny model) and serve it until
+    interrupted. Problems found before the weights load are one line on stderr and exit code 1."""
     import uvicorn
 
     from deepinfer_core.engine.data_parallel import build_engine
+    from deepinfer_core.entrypoints.serve import build_app
 
-    model_dir = args.model_dir
+    model_dir = checkpoint_of(args)
     if model_dir is None:
-        from deepinfer_core.models.tiny import embedded_tiny_model_dir
+        model_dir = str(announce_tiny_model())
+    else:
+        from deepinfer_core.models.loading.checkpoint_files import require_checkpoint_dir
 
-        model_dir = str(embedded_tiny_model_dir())
+        require_checkpoint_dir(model_dir)
+    config = engine_config_of(args, model_dir)
+    if config.kv_transfer_role is not None and not has_nixl():
+        from deepinfer_core.kv.nixl_transfer import NIXL_HINT
+
+        print(f"deepinfer serve: error: --role {config.kv_transfer_role}: {NIXL_HINT}", file=sys.stderr)
+        return 1
     require_chat_encoding(model_dir)
-    if args.role is not None and not (os.environ.get(PD_SECRET_ENV) or args.api_key):
+    from deepinfer_core.models import registry
+    from deepinfer_core.models.loading.weight_formats import check_quantization
+
+    check_quantization(args.quantization, registry.load_model_config(model_dir))
+    if config.kv_transfer_role is not None and not (os.environ.get(PD_SECRET_ENV) or args.api_key):
         from deepinfer_core.entrypoints.pd import NO_KEY_HINT
 
         raise ValueError(NO_KEY_HINT)  # before the weights load
-    limits = http_limits_of(args)
-    app = build_app(build_engine(engine_config_of(args, model_dir)), served_model_name=args.served_model_name,
-                    model_aliases=args.model_alias, limits=limits, api_key=args.api_key,
+    options = uvicorn_options_of(args)
+    app = build_app(build_engine(config), served_model_name=args.served_model_name,
+                    model_aliases=args.model_alias, limits=http_limits_of(args), api_key=args.api_key,
                     public_url=args.public_url or f"http://{args.host}:{args.port}",
                     pd_secret=os.environ.get(PD_SECRET_ENV) or None, prefill_urls=args.prefill_url)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
+    add_cors(app, args)
+    uvicorn.run(app, host=args.host, port=args.port, **options)
     return 0
 
 
-__all__ = ["add_serve_parser", "engine_config_of", "http_limits_of", "require_chat_encoding", "run_serve",
-           "running_server"]
+def announce_tiny_model():
+    """The embedded tiny model's directory, built on first use, after one line saying it is what is served."""
+    from deepinfer_core.models.tiny import embedded_tiny_model_dir
+
+    model_dir = embedded_tiny_model_dir()
+    print(f"deepinfer serve: no checkpoint given (deepinfer serve MODEL): serving the embedded tiny DeepSeek-V4 "
+          f"model, random weights (its answers are gibberish), cached in {model_dir} (set XDG_CACHE_HOME to move "
+          f"it)", file=sys.stderr)
+    return model_dir
+
+
+def has_nixl() -> bool:
+    """Whether NIXL (prefill/decode disaggregation's transfer library) is installed."""
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu13"))
+
+
+__all__ = ["add_cors", "add_serve_parser", "checkpoint_of", "engine_config_of", "http_limits_of",
+           "require_chat_encoding", "run_serve", "running_server", "uvicorn_options_of"]

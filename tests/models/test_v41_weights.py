@@ -96,3 +96,11 @@ def test_differences_from_the_release_are_listed(checkpoint, tmp_path):
     lines = release_differences(tmp_path / "v4tok", V41Config.from_dir(directory))
     assert "  added token 128799: '<｜place▁holder▁no▁799｜>' (release: '<｜System｜>')" in lines
     assert sum("added token" in line for line in lines) == 9
+
+
+def test_a_checkpoint_differing_from_the_release_is_one_warning_line(checkpoint, caplog):
+    directory, _ = checkpoint
+    with caplog.at_level(logging.WARNING, logger="deepinfer_core.models.deepseek_v41.weights"):
+        load_v41_checkpoint(directory, V41Config.from_dir(directory), torch.float32, "cpu")
+    (warning,) = [r.getMessage() for r in caplog.records if "differs from the DeepSeek-V4.1-Flash release" in r.getMessage()]
+    assert "\n" not in warning and " values (first: config.json SHA-256" in warning

@@ -240,6 +240,18 @@ def test_progress_bar_can_be_forced(tmp_path, weights, capsys):
     assert "Loading weights" not in capsys.readouterr().err
 
 
+def test_progress_bar_counts_bytes_and_tensors(tmp_path, weights, capsys):
+    write_checkpoint(tmp_path, CONFIG, weights)
+    loaded = load(tmp_path, progress=True)
+    final = re.split(r"[\r\n]", capsys.readouterr().err.strip())[-1]
+    checkpoint_mib = sum(path.stat().st_size for path in tmp_path.glob("*.safetensors")) / 2**20
+    match = re.search(r"Loading weights: 100%.*?([\d.]+)M/([\d.]+)M.*?(\d+)/(\d+) tensors", final)
+    assert match, final
+    read_mib, total_mib, done, planned = float(match[1]), float(match[2]), int(match[3]), int(match[4])
+    assert read_mib == total_mib and abs(total_mib - checkpoint_mib) < 0.05 * checkpoint_mib + 0.1
+    assert done == planned == len(loaded)
+
+
 # ---------------------------------------------------------------------- non-finite values (issue 14 item 8)
 
 

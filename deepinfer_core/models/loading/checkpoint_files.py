@@ -9,6 +9,8 @@ safetensors (garbage, truncated, a directory), a tensor whose bytes cannot be re
 from __future__ import annotations
 
 import json
+import math
+import re
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,8 +19,32 @@ from safetensors import SafetensorError, safe_open
 
 from deepinfer_core.config import CheckpointError
 
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+"""Bytes per element of the safetensors dtypes wider than one byte."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+"""`owner/name`: how a Hugging Face hub id looks (a relative path of two parts may look the same)."""
+
+
+def require_checkpoint_dir(model: str | Path) -> Path:
+    """`model` as a checkpoint directory (one holding config.json), before anything is built from it.
+
+    :raises CheckpointError: one sentence saying what `model` is instead: a hub id (nothing is downloaded
+        here), a missing path, or a directory without config.json.
+    """
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise CheckpointError(f"{model} is not a checkpoint directory: it has no config.json")
+    if _HUB_ID.fullmatch(str(model)) and not path.parent.exists():
+        raise CheckpointError(f"{model!r} looks like a Hugging Face hub id, but checkpoints are read from a local "
+                              f"directory: download it first (huggingface-cli download {model} --local-dir DIR) "
+                              f"and pass DIR")
+    raise CheckpointError(f"{model}: no such checkpoint directory (one holding config.json and *.safetensors)")
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -86,6 +112,10 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[name].get_slice(name).get_shape())
+
+    def nbytes(self, name: str) -> int:
+        """The tensor's size in the file (FP8, packed FP4, I8 and E8M0: one byte an element)."""
+        return math.prod(self.shape(name)) * _ITEMSIZE.get(self.dtype(name), 1)
 
     def read(self, name: str) -> torch.Tensor:
         try:

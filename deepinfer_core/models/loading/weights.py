@@ -197,10 +197,14 @@ def read_plans(
         _Check(plans, reader, config, embedding_source(layout), is_mtp).raise_if_any(model_dir, layout)
         finite = _FiniteCheck()
         weights = {}
-        desc = "Loading MTP weights" if is_mtp else "Loading weights"
-        for name, plan in tqdm(plans.items(), desc=desc, unit="tensor", disable=not progress):
+        local = {name: _local_plan(plan, local_experts) for name, plan in plans.items()}
+        bar = _progress_bar(reader, [plan for plan, _ in local.values()], is_mtp, progress)
+        stack.callback(bar.close)
+        for count, (name, (plan, keep_rows)) in enumerate(local.items(), 1):
+            if progress:
+                bar.update(_source_bytes(reader, plan))
+                bar.set_postfix_str(f"{count}/{len(local)} tensors", refresh=False)
             shard = shards.get(name)
-            plan, keep_rows = _local_plan(plan, local_experts)
             if keep_fp4 and "fp4" in plan.quantised:
                 weights[name], weights[f"{name}_scale"] = _build_fp4(plan, reader, device, shard)
                 if keep_rows is not None:
@@ -222,6 +226,20 @@ def read_plans(
         finite.raise_if_any(str(model_dir))
     _check_tid2eid(weights, config)
     return weights
+
+
+def _source_bytes(reader: SafetensorsReader, plan: SourcePlan) -> int:
+    return sum(reader.nbytes(source) for source in plan.sources)  # scales left out: a fraction of a percent
+
+
+def _progress_bar(reader: SafetensorsReader, plans: list[SourcePlan], is_mtp: bool, progress: bool) -> tqdm:
+    """The weights' progress bar: bytes of the checkpoint read and tensors built, naming the rank."""
+    import torch.distributed as dist
+
+    rank = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
+    total = sum(_source_bytes(reader, plan) for plan in plans) if progress else 0
+    return tqdm(total=total, desc=f"Loading {'MTP ' if is_mtp else ''}weights{rank}", unit="B", unit_scale=True,
+                    unit_divisor=1024, disable=not progress, position=dist.get_rank() if rank else None)
 
 
 def _local_plan(plan: SourcePlan, local_experts: Callable[[int], list[int]] | None):

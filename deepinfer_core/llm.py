@@ -211,10 +211,34 @@ class LLM:
     # -- chat ---------------------------------------------------------------------------------------
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             tools: list[dict] | None = None, thinking: bool | None = None, use_tqdm: bool = False) -> list:
-        """Answer one conversation or a list of them with the checkpoint's chat format; returns one
-        `ChatOutput` (`reasoning_content`, `content`, `tool_calls`, `usage`, `output`) per conversation.
-        See `deepinfer_core.entrypoints.chat.chat`."""
-        from deepinfer_core.entrypoints.chat import chat
+             use_tqdm: bool = False, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
+             *, thinking: bool | None = None) -> list:
+        """Answer one conversation or a list of them with the checkpoint's chat format (vLLM's signature).
 
-        return chat(self, messages, sampling_params, tools=tools, thinking=thinking, use_tqdm=use_tqdm)
+        Returns one `ChatOutput` per conversation: vLLM's `RequestOutput` (`outputs[0].text`, token ids,
+        logprobs) with the parsed `reasoning_content`, `content`, `tool_calls`, `finish_reason` and `usage`.
+
+        :param continue_final_message: continue the last (assistant) message instead of opening a new
+            turn (DeepSeek's prefix completion); needs `add_generation_prompt=False`.
+        :param chat_template_kwargs: `{"thinking": bool}` (or `enable_thinking`) switches thinking mode,
+            as `thinking=` does; None keeps the model's default (on).
+        :param chat_template_content_format: read by Jinja templates only; every value renders the same here.
+        :raises NotImplementedError: `chat_template` (the format is the plugin's, not a Jinja template),
+            `add_generation_prompt=False` without `continue_final_message`, `lora_request`,
+            `mm_processor_kwargs`, other `chat_template_kwargs`.
+        See `deepinfer_core.entrypoints.chat.chat`.
+        """
+        from deepinfer_core.entrypoints.chat import TemplateOptions, chat
+
+        if lora_request is not None:
+            raise NotImplementedError("lora_request: LoRA adapters")
+        if mm_processor_kwargs is not None:
+            raise NotImplementedError("mm_processor_kwargs: multimodal inputs")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
+                             f"got {chat_template_content_format!r}")
+        options = TemplateOptions(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        return chat(self, messages, sampling_params, tools=tools, thinking=thinking, use_tqdm=use_tqdm, options=options)

@@ -6,7 +6,9 @@ must present KEY, as each API's clients send it:
   Bearer token (its `auth_token` option).
 
 Keys are compared in constant time (`hmac.compare_digest`); a missing or wrong key is answered 401 in
-the API's error shape. `/health` and `/metrics` stay open, as probes and scrapers expect.
+the API's error shape. The API's description (`/docs`, `/redoc`, `/openapi.json`) needs the key too
+(a Bearer header), so it tells a stranger nothing. `/health` and `/metrics` stay open, as probes and
+scrapers expect.
 
 Between the router and prefill/decode instances (`pd.py`), an instance key (`InstanceKey`: the
 `DEEPINFER_PD_SECRET` environment variable, else the API key) signs what only the router may send:
@@ -28,6 +30,8 @@ from deepinfer_core.entrypoints.errors import api_of_path, error_response
 API_KEY_ENV = "DEEPINFER_API_KEY"
 PD_SECRET_ENV = "DEEPINFER_PD_SECRET"
 PROTECTED_PREFIX = "/v1/"
+DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
+"""FastAPI's description of the API (and its pages' own sub-paths, such as `/docs/oauth2-redirect`)."""
 INSTANCE_AUTH_HEADER = "x-deepinfer-instance-auth"
 """Header carrying an instance key's signature (`InstanceKey.sign`) between the router and instances."""
 
@@ -57,6 +61,11 @@ def instance_key_of(secret: str | None, api_key: str | None) -> InstanceKey | No
     return InstanceKey(chosen.encode()) if chosen else None
 
 
+def is_protected(path: str) -> bool:
+    """Whether a request to `path` must present the API key: the APIs and their description."""
+    return path.startswith(PROTECTED_PREFIX) or any(path == p or path.startswith(p + "/") for p in DOCS_PATHS)
+
+
 def presented_key(headers: Headers, is_anthropic: bool) -> str | None:
     """The key a request presents: its Bearer token, or for Anthropic's API also `x-api-key`."""
     if is_anthropic and "x-api-key" in headers:
@@ -71,7 +80,7 @@ def is_valid_key(presented: str | None, api_key: str) -> bool:
 
 
 class ApiKeyMiddleware:
-    """Answer 401 to `/v1/...` requests that do not present `api_key`."""
+    """Answer 401 to `/v1/...` and API-description requests that do not present `api_key`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         if not api_key:
@@ -81,7 +90,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or not is_protected(path):
             await self.app(scope, receive, send)
             return
         api = api_of_path(path)
@@ -94,5 +103,5 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
-__all__ = ["API_KEY_ENV", "INSTANCE_AUTH_HEADER", "PD_SECRET_ENV", "ApiKeyMiddleware", "InstanceKey", "instance_key_of",
-           "is_valid_key", "presented_key"]
+__all__ = ["API_KEY_ENV", "DOCS_PATHS", "INSTANCE_AUTH_HEADER", "PD_SECRET_ENV", "ApiKeyMiddleware", "InstanceKey",
+           "instance_key_of", "is_protected", "is_valid_key", "presented_key"]

@@ -3,8 +3,10 @@ ids), no chat template, the engine's own detokenized text and stop strings.
 
 Supported: `model`, `prompt` (a string, a list of token ids, or a one-element list of either),
 `max_tokens` (default 16), `temperature`, `top_p`, `seed`, `stop`, `stream` with
-`stream_options.include_usage`, `logprobs` (top-k count), `echo`. `n`, `best_of` other than 1, batched
-prompts, `suffix` and `logit_bias` are refused with a 400 that says so.
+`stream_options.include_usage`, `logprobs` (top-k count), `echo` (the prompt, and with `logprobs` its
+tokens' logprobs, first), and vLLM's extra fields (`top_k`, `min_p`, penalties, `structured_outputs` and
+`guided_*`; see `request_fields.py`). `n`, `best_of` other than 1, batched prompts, `suffix` and
+`logit_bias` are refused with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from deepinfer_core.engine.async_engine import EngineDeadError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.generation import (
     CLIENT_CLOSED_REQUEST,
+    compile_grammar,
     traffic_class_of,
     until_done_or_disconnect,
 )
 from deepinfer_core.entrypoints.limits import ClientGone, check_prompt_bytes, read_body
 from deepinfer_core.entrypoints.pd import kv_transfer_of
+from deepinfer_core.entrypoints.request_fields import read_request_fields
 
 if TYPE_CHECKING:
     from deepinfer_core.entrypoints.serve import ServerState
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
 
 METRICS_API = "completions"
 UNSUPPORTED = {"suffix": None, "logit_bias": None, "n": 1, "best_of": 1}
+HANDLED = frozenset({"echo", "best_of"})
+"""vLLM fields `request_fields.py` refuses for chat that Completions answers itself."""
 
 
 @dataclass
@@ -140,18 +146,23 @@ def parse_request(state: ServerState, raw: bytes) -> CompletionRequest:
 
     body = _json_object(raw)
     _check_supported(state, body)
+    fields = read_request_fields(body, "chat", handled=HANDLED)
+    fields.sampling.pop("logit_bias", None)  # refused above unless empty
     prompt_ids, prompt_text = encode_prompt(state, _prompt_of(body))
     max_tokens = _max_tokens(body, len(prompt_ids), state.context_limit)
+    echo = bool(body.get("echo"))
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_default(body, "temperature", 1.0), top_p=_default(body, "top_p", 1.0),
-            seed=body.get("seed"), stop=body.get("stop") or None, logprobs=body.get("logprobs"))
+            seed=body.get("seed"), stop=body.get("stop") or None, logprobs=body.get("logprobs"),
+            prompt_logprobs=body.get("logprobs") if echo else None,  # echo shows the prompt's logprobs too
+            structured_outputs=fields.structured_outputs, **fields.sampling)
     except (ValueError, TypeError, NotImplementedError) as err:
         raise _bad(str(err)) from err
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     return CompletionRequest(body["model"], prompt_ids, prompt_text, params, bool(body.get("stream")),
-                             include_usage, bool(body.get("echo")))
+                             include_usage, echo)
 
 
 class CompletionRun:
@@ -172,11 +183,13 @@ class CompletionRun:
         """Completion chunks (text deltas), the last with the finish reason."""
         request, outcome = self.request, "aborted"
         outputs = self.state.engine.generate(request.prompt_token_ids, request.params, self.id)
+        is_echo_pending = request.echo
         try:
-            if request.echo:
-                yield self._choice(self._prompt_text(), None, None)
             async for output in outputs:
                 self.last_output = output
+                if is_echo_pending:  # after the first output: the engine accepted the request, logprobs are in
+                    is_echo_pending = False
+                    yield self._choice(self._prompt_text(), self._prompt_logprobs(output), None)
                 completion = output.outputs[0]
                 text = completion.text if output.finished else completion.text[:max(0, len(completion.text) - self.hold_back)]
                 if len(text) > self.sent or output.finished:
@@ -212,12 +225,25 @@ class CompletionRun:
         if self.request.params.logprobs is None or completion.logprobs is None:
             return None
         start, self.num_logprobs_sent = self.num_logprobs_sent, len(completion.logprobs)
+        return self._logprobs_of(completion.token_ids[start:], completion.logprobs[start:])
+
+    def _prompt_logprobs(self, output: Any) -> dict[str, Any] | None:
+        """The echoed prompt's logprobs (the first token has none: it has no context), as vLLM gives them."""
+        if self.request.params.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return self._logprobs_of(output.prompt_token_ids, output.prompt_logprobs)
+
+    def _logprobs_of(self, token_ids: list[int], entries: list[dict[int, Any] | None]) -> dict[str, Any]:
         tokens, token_logprobs, top = [], [], []
-        for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
-            chosen = entry.get(token_id)
-            tokens.append(chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else "")
+        tokenizer = self.state.tokenizer
+        for token_id, entry in zip(token_ids, entries):
+            chosen = entry.get(token_id) if entry is not None else None
+            if chosen is not None and chosen.decoded_token is not None:
+                tokens.append(chosen.decoded_token)
+            else:
+                tokens.append(tokenizer.decode([token_id]) if tokenizer is not None else "")
             token_logprobs.append(chosen.logprob if chosen is not None else None)
-            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
+            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()} if entry is not None else None)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
 
 
@@ -228,6 +254,8 @@ async def handle_completions(state: ServerState, request: Request) -> Response:
         parsed = await run_in_threadpool(parse_request, state, raw)
         parsed.params.traffic_class = traffic_class_of(request)  # checked by the engine (400 if unknown)
         parsed.params.kv_transfer_params = kv_transfer_of(request)
+        if parsed.params.structured_outputs is not None:
+            await compile_grammar(state, parsed.params, "chat")
     except ApiError as err:
         state.metrics.count_request(METRICS_API, "error")
         return api_error_response(err)

@@ -23,6 +23,12 @@ from deepinfer_core.engine.async_engine import EngineDeadError
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
 from deepinfer_core.entrypoints.limits import ClientGone, read_body
 from deepinfer_core.entrypoints.pd import kv_transfer_of
+from deepinfer_core.entrypoints.request_fields import (
+    RequestFields,
+    parse_body,
+    read_request_fields,
+    with_max_completion_tokens,
+)
 
 if TYPE_CHECKING:
     from deepinfer_core.entrypoints.serve import ServerState
@@ -49,10 +55,10 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
     arrival = time.monotonic()
     try:
         body = await read_body(request, state.limits, api)
-        prepared = await run_in_threadpool(state.encoding.prepare, api, body, state.context_limit)
-        params = sampling_params_of(prepared, api, traffic_class_of(request), kv_transfer_of(request))
+        prepared, fields = await run_in_threadpool(prepare_request, state, api, body)
+        params = sampling_params_of(prepared, api, traffic_class_of(request), kv_transfer_of(request), fields)
         if params.structured_outputs is not None:
-            await _compile_grammar(state, params, api)
+            await compile_grammar(state, params, api)
     except ApiError as err:
         state.metrics.count_request(api, "error")
         return api_error_response(err)
@@ -94,21 +100,45 @@ def traffic_class_of(request: Request) -> str | None:
     return request.headers.get(TRAFFIC_CLASS_HEADER) or None
 
 
+def prepare_request(state: ServerState, api: Api, raw: bytes) -> tuple[PreparedRequest, RequestFields]:
+    """Encode one body of `api` with the chat encoding, and read the fields the encoding does not read
+    (`max_completion_tokens`, vLLM's sampling fields; see `request_fields.py`).
+
+    :raises ApiError: 400 in `api`'s shape when the request is invalid or asks for what is not served.
+    """
+    body = parse_body(raw)
+    if body is None:  # not a JSON object: the encoding answers with its own 400
+        return state.encoding.prepare(api, raw, state.context_limit), RequestFields()
+    fields = read_request_fields(body, api)
+    encoded = raw if fields.max_completion_tokens is None else with_max_completion_tokens(body, fields)
+    return state.encoding.prepare(api, encoded, state.context_limit), fields
+
+
 def sampling_params_of(prepared: PreparedRequest, api: Api, traffic_class: str | None = None,
-                       kv_transfer_params: dict | None = None) -> SamplingParams:
-    """The engine's `SamplingParams` of a prepared API request. :raises ApiError: 400 when invalid."""
+                       kv_transfer_params: dict | None = None, fields: RequestFields | None = None) -> SamplingParams:
+    """The engine's `SamplingParams` of a prepared API request and its extra fields.
+
+    :raises ApiError: 400 when invalid (the message names the field).
+    """
     from deepinfer_core.sampling_params import SamplingParams
 
+    fields = fields or RequestFields()
+    structured_outputs = prepared.structured_outputs
+    if fields.structured_outputs is not None:
+        if structured_outputs is not None:
+            raise ApiError.from_message(400, "Give one structured-output constraint: 'response_format' (or "
+                                        "'text.format') and 'structured_outputs'/'guided_*' were both set.", api)
+        structured_outputs = fields.structured_outputs
     try:
         return SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
                               top_p=prepared.top_p, seed=prepared.seed, logprobs=prepared.logprobs,
-                              structured_outputs=prepared.structured_outputs, traffic_class=traffic_class,
-                              kv_transfer_params=kv_transfer_params)
-    except (ValueError, NotImplementedError) as err:
+                              structured_outputs=structured_outputs, traffic_class=traffic_class,
+                              kv_transfer_params=kv_transfer_params, **fields.sampling)
+    except (ValueError, TypeError, NotImplementedError) as err:
         raise ApiError.from_message(400, str(err), api) from err
 
 
-async def _compile_grammar(state: ServerState, params: SamplingParams, api: Api) -> None:
+async def compile_grammar(state: ServerState, params: SamplingParams, api: Api) -> None:
     """Compile the request's grammar on the engine's grammar pool, off the event loop and the engine
     loop; an invalid grammar, or one that compiles too slowly, is a 400 with xgrammar's message."""
     try:
@@ -210,7 +240,10 @@ __all__ = [
     "RESPONSE_ID_PREFIXES",
     "TRAFFIC_CLASS_HEADER",
     "ModelOutputError",
+    "compile_grammar",
     "handle_generation",
+    "prepare_request",
+    "sampling_params_of",
     "traffic_class_of",
     "until_done_or_disconnect",
     "wait_for_disconnect",

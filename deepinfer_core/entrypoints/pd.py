@@ -206,7 +206,7 @@ def add_prefill_routes(app: FastAPI, state: ServerState, public_url: str, key: I
 
 
 async def _prompt_of(state: ServerState, api: str, request: Request) -> tuple[list[int], SamplingParams]:
-    from deepinfer_core.entrypoints.generation import sampling_params_of, traffic_class_of
+    from deepinfer_core.entrypoints.generation import prepare_request, sampling_params_of, traffic_class_of
 
     raw = await read_body(request, state.limits, "chat" if api == "completions" else api)
     if api == "completions":
@@ -215,8 +215,8 @@ async def _prompt_of(state: ServerState, api: str, request: Request) -> tuple[li
         parsed = await run_in_threadpool(parse_request, state, raw)
         parsed.params.traffic_class = traffic_class_of(request)
         return parsed.prompt_token_ids, parsed.params
-    prepared = await run_in_threadpool(state.encoding.prepare, api, raw, state.context_limit)
-    return list(prepared.prompt_token_ids), sampling_params_of(prepared, api, traffic_class_of(request))
+    prepared, fields = await run_in_threadpool(prepare_request, state, api, raw)
+    return list(prepared.prompt_token_ids), sampling_params_of(prepared, api, traffic_class_of(request), None, fields)
 
 
 async def _prefill(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:

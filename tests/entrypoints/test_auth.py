@@ -60,6 +60,16 @@ def test_missing_key_is_401_and_probes_stay_open(keyed_url: str) -> None:
     assert httpx.get(f"{keyed_url}/metrics").status_code == 200
 
 
+def test_the_api_description_needs_the_key(keyed_url: str) -> None:
+    """Issue 43 item 7: `/docs` and `/openapi.json` were open to anyone under `--api-key`."""
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        refused = httpx.get(f"{keyed_url}{path}")
+        assert refused.status_code == 401, path
+        assert "/v1/chat/completions" not in refused.text  # nothing of the API's description leaks
+    described = httpx.get(f"{keyed_url}/openapi.json", headers={"authorization": f"Bearer {KEY}"})
+    assert described.status_code == 200 and "/v1/chat/completions" in described.json()["paths"]
+
+
 def test_keys_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 

@@ -97,3 +97,47 @@ def test_reasoning_tokens_never_exceed_completion_tokens(llm: LLM) -> None:
     usage = answer.usage
     assert usage["completion_tokens"] == len(ids) == 8
     assert usage["completion_tokens_details"]["reasoning_tokens"] == 8  # all thinking: no </think> yet
+
+
+def test_chat_returns_vllms_request_output(llm: LLM) -> None:
+    """Issue 49 item 8: vLLM's `LLM.chat` returns `RequestOutput`s; `outputs[0].text` is the raw text."""
+    from deepinfer_core.outputs import RequestOutput
+
+    [answer] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0),
+                        use_tqdm=False, tools=[TOOL], chat_template_kwargs={"thinking": False})
+    assert isinstance(answer, RequestOutput) and answer.finished
+    assert answer.outputs[0].text == llm.get_tokenizer().decode(answer.outputs[0].token_ids)
+    assert answer.output is answer and answer.reasoning_content is None  # chat_template_kwargs turned thinking off
+
+
+def test_continue_final_message_continues_the_assistants_text(llm: LLM, recipe_encoding) -> None:
+    """Issue 49 item 8: vLLM's `continue_final_message` is DeepSeek's prefix completion."""
+    conversation = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    [answer] = llm.chat(conversation, SamplingParams(max_tokens=3, temperature=0), add_generation_prompt=False,
+                        continue_final_message=True, thinking=False)
+    ids = answer.prompt_token_ids
+    assert llm.get_tokenizer().decode(ids).endswith("</think>Once upon")  # open: no end of sentence, no new turn
+    [closed] = prepare_conversations_of(llm, conversation)
+    assert closed.prompt_token_ids[:len(ids)] == ids and len(closed.prompt_token_ids) > len(ids)
+    assert answer.content == answer.outputs[0].text  # only the continuation, as vLLM and DeepSeek's API return it
+
+
+def prepare_conversations_of(llm: LLM, conversation: list[dict]) -> list:
+    from deepinfer_core.entrypoints.chat import chat_encoding_of, prepare_conversations
+
+    return prepare_conversations(chat_encoding_of(llm), [conversation], None, False, 1024)
+
+
+def test_vllm_chat_options_we_do_not_implement_say_so(llm: LLM) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    with pytest.raises(NotImplementedError, match="chat_template"):
+        llm.chat(user, chat_template="{{ messages }}")
+    with pytest.raises(NotImplementedError, match="add_generation_prompt=False"):
+        llm.chat(user, add_generation_prompt=False)
+    with pytest.raises(ValueError, match="cannot both be True"):
+        llm.chat(user, continue_final_message=True)
+    with pytest.raises(ChatRequestError, match="assistant message last"):
+        llm.chat(user, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(NotImplementedError, match="chat_template_kwargs"):
+        llm.chat(user, chat_template_kwargs={"tools_in_system": True})
+    assert not llm.engine.has_unfinished_requests()

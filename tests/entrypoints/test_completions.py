@@ -47,7 +47,8 @@ def test_echo_stop_and_logprobs(oai: openai.OpenAI) -> None:
     echoed = oai.completions.create(model=SERVED_NAME, prompt="Count: one two", max_tokens=12, temperature=0,
                                     echo=True, logprobs=2).choices[0]
     assert echoed.text == "Count: one two" + full.text
-    assert len(echoed.logprobs.token_logprobs) >= 1 and all(lp <= 0 for lp in echoed.logprobs.token_logprobs)
+    echoed_logprobs = echoed.logprobs.token_logprobs  # the prompt's first (vLLM's echo), which has none
+    assert len(echoed_logprobs) >= 2 and echoed_logprobs[0] is None and all(lp <= 0 for lp in echoed_logprobs[1:])
     if len(full.text.strip()) >= 4:
         stop = full.text.strip()[1:3]
         cut = oai.completions.create(model=SERVED_NAME, prompt="Count: one two", max_tokens=12, temperature=0,
@@ -70,3 +71,59 @@ def test_invalid_requests_are_400s_in_openai_shape(oai: openai.OpenAI) -> None:
     assert err.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match=r"\[0, "):
         oai.completions.create(model=SERVED_NAME, prompt=[0, 10**9])
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_first(oai: openai.OpenAI, live_server: LiveServer) -> None:
+    """Issue 49 item 8: as vLLM, `echo` with `logprobs` lists the prompt's tokens (the first without a
+    logprob: it has no context), then the completion's; the tokens line up with the text."""
+    echoed = oai.completions.create(model=SERVED_NAME, prompt="Count: one two", max_tokens=4, temperature=0,
+                                    echo=True, logprobs=2)
+    choice, num_prompt = echoed.choices[0], echoed.usage.prompt_tokens
+    tokens, token_logprobs = choice.logprobs.tokens, choice.logprobs.token_logprobs
+    assert len(tokens) == len(token_logprobs) == num_prompt + echoed.usage.completion_tokens
+    assert token_logprobs[0] is None and all(lp <= 0 for lp in token_logprobs[1:])
+    assert "".join(tokens[1:num_prompt]) == "Count: one two"  # after the BOS, the echoed prompt's tokens
+    assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.top_logprobs[1]) >= 2
+
+
+def test_vllm_sampling_fields_reach_the_engine(oai: openai.OpenAI) -> None:
+    kwargs = {"model": SERVED_NAME, "prompt": "The sea is", "max_tokens": 6}
+    greedy = oai.completions.create(**kwargs, temperature=0).choices[0].text
+    assert oai.completions.create(**kwargs, seed=5, extra_body={"top_k": 1}).choices[0].text == greedy
+    chosen = oai.completions.create(**kwargs, extra_body={"guided_choice": ["calm", "rough"]}).choices[0]
+    assert chosen.text in ("calm", "rough") and chosen.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        oai.completions.create(**kwargs, extra_body={"min_p": 3})
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        oai.completions.create(**kwargs, extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="(?i)grammar|regex"):
+        oai.completions.create(**kwargs, extra_body={"guided_regex": "(unclosed"})
+
+
+class RejectingEngine:
+    """An engine that refuses every request when its generation starts, as it does a bad parameter."""
+
+    def generate(self, prompt_ids, params, request_id):
+        async def outputs():
+            raise ValueError("refused by the engine")
+            yield  # an async generator
+
+        return outputs()
+
+    def abort(self, request_id) -> None:
+        pass
+
+
+def test_a_streamed_echo_the_engine_refuses_is_a_400(live_server: LiveServer) -> None:
+    """The echoed prompt was sent before the engine had accepted the request: a 200 stream that broke."""
+    import asyncio
+    import dataclasses
+
+    from deepinfer_core.entrypoints.completions import CompletionRequest, CompletionRun, _streamed
+    from deepinfer_core.sampling_params import SamplingParams
+
+    state = dataclasses.replace(live_server.state, engine=RejectingEngine())
+    request = CompletionRequest(SERVED_NAME, [0, 5, 6], "hi", SamplingParams(max_tokens=2), stream=True,
+                                include_usage=False, echo=True)
+    response = asyncio.run(_streamed(CompletionRun(state, request)))
+    assert response.status_code == 400 and b"refused by the engine" in response.body

@@ -35,3 +35,14 @@ def test_serve_load_says_what_to_install() -> None:
     done = subprocess.run([sys.executable, "-c", hide_httpx], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "pip install httpx" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_readme_table_names_every_field_the_server_reads_or_refuses() -> None:
+    """Issue 49 items 4 and 8: where the server differs from vLLM, the README's table says so."""
+    from deepinfer_core.entrypoints.request_fields import GUIDED_FIELDS, REFUSED_FIELDS, SAMPLING_FIELDS
+
+    section = serving_section()
+    table = section[section.index("Where the server differs from vLLM"):]
+    table = table[:table.index("```")]
+    for name in (*SAMPLING_FIELDS, *GUIDED_FIELDS, *REFUSED_FIELDS, "structured_outputs", "max_completion_tokens"):
+        assert f"`{name}`" in table, name

@@ -10,6 +10,7 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 from starlette.requests import Request
 
 from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, handle_generation
@@ -116,3 +117,85 @@ def test_live_non_streaming_disconnect_logs_nothing_and_is_counted(live_server: 
     assert aborted(live_server) == before + 1
     assert wait_idle(live_server)
     assert [r.getMessage() for r in records.records if r.levelno >= logging.ERROR] == []
+
+
+# -- fields the chat encoding does not read (issue 49 items 4, 8 and 9) ----------------------------
+
+NO_THINKING = {"thinking": {"type": "disabled"}}
+SEA = [{"role": "user", "content": "Say something about the sea."}]
+
+
+def post(live_server: LiveServer, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(f"{live_server.base_url}{path}", json={"model": SERVED_NAME, **body}, timeout=300)
+
+
+def test_max_completion_tokens_bounds_the_answer(live_server: LiveServer) -> None:
+    """Issue 49 item 4: what current OpenAI SDKs send was ignored (4 asked, 8,182 generated)."""
+    alone = post(live_server, {"messages": SEA, "max_completion_tokens": 3, **NO_THINKING}).json()
+    assert alone["usage"]["completion_tokens"] <= 3
+    both = post(live_server, {"messages": SEA, "max_tokens": 40, "max_completion_tokens": 2, **NO_THINKING}).json()
+    assert both["usage"]["completion_tokens"] <= 2  # as vLLM: max_completion_tokens wins over max_tokens
+    refused = post(live_server, {"messages": SEA, "max_completion_tokens": 0})
+    assert refused.status_code == 400 and "'max_completion_tokens'" in refused.json()["error"]["message"]
+
+
+def test_top_k_one_samples_the_greedy_answer(live_server: LiveServer) -> None:
+    """vLLM's `top_k` reaches the engine on every chat API: top_k=1 at temperature 1 is greedy."""
+    greedy = post(live_server, {"messages": SEA, "max_tokens": 8, "temperature": 0, **NO_THINKING}).json()
+    top_one = post(live_server, {"messages": SEA, "max_tokens": 8, "top_k": 1, "seed": 3, **NO_THINKING}).json()
+    assert top_one["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+    messages = {"messages": SEA, "max_tokens": 8, **NO_THINKING}
+    anthropic_greedy = post(live_server, {**messages, "temperature": 0}, "/v1/messages").json()
+    anthropic_top_one = post(live_server, {**messages, "top_k": 1, "temperature": 1}, "/v1/messages").json()
+    assert anthropic_top_one["content"] == anthropic_greedy["content"]  # Anthropic's own top_k
+
+
+@pytest.mark.parametrize("constraint", [
+    {"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"guided_regex": "(yes|no)"}, {"guided_grammar": 'root ::= "yes" | "no"'},
+    {"guided_json": {"enum": ["yes", "no"]}},
+])
+def test_vllm_structured_output_fields_constrain_the_answer(live_server: LiveServer, constraint: dict) -> None:
+    body = post(live_server, {"messages": SEA, "max_tokens": 12, **NO_THINKING, **constraint}).json()
+    content = body["choices"][0]["message"]["content"]
+    assert (json.loads(content) if "guided_json" in constraint else content) in ("yes", "no")
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("chat_template", "{{ messages }}"), ("use_beam_search", True), ("echo", True),
+    ("continue_final_message", True), ("top_k", "x"), ("min_p", 2), ("repetition_penalty", 0),
+    ("presence_penalty", 5), ("guided_json", "{not json"), ("structured_outputs", {"lark": "x"}),
+])
+def test_vllm_fields_not_served_are_400s_naming_them(live_server: LiveServer, field: str, value: object) -> None:
+    """Never silently dropped: a field this server cannot honour, or a bad value, is a 400 naming it."""
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        body = {"messages": SEA} if path.endswith("completions") else {"input": "hi"}
+        response = post(live_server, {**body, "max_tokens": 2, field: value}, path)
+        assert response.status_code == 400, (path, response.text)
+        message = response.json()["error"]["message"]
+        assert field.split("_")[0] in message or "structured outputs" in message, message
+
+
+def test_two_structured_output_constraints_are_a_400(live_server: LiveServer) -> None:
+    answer_in_json = [{"role": "user", "content": "Answer in json."}]
+    both = post(live_server, {"messages": answer_in_json, "max_tokens": 2, "response_format": {"type": "json_object"},
+                              "guided_regex": "a+"})
+    assert both.status_code == 400 and "structured-output constraint" in both.json()["error"]["message"]
+
+
+def test_logprobs_count_every_token_of_an_answer_ending_mid_character(live_server: LiveServer) -> None:
+    """Issue 49 item 9: the last id ends mid-character; its logprob was missing (31 entries, 32 tokens)."""
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32, "seed": 6,
+            "logprobs": True, "top_logprobs": 1}
+    whole = post(live_server, body).json()
+    assert whole["choices"][0]["message"]["reasoning_content"].endswith("\ufffd")  # the case
+    entries = [e for part in whole["choices"][0]["logprobs"].values() for e in part or []]
+    assert len(entries) == whole["usage"]["completion_tokens"] == 32
+    assert bytes(entries[-1]["bytes"]).decode("utf-8", "replace").endswith("\ufffd")  # the partial character
+    streamed = post(live_server, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0].get("logprobs")]
+    streamed_entries = [e for part in logprobs for e in (part.get("content") or []) + (part.get("reasoning_content") or [])]
+    assert len(streamed_entries) == chunks[-1]["usage"]["completion_tokens"] == 32
+    assert streamed_entries == entries

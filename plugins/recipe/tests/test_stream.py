@@ -147,8 +147,11 @@ def test_one_output_ending_mid_character_is_not_lost(encoding, v4_tokenizer) -> 
     response = json.loads(stream.response_json())
     assert response["choices"][0]["message"]["content"] == "Once upon a time\ufffd"
     assert response["usage"]["completion_tokens"] == len(generated)
-    # Every whole answer token keeps its logprob; the flushed partial one has none to show.
-    assert [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]] == ["Once", " upon", " a", " time"]
+    # Every answer token keeps its logprob, the flushed partial one too (issue 49 item 9: it had none).
+    entries = response["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in entries[:4]] == ["Once", " upon", " a", " time"]
+    assert len(entries) == 5 and entries[4]["logprob"] == -0.5
+    assert bytes(entries[4]["bytes"]) == "\N{SLIGHTLY SMILING FACE}".encode()[:len(entries[4]["bytes"])]  # its first bytes
 
 
 # Seven ids whose text encodes again as nine: recipe's own count (re-encoding the reasoning) said 9 of 7.

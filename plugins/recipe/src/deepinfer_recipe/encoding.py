@@ -160,11 +160,15 @@ def _structured_outputs(constraint: dr.OutputConstraint | None) -> StructuredOut
 
 
 def _reshape_error_body(status_code: int, body: str, api: Api) -> str:
-    """Recipe's error bodies are OpenAI-shaped; Anthropic clients expect `{"type": "error", ...}`."""
-    if api != "messages":
-        return body
+    """Recipe's error bodies, in the core's shape for `api`: Anthropic clients expect
+    `{"type": "error", ...}`, and OpenAI-shaped bodies get the same fields and `code` as every other
+    error the server answers (recipe sets `code` to the type on some errors, null on others)."""
     try:
-        message = json.loads(body)["error"]["message"]
+        error = json.loads(body)["error"]
+        message, param = error["message"], error.get("param")
     except (ValueError, KeyError, TypeError):
-        message = body
-    return json.dumps(error_body(status_code, message, api))
+        message, param = body, None
+    reshaped = error_body(status_code, message, api)
+    if param is not None and api != "messages":
+        reshaped["error"]["param"] = param
+    return json.dumps(reshaped)

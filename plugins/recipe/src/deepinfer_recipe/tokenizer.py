@@ -27,6 +27,17 @@ CHUNK_CHARS = 8192
 """Characters tokenized at a time by `encode_within` (a piece ends at the next cut after this many)."""
 
 
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet: printable Latin-1 bytes spell themselves, the other 68 bytes take the
+    characters from U+0100 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
 class TokenizerError(RuntimeError):
     """A checkpoint's tokenizer is missing or cannot encode its chat format."""
 
@@ -67,6 +78,7 @@ class DeepseekTokenizer:
         self.bos_token_id: int = self.hf.token_to_id(BOS_TOKEN)
         self.eos_token_id: int = self.hf.token_to_id(EOS_TOKEN)
         self.vocab_size: int = self.hf.get_vocab_size()
+        self._added_tokens = frozenset(t.content for t in self.hf.get_added_tokens_decoder().values())
         # Byte-level BPE spells one byte a character; added tokens are plain text.
         self.max_token_bytes: int = max(
             max(map(len, self.hf.get_vocab(with_added_tokens=False)), default=1),
@@ -101,6 +113,13 @@ class DeepseekTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id spells (part of a character, for an id that ends mid-character)."""
+        token = self.hf.id_to_token(token_id) or ""
+        if token in self._added_tokens or any(c not in BYTE_OF_CHAR for c in token):
+            return token.encode("utf-8")
+        return bytes(BYTE_OF_CHAR[c] for c in token)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary entry, or `None`."""

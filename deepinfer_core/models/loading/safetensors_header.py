@@ -77,7 +77,7 @@ def _read_header(path: Path) -> tuple[dict, int]:
     except (ValueError, RecursionError) as err:
         raise _bad(path, f"its header is not valid JSON ({type(err).__name__}: {err})") from None
     if not isinstance(header, dict):
-        raise _bad(path, f"its header is not a JSON object")
+        raise _bad(path, "its header is not a JSON object")
     return header, size - 8 - length
 
 

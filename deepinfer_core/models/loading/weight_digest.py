@@ -7,9 +7,10 @@ time would double the load's reads; instead `SafetensorsReader` hands every tens
 slice) it reads to `WeightDigest.add`, which hashes the raw stored bytes (before any dequantisation or
 cast) with SHA-256 on a few threads (hashlib releases the GIL on large buffers, so hashing overlaps the
 reads). SHA-256 rather than BLAKE2b: OpenSSL's uses the CPU's SHA instructions (x86 SHA-NI, Arm SHA2),
-1.6-2.8x BLAKE2b's rate on this project's shared 2-core machine (`bench/RESULTS.md`), and it stays a cryptographic hash, so
-no checkpoint can be made to collide with another's keys. `digest()` joins the per-tensor digests in name order, so the result does not depend on the
-order tensors were read in or on which thread hashed them.
+1.6-2.8x BLAKE2b's rate on this project's shared 2-core machine (`bench/RESULTS.md`), and it stays a
+cryptographic hash, so no checkpoint can be made to collide with another's keys. `digest()` joins the
+per-tensor digests in name order, so the result does not depend on the order tensors were read in or
+on which thread hashed them.
 """
 
 from __future__ import annotations

@@ -238,8 +238,9 @@ def register_prefix_stores(register: Callable[..., None]) -> None:
     native USRBIO client, Mooncake Store, ...); a plain directory path always uses POSIX files.
 
     Call `register(scheme, factory)` where `factory(location: str)` returns an object satisfying
-    `deepinfer_core.kv.store_backends.StoreBackend` (named objects written atomically: `put`, `get`,
-    `contains`, `delete`, `touch`, `scan`). When two plugins register one scheme, the first asked wins.
+    `deepinfer_core.kv.store_backends.StoreBackend` (named objects written atomically: `put`, `get` (bounded:
+    `get(name, max_bytes)`), `contains`, `delete`, `touch`, `scan`); such a store's blocks are authenticated
+    with `DEEPINFER_PREFIX_STORE_KEY` (`kv.store_key`). When two plugins register one scheme, the first asked wins.
 
     :param register: the registration callback.
     """

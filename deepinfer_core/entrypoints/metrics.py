@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_core.kv.prefix_store import CORRUPTION_REASONS
+
 PREFIX = "deepinfer"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -145,8 +147,7 @@ _TIER_METRICS = (
     ("prefix_store_evictions_total", "counter", "Block files the garbage collector deleted, by reason.",
      [('reason="ttl"', "prefix_store_evictions_ttl"), ('reason="capacity"', "prefix_store_evictions_capacity")]),
     ("prefix_store_corrupt_blocks_total", "counter", "Store files refused on read (deleted, recomputed), by reason.",
-     [(f'reason="{r}"', f"prefix_store_corrupt_{r}") for r in
-      ("truncated", "format", "checksum", "fingerprint", "layout", "identity")]),
+     [(f'reason="{r}"', f"prefix_store_corrupt_{r}") for r in CORRUPTION_REASONS]),
     ("prefix_store_load_seconds_total", "counter", "Seconds requests waited loading their prefix from the store.",
      [("", "prefix_store_load_seconds_total")]),
     ("prefix_store_loads_total", "counter", "Store loads requests waited for.", [("", "prefix_store_loads")]),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,8 +33,9 @@ class StoreBackend(Protocol):
     def put(self, name: str, data: bytes | memoryview) -> None:
         """Store `data` under `name`, replacing any object of that name all at once (never partially)."""
 
-    def get(self, name: str) -> bytes | None:
-        """The object's bytes, or None if there is none."""
+    def get(self, name: str, max_bytes: int) -> bytes | None:
+        """The object's bytes, or None if there is none; at most `max_bytes` of them are read (a longer
+        object gives its first `max_bytes`, which the reader refuses as too long)."""
 
     def contains(self, name: str) -> bool:
         """Whether an object of that name exists (its content is not checked)."""
@@ -79,19 +82,28 @@ class PosixBackend:
         os.close(fd)
         os.replace(temp, path)
 
-    def get(self, name: str) -> bytes | None:
-        try:
-            with open(self._path(name), "rb") as f:
-                return f.read()
+    def get(self, name: str, max_bytes: int) -> bytes | None:
+        try:  # never follow a link out of the store, never block on a FIFO someone left there
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError:  # a link (ELOOP) or a directory: not a block, and the reader refuses b""
+            return b""
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return b""
+            return f.read(max_bytes)
 
     def contains(self, name: str) -> bool:
         return self._path(name).is_file()
 
     def delete(self, name: str) -> None:
+        path = self._path(name)
         try:
-            self._path(name).unlink()
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)  # a directory where a block file belongs
+            else:
+                path.unlink()
         except (FileNotFoundError, NotADirectoryError):
             pass
 

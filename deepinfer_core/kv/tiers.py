@@ -280,8 +280,8 @@ class PrefixTiers:
     def _fetched(self, request_id: str, future: Future) -> dict[bytes, tuple[BlockRef, torch.Tensor]]:
         try:
             blocks, state = future.result()
-        except OSError as err:
-            logger.warning("reading prefix blocks from the store failed (%s); the prefix is recomputed", err)
+        except Exception as err:  # a read from the store or a prefill instance is never fatal  # noqa: BLE001
+            logger.warning("reading prefix blocks failed (%s: %s); the prefix is recomputed", type(err).__name__, err)
             return {}
         if state is not None:
             self._staged_states[request_id] = state
@@ -425,7 +425,7 @@ def make_prefix_tiers(config, fingerprint: bytes, layout, block_bytes: int) -> P
     if path:
         capacity = None if config.prefix_store_gib is None else int(config.prefix_store_gib * GIB)
         store = PrefixStore(open_backend(path), fingerprint, describe_layout(layout), config.prefix_store_ttl_s,
-                            capacity)
+                            capacity, max_payload_bytes=block_bytes)
     importer = exporter = None
     if role is not None:
         from deepinfer_core.kv.nixl_transfer import KvExporter, KvImporter

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -73,8 +71,9 @@ class CausalLM(Protocol):
     - `layer_plan(config, dtype) -> list[LayerPlan]` (a classmethod);
     - `host_weight_names(names, engram_placement) -> set[str]` (a staticmethod): the weights loaded straight
       into host memory, never onto the device;
-    - `load_checkpoint(model_dir, config, dtype, device, keep_fp4=False, host=())` (a classmethod), only where
-      `capabilities.has_checkpoint_loader`: the weights of its own checkpoint layout, in its names.
+    - `load_checkpoint(model_dir, config, dtype, device, keep_fp4=False, host=(), digest=None)` (a classmethod),
+      only where `capabilities.has_checkpoint_loader`: the weights of its own checkpoint layout, in its names,
+      every byte read given to `digest` (a `loading.weight_digest.WeightDigest`, the cache fingerprint's).
     """
 
     capabilities: ModelCapabilities
@@ -115,31 +114,11 @@ class CausalLM(Protocol):
         """Stop whatever the model runs beside the steps (V4.1's Engram prefetch worker); at shutdown."""
 
 
-def checkpoint_identity(model_dir: str | Path) -> bytes:
-    """SHA-256 over every safetensors file's name, size and header (tensor names, dtypes, shapes and
-    offsets): cheap to read, and different whenever the weights were rewritten."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with path.open("rb") as f:
-            raw = f.read(8)
-            header = f.read(struct.unpack("<Q", raw)[0]) if len(raw) == 8 else b""
-        digest.update(f"{path.name}:{path.stat().st_size}:".encode() + header)
-    return digest.digest()
-
-
-def tensors_identity(weights: dict[str, torch.Tensor]) -> bytes:
-    """SHA-256 over in-memory weights' names, shapes, dtypes and first few values."""
-    digest = hashlib.sha256()
-    for name in sorted(weights):
-        tensor = weights[name]
-        head = tensor.detach().reshape(-1)[:8].to("cpu", torch.float64).tolist()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{head}".encode())
-    return digest.digest()
-
-
 def cache_fingerprint(config, dtype: torch.dtype, plans: list[LayerPlan], weights_identity: bytes) -> bytes:
-    """What cached blocks depend on besides their tokens: the model's config, its weights, the compute
-    dtype and the cache layout. The root of every block key chain (`BlockManager`)."""
+    """What cached blocks depend on besides their tokens: the model's config, its weights (`weights_identity`:
+    `loading.weight_digest`'s hash of every byte the ranks read), the compute dtype and the cache layout.
+    The root of every block key chain (`BlockManager`), so also of the host tier's, the store's and
+    prefill/decode transfers' keys."""
     layout = {"config": config.model_dump(mode="json"), "dtype": str(dtype), "block_size": BLOCK_SIZE,
               "plans": [repr(plan) for plan in plans]}
     return hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode() + weights_identity).digest()

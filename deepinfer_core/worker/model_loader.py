@@ -9,6 +9,7 @@ helper only the objects it needs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from deepinfer_core.distributed.eplb_state import ExpertShards, make_expert_shar
 from deepinfer_core.kv.cache import KVCache, bytes_per_block, bytes_per_slot
 from deepinfer_core.models import registry, tensor_parallel
 from deepinfer_core.models.deepseek_v4.mtp import split_mtp_weights
-from deepinfer_core.models.interface import CausalLM, cache_fingerprint, checkpoint_identity, tensors_identity
+from deepinfer_core.models.interface import CausalLM, cache_fingerprint
 from deepinfer_core.models.layer_plan import (
     BLOCK_SIZE,
     deterministic_plans,
@@ -36,6 +37,7 @@ from deepinfer_core.models.layer_plan import (
 )
 from deepinfer_core.models.loading import weight_formats
 from deepinfer_core.models.loading.checkpoint_layout import tensor_schema
+from deepinfer_core.models.loading.weight_digest import WeightDigest
 from deepinfer_core.models.loading.weights import load_weights, match_param_dtypes
 from deepinfer_core.speculative.mtp_drafter import DraftTarget, MTPDrafter
 from deepinfer_core.speculative.runner_side import build_mtp_drafter
@@ -62,6 +64,8 @@ class LoadedModel:
     experts: ExpertShards | None
     """This rank's routed experts under expert parallelism (None without)."""
     cache_fingerprint: bytes
+    """What cached blocks depend on (`interface.cache_fingerprint`), the weights' bytes included: set once
+    they are loaded."""
     model: CausalLM | None = None
     linear_backends: list | None = None
     num_trim_kept: int | None = None
@@ -84,20 +88,33 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, device: t
     experts = make_expert_shards(parallel, model_config, device, engine_config.time_ep_dispatch)  # None without EP
     if experts is not None:
         plans = experts.plans(plans)
-    fingerprint = cache_fingerprint(
-        model_config, dtype, plans,
-        tensors_identity(weights) if weights is not None else checkpoint_identity(engine_config.model))
-    loaded = LoadedModel(model_config, engine_config, device, parallel, dtype, local_config, plans, experts,
-                         fingerprint)
-    loaded.model = _load_weights(loaded, model_cls, weights)
+    loaded = LoadedModel(model_config, engine_config, device, parallel, dtype, local_config, plans, experts, b"")
+    digest = WeightDigest()
+    loaded.model = _load_weights(loaded, model_cls, weights, digest)
+    loaded.cache_fingerprint = cache_fingerprint(model_config, dtype, plans, _weights_identity(digest, parallel))
     loaded.num_trim_kept = _set_trim_point(loaded)
     loaded.linear_backends = _bind_backends(loaded)
     return loaded
 
 
-def _load_weights(loaded: LoadedModel, model_cls: type, weights: dict[str, torch.Tensor] | None) -> CausalLM:
+def _weights_identity(digest: WeightDigest, parallel: ParallelGroups) -> bytes:
+    """The hash of the weights every rank read: each rank hashed only its own slices and experts, so the
+    ranks' digests are joined in rank order, and every rank (and the engine) gets the same fingerprint."""
+    own = digest.digest()
+    if parallel.world_size == 1:
+        return own
+    import torch.distributed as dist
+
+    digests: list[bytes | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, own)
+    return hashlib.sha256(b"".join(digests)).digest()
+
+
+def _load_weights(loaded: LoadedModel, model_cls: type, weights: dict[str, torch.Tensor] | None,
+                  digest: WeightDigest) -> CausalLM:
     """The model built on the meta device, then given its weights: checked against the modules (names,
-    shapes, finite values) and cast to their declared dtypes."""
+    shapes, finite values) and cast to their declared dtypes; `digest` gets the bytes as they are read
+    (in-memory weights: every tensor's)."""
     cfg, config, dtype, device = loaded.engine_config, loaded.config, loaded.dtype, loaded.device
     with torch.device("meta"):
         model = model_cls(loaded.local_config, loaded.plans, dtype, parallel=loaded.parallel)
@@ -108,8 +125,10 @@ def _load_weights(loaded: LoadedModel, model_cls: type, weights: dict[str, torch
     host_names = model_cls.host_weight_names(
         tensor_schema(model), cfg.engram_placement)  # never on the device, even while loading
     if weights is None:
-        weights = _checkpoint_weights(loaded, model_cls, model, shards, host_names)
+        weights = _checkpoint_weights(loaded, model_cls, model, shards, host_names, digest)
     else:
+        for name, tensor in weights.items():
+            digest.add(name, tensor)
         weights, loaded.mtp_weights = split_mtp_weights(weights)
         if loaded.experts is not None:
             weights = loaded.experts.select_local(weights)
@@ -123,19 +142,20 @@ def _load_weights(loaded: LoadedModel, model_cls: type, weights: dict[str, torch
     return model.eval()
 
 
-def _checkpoint_weights(loaded: LoadedModel, model_cls: type, model, shards, host_names) -> dict[str, torch.Tensor]:
+def _checkpoint_weights(loaded: LoadedModel, model_cls: type, model, shards, host_names,
+                        digest: WeightDigest) -> dict[str, torch.Tensor]:
     """The checkpoint's weights: through the model class's own loader when it has a checkpoint layout of
     its own, else the common one (under tensor parallelism only this rank's slices are read)."""
     cfg, experts = loaded.engine_config, loaded.experts
     keep_fp4 = loaded.plans[0].moe.expert_format == "fp4"
     if model.capabilities.has_checkpoint_loader:
         weights = model_cls.load_checkpoint(cfg.model, loaded.config, loaded.dtype, loaded.device, keep_fp4=keep_fp4,
-                                            **({"host": host_names} if host_names else {}))
+                                            digest=digest, **({"host": host_names} if host_names else {}))
         return experts.select_local(weights) if experts is not None else weights
     native = cfg.quantized_weights == "native"
     return load_weights(cfg.model, loaded.config, loaded.dtype, loaded.device, keep_fp4=keep_fp4,
                         keep_fp8=weight_formats.fp8_projection_names(model) if native else (),
-                        local_experts=experts.local_experts if experts else None, shards=shards)
+                        local_experts=experts.local_experts if experts else None, shards=shards, digest=digest)
 
 
 def _set_trim_point(loaded: LoadedModel) -> int | None:

@@ -54,3 +54,34 @@ def test_input_batch_keeps_each_requests_state_from_the_plans():
         batch.update_states(StepPlan((ScheduledRequest("b", 0, (1,), True),)))
     batch.update_states(StepPlan((), freed_request_ids=("a",)))
     assert batch.requests == {}
+
+
+def test_every_rank_keys_its_cache_by_the_digests_of_all_ranks(monkeypatch):
+    """Under TP or EP each rank reads only its slices and experts: the fingerprint joins every rank's digest
+    in rank order, so the ranks agree and a change in any rank's bytes changes every rank's key."""
+    import torch.distributed as dist
+
+    from deepinfer_core.backends.parallel import GroupInfo, ParallelConfig
+    from deepinfer_core.models.loading.weight_digest import WeightDigest
+
+    def digest_of(value: float) -> WeightDigest:
+        digest = WeightDigest()
+        digest.add("w", torch.full((4,), value))
+        return digest
+
+    config = ParallelConfig(tensor_parallel_size=2)
+    one = GroupInfo(None, 0, 1)
+    gathered = {}
+
+    def all_gather_object(out, own):  # rank 0's view of a two-rank gather
+        out[:] = [own, gathered["other"]]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    groups = ParallelGroups(config, 0, one, one, one, one)
+    gathered["other"] = digest_of(2.0).digest()
+    joint = model_loader._weights_identity(digest_of(1.0), groups)
+    assert joint != digest_of(1.0).digest()
+    gathered["other"] = digest_of(3.0).digest()  # only rank 1's slice differs
+    assert model_loader._weights_identity(digest_of(1.0), groups) != joint
+    assert model_loader._weights_identity(digest_of(1.0), ParallelGroups.single()) == digest_of(1.0).digest()

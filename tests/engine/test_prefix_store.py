@@ -19,10 +19,12 @@ from deepinfer_core.kv.prefix_store import (
     encode_block,
 )
 from deepinfer_core.kv.store_backends import PosixBackend, StoreBackend, open_backend
+from deepinfer_core.kv.store_key import KEY_ENV, KEY_FILE
 from deepinfer_core.sched.block_pool import block_key
 
 FINGERPRINT = b"f" * 32
 LAYOUT = "0.compressed[32,8]float32"
+KEY = b"k" * 32
 
 
 def block(i: int, parent: bytes = FINGERPRINT) -> tuple[bytes, bytes, list[int], bytes]:
@@ -34,10 +36,14 @@ def make_store(root: Path, **options) -> PrefixStore:
     return PrefixStore(PosixBackend(root), FINGERPRINT, LAYOUT, **options)
 
 
+def encode(*args, auth_key: bytes = KEY) -> bytes:
+    return encode_block(*args, auth_key=auth_key)
+
+
 def test_a_block_round_trips_and_every_check_fails_on_its_own_damage():
     key, parent, tokens, payload = block(1)
-    data = encode_block(key, parent, tokens, FINGERPRINT, LAYOUT, payload, "chat")
-    assert bytes(decode_block(data, key, parent, tokens, FINGERPRINT, LAYOUT)) == payload
+    data = encode(key, parent, tokens, FINGERPRINT, LAYOUT, payload, "chat")
+    assert bytes(decode_block(data, key, parent, tokens, FINGERPRINT, LAYOUT, auth_key=KEY)) == payload
     flipped_payload = bytearray(data)
     flipped_payload[-10] ^= 0x40
     flipped_header = bytearray(data)
@@ -46,18 +52,18 @@ def test_a_block_round_trips_and_every_check_fails_on_its_own_damage():
         "truncated": (data[:-1], {}),
         "format": (b"NOTABLOCK" + data[9:], {}),
         "checksum": (bytes(flipped_payload), {}),
-        "fingerprint": (encode_block(key, parent, tokens, b"g" * 32, LAYOUT, payload, "chat"), {}),
-        "layout": (encode_block(key, parent, tokens, FINGERPRINT, "0.compressed[32,9]float32", payload, "chat"), {}),
+        "fingerprint": (encode(key, parent, tokens, b"g" * 32, LAYOUT, payload, "chat"), {}),
+        "layout": (encode(key, parent, tokens, FINGERPRINT, "0.compressed[32,9]float32", payload, "chat"), {}),
         "identity": (data, {"tokens": [9, 9, 9]}),
     }
     for reason, (damaged, changes) in cases.items():
         expected = {"key": key, "parent": parent, "tokens": tokens, "fingerprint": FINGERPRINT, "layout": LAYOUT,
-                    **changes}
+                    "auth_key": KEY, **changes}
         with pytest.raises(CorruptBlockError) as err:
             decode_block(damaged, **expected)
         assert err.value.reason == reason, reason
     with pytest.raises(CorruptBlockError) as err:
-        decode_block(bytes(flipped_header), key, parent, tokens, FINGERPRINT, LAYOUT)
+        decode_block(bytes(flipped_header), key, parent, tokens, FINGERPRINT, LAYOUT, auth_key=KEY)
     assert err.value.reason in ("checksum", "format")
 
 
@@ -73,7 +79,8 @@ def test_a_damaged_file_is_never_served_and_is_counted_and_deleted(tmp_path, dam
     elif damage == "flip":
         path.write_bytes(raw[:-5] + bytes([raw[-5] ^ 0xFF]) + raw[-4:])
     elif damage == "foreign":
-        path.write_bytes(encode_block(key, parent, tokens, b"another model".ljust(32), LAYOUT, payload, "chat"))
+        path.write_bytes(encode(key, parent, tokens, b"another model".ljust(32), LAYOUT, payload, "chat",
+                                auth_key=store.auth_key))
     else:
         path.unlink()
     assert store.get(key, parent, tokens) is None
@@ -90,7 +97,7 @@ def test_writes_are_atomic_and_a_stored_block_is_touched_not_rewritten(tmp_path)
     key, parent, tokens, payload = block(3)
     assert store.put(key, parent, tokens, payload, "chat")
     assert not store.put(key, parent, tokens, payload, "chat")  # already there: touched
-    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != KEY_FILE]
     assert [p.name for p in files] == [f"{key.hex()}.blk"]  # no temporary file left behind
     assert bytes(store.get(key, parent, tokens)) == payload
     assert store.stats.num_written == 1 and store.stats.num_hits == 1
@@ -210,7 +217,7 @@ def test_two_processes_share_one_store_directory(tmp_path):
     assert not list(root.rglob("*.tmp"))
 
 
-def test_backends_are_opened_by_path_or_by_a_registered_scheme(tmp_path):
+def test_backends_are_opened_by_path_or_by_a_registered_scheme(tmp_path, monkeypatch):
     assert isinstance(open_backend(str(tmp_path / "a")), PosixBackend)
     assert isinstance(open_backend(f"file://{tmp_path / 'b'}"), PosixBackend)
 
@@ -221,8 +228,9 @@ def test_backends_are_opened_by_path_or_by_a_registered_scheme(tmp_path):
         def put(self, name, data):
             self.objects[name] = bytes(data)
 
-        def get(self, name):
-            return self.objects.get(name)
+        def get(self, name, max_bytes):
+            data = self.objects.get(name)
+            return None if data is None else data[:max_bytes]
 
         def contains(self, name):
             return name in self.objects
@@ -238,6 +246,9 @@ def test_backends_are_opened_by_path_or_by_a_registered_scheme(tmp_path):
 
     backend = open_backend("mem://bucket", {"mem": Memory})
     assert isinstance(backend, StoreBackend) and backend.url == "mem://bucket"
+    with pytest.raises(ValueError, match=KEY_ENV):  # no directory to keep a key in: it must be given
+        PrefixStore(backend, FINGERPRINT, LAYOUT)
+    monkeypatch.setenv(KEY_ENV, "a deployment's secret")
     store = PrefixStore(backend, FINGERPRINT, LAYOUT)
     key, parent, tokens, payload = block(7)
     store.put(key, parent, tokens, payload, "agent")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
 import threading
+import zlib
 
 import pytest
 import torch
@@ -16,8 +18,9 @@ import torch
 from deepinfer_core import SamplingParams, hookimpl
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.engine import Engine
-from deepinfer_core.kv.prefix_store import PrefixStore, encode_block
+from deepinfer_core.kv.prefix_store import MAGIC, PrefixStore, encode_block
 from deepinfer_core.kv.store_backends import PosixBackend
+from deepinfer_core.kv.store_key import KEY_FILE, key_file
 from deepinfer_core.testing.checkpoints import write_checkpoint
 from deepinfer_core.testing.serving import serve
 from tests.oracle import parity_config, random_state_dict
@@ -118,7 +121,7 @@ def test_damaged_or_foreign_files_are_never_served(model_dir, cold, written_stor
     raw[-7] ^= 0x10
     flipped.write_bytes(bytes(raw))
     deleted.unlink()
-    forge_foreign(foreign)
+    forge_foreign(foreign, store)
     engine = engine_of(model_dir, enable_prefix_caching=True, prefix_store_path=str(store))
     warm = run(engine, prompts)
     assert [o.num_cached_tokens for o in warm] == [0, 128, 0, 0, 256]  # session 1 keeps its first block
@@ -150,12 +153,76 @@ def is_valid(store, path, intact) -> bool:
     return reader.get(bytes.fromhex(header["key"]), bytes.fromhex(header["parent"]), header["tokens"]) is not None
 
 
-def forge_foreign(path) -> None:
-    """Rewrite `path` as a valid block file of another model (same key, parent, tokens and layout)."""
+def forge_foreign(path, store) -> None:
+    """Rewrite `path` as a valid block file of another model of the deployment (same key, parent, tokens
+    and layout, and the store's key)."""
     raw, header = path.read_bytes(), header_of(path)
     payload = raw[len(raw) - header["payload_bytes"] :]
     path.write_bytes(encode_block(bytes.fromhex(header["key"]), bytes.fromhex(header["parent"]), header["tokens"],
-                                  b"another model".ljust(32), header["layout"], payload, header["traffic_class"]))
+                                  b"another model".ljust(32), header["layout"], payload, header["traffic_class"],
+                                  auth_key=key_file(store / KEY_FILE)))
+
+
+def test_crafted_store_files_never_stop_the_engine_and_are_removed(model_dir, written_store, tmp_path):
+    """The files of issue 43: a valid header CRC around `payload_bytes: 1e400`, a 100k-deep header, a 64 GiB
+    sparse file and a forged block with recomputed CRCs, each in place of a session's first block."""
+    store = tmp_path / "kv"
+    shutil.copytree(written_store, store)
+    files = block_files(store)
+    first = [files[tuple(prompt[:128])] for prompt in sessions()]
+    header = header_of(first[0])
+    crafted = json.dumps(header).replace(f'"payload_bytes": {header["payload_bytes"]}', '"payload_bytes": 1e400')
+    first[0].write_bytes(with_crc(crafted.encode()) + b"\0" * header["payload_bytes"])
+    first[1].write_bytes(with_crc(b"[" * 100_000 + b"]" * 100_000))
+    with first[2].open("r+b") as f:
+        f.truncate(64 << 30)
+    raw, header = first[3].read_bytes(), header_of(first[3])
+    forged = bytes(b ^ 0x5A for b in raw[len(raw) - header["payload_bytes"] :])
+    header["payload_crc32"] = zlib.crc32(forged)
+    first[3].write_bytes(with_crc(json.dumps(header).encode()) + forged)
+    cold_run = run(engine_of(model_dir), sessions())
+    engine = engine_of(model_dir, enable_prefix_caching=True, prefix_store_path=str(store))
+    warm = run(engine, sessions())
+    assert [o.num_cached_tokens for o in warm] == [0, 0, 0, 0, 256]
+    assert same_tokens(warm, cold_run)
+    stats = engine.stats()
+    assert (stats["prefix_store_corrupt_format"], stats["prefix_store_corrupt_oversized"],
+            stats["prefix_store_corrupt_unauthenticated"]) == (2, 1, 1)
+    engine.prefix_tiers.flush()
+    for path in first[:4]:  # removed, recomputed and written again, whole
+        assert is_valid(store, path, first[4])
+    engine.shutdown()
+
+
+def test_another_checkpoint_with_identical_headers_gets_no_hits(model_dir, written_store, tmp_path):
+    """Checkpoint B holds A's weights x 1.05 under identical file names, sizes and safetensors headers, and
+    is pointed at the store A wrote: it must hit nothing there, and answer as its own cold run."""
+    weights = random_state_dict(CONFIG, seed=11)
+    b_dir = write_checkpoint(tmp_path / "b", CONFIG, {n: t * 1.05 if t.is_floating_point() else t
+                                                      for n, t in weights.items()})
+    a_files, b_files = sorted(model_dir.glob("*.safetensors")), sorted(b_dir.glob("*.safetensors"))
+    assert [(p.name, p.stat().st_size, safetensors_header(p)) for p in a_files] == \
+        [(p.name, p.stat().st_size, safetensors_header(p)) for p in b_files]
+    store = tmp_path / "kv"
+    shutil.copytree(written_store, store)
+    b_cold = run(engine_of(b_dir), sessions())
+    engine = engine_of(b_dir, enable_prefix_caching=True, prefix_store_path=str(store))
+    warm = run(engine, sessions())
+    stats = engine.stats()
+    assert stats["prefix_store_hits"] == 0 and stats["prefix_cache_hit_tokens_store"] == 0
+    assert [o.num_cached_tokens for o in warm] == [0] * NUM_SESSIONS
+    assert same_tokens(warm, b_cold)
+    engine.shutdown()
+
+
+def with_crc(header: bytes) -> bytes:
+    """A block file's prefix for `header`, its CRC-32 valid (as a crafted file would carry it)."""
+    return struct.pack("<8sII", MAGIC, len(header), zlib.crc32(header)) + header
+
+
+def safetensors_header(path) -> bytes:
+    raw = path.read_bytes()
+    return raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]]
 
 
 def test_blocks_evicted_from_the_device_come_back_from_host_memory(model_dir, cold):
@@ -188,9 +255,9 @@ class GatedPosix(PosixBackend):
 
     gate = threading.Event()
 
-    def get(self, name):
+    def get(self, name, max_bytes):
         self.gate.wait(30)
-        return super().get(name)
+        return super().get(name, max_bytes)
 
 
 class SlowStore:

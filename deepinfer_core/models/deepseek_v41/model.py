@@ -101,12 +101,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @classmethod
     def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = ()):
+                        host: Collection[str] = (), digest=None):
         """Weights from an official-layout checkpoint, in this model's names (`v41_weights`); those
-        named in `host` are read into host memory, never onto `device`."""
+        named in `host` are read into host memory, never onto `device`; `digest` (a `WeightDigest`) is
+        given the bytes read."""
         from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 
-        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host)
+        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, digest=digest)
 
     @staticmethod
     def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:

@@ -32,9 +32,10 @@ _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
 
 
 def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = ()) -> dict[str, torch.Tensor]:
+                        host: Collection[str] = (), digest=None) -> dict[str, torch.Tensor]:
     """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`; those
-    named in `host` (the Engram tables placed in host memory) are read into host memory instead."""
+    named in `host` (the Engram tables placed in host memory) are read into host memory instead;
+    `digest` (a `WeightDigest`) is given the bytes read."""
     model_dir = Path(model_dir)
     differences = release_differences(model_dir, config)
     if differences:
@@ -44,7 +45,7 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
         logger.debug("%s differs from the DeepSeek-V4.1-Flash release:\n%s", model_dir, "\n".join(differences))
     expected = {t.name: t for t in released_tensors(config)}
     with ExitStack() as stack:
-        reader = SafetensorsReader(checkpoint_files(model_dir), stack)
+        reader = SafetensorsReader(checkpoint_files(model_dir), stack, digest)
         check_tensors(reader, expected, model_dir)
         weights = {}
         for name, tensor in expected.items():

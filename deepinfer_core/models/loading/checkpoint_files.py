@@ -3,7 +3,9 @@
 A checkpoint directory holds either `model.safetensors.index.json` (whose `weight_map` names each
 tensor's shard) or one or more `*.safetensors` files. Errors are `CheckpointError`s that name the
 file: an unreadable or malformed index, a shard that is missing or not a file, a file that is not
-safetensors (garbage, truncated, a directory), a tensor whose bytes cannot be read.
+safetensors (garbage, truncated, a directory, a header that does not describe its bytes:
+`safetensors_header`), a tensor stored in two files with no index to choose, a tensor whose bytes
+cannot be read.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from deepinfer_core.config import CheckpointError
+from deepinfer_core.models.loading.safetensors_header import check_header
+from deepinfer_core.models.loading.weight_digest import WeightDigest
 
 _ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
 """Bytes per element of the safetensors dtypes wider than one byte."""
@@ -59,10 +63,15 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     paths = [single] if single.exists() else sorted(model_dir.glob("*.safetensors"))
     if not paths:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    files = {}
+    files: dict[str, Path] = {}
     with ExitStack() as stack:
         for path in paths:
-            files |= dict.fromkeys(open_safetensors(path, stack).keys(), path)
+            names = open_safetensors(path, stack).keys()  # a safetensors handle is not iterable
+            for name in names:
+                if name in files:  # which copy would load depends on file order: refuse both
+                    raise CheckpointError(f"tensor {name} is stored twice, in {files[name]} and {path}; without "
+                                          f"{INDEX_FILE} naming one of them, the checkpoint is ambiguous")
+                files[name] = path
     return files
 
 
@@ -85,6 +94,7 @@ def open_safetensors(path: Path, stack: ExitStack):
     """An open safetensors handle for `path`, closed with `stack`; `CheckpointError` if it is not one."""
     if not path.is_file():
         raise CheckpointError(f"{path} is not a file (a safetensors weights file was expected there)")
+    check_header(path)  # bounded, and every failure names the file and the tensor
     try:
         return stack.enter_context(safe_open(path, framework="pt"))
     except (OSError, SafetensorError) as err:
@@ -94,9 +104,14 @@ def open_safetensors(path: Path, stack: ExitStack):
 
 
 class SafetensorsReader:
-    """Open safetensors handles plus per-tensor metadata, read lazily; errors name the file."""
+    """Open safetensors handles plus per-tensor metadata, read lazily; errors name the file.
 
-    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
+    :param digest: a `WeightDigest` given every tensor's (or slice's) bytes as they are read (the weights
+        part of the cache fingerprint, hashed without a second read of the files); None: not hashed.
+    """
+
+    def __init__(self, files: dict[str, Path], stack: ExitStack, digest: WeightDigest | None = None) -> None:
+        self.digest = digest
         handles = {path: open_safetensors(path, stack) for path in set(files.values())}
         held = {path: set(handle.keys()) for path, handle in handles.items()}
         self._files = files
@@ -119,16 +134,22 @@ class SafetensorsReader:
 
     def read(self, name: str) -> torch.Tensor:
         try:
-            return self._handles[name].get_tensor(name)
+            tensor = self._handles[name].get_tensor(name)
         except (OSError, SafetensorError) as err:
             raise CheckpointError(f"{self._files[name]}: cannot read tensor {name}: {err}") from err
+        if self.digest is not None:
+            self.digest.add(name, tensor)
+        return tensor
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Only the part `index` of the tensor (a tensor-parallel rank's slice): just those bytes are read."""
         try:
-            return self._handles[name].get_slice(name)[index]
+            tensor = self._handles[name].get_slice(name)[index]
         except (OSError, SafetensorError) as err:
             raise CheckpointError(f"{self._files[name]}: cannot read tensor {name}{list(index)}: {err}") from err
+        if self.digest is not None:
+            self.digest.add(f"{name}{index!r}", tensor)
+        return tensor
 
     def scale_name(self, name: str) -> str | None:
         """The name of `name`'s quantisation scale in the checkpoint, or None."""

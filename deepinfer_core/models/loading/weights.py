@@ -43,6 +43,7 @@ from deepinfer_core.models.loading.checkpoint_layout import (
     source_plans,
     tensor_schema,
 )
+from deepinfer_core.models.loading.weight_digest import WeightDigest
 
 __all__ = [
     "CheckpointError", "checkpoint_files", "expected_tensors", "load_model", "load_weights",
@@ -90,8 +91,10 @@ def load_weights(
     local_experts: Callable[[int], list[int]] | None = None,
     shards: dict[str, tensor_parallel.Shard] | None = None,
     keep_fp8: Collection[str] = (),
+    digest: WeightDigest | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load a checkpoint into internal names, dequantised, on `device`.
+    """Load a checkpoint into internal names, dequantised, on `device`; `digest` is given the bytes
+    read (`SafetensorsReader`).
 
     `local_experts(layer)` (expert parallelism): the logical experts this rank holds in layer `layer`,
     one per local slot (repeats are replicas); only those experts' tensors are read (per-expert
@@ -113,7 +116,7 @@ def load_weights(
     """
     return _read_checkpoint(
         Path(model_dir), config, tensor_schema(meta_model(config, dtype)), device, progress, keep_fp4,
-        frozenset(keep_fp8), local_experts, shards or {},
+        frozenset(keep_fp8), local_experts, shards or {}, digest,
     )
 
 
@@ -161,6 +164,7 @@ def _read_checkpoint(
     keep_fp8: frozenset[str] = frozenset(),
     local_experts: Callable[[int], list[int]] | None = None,
     shards: dict[str, tensor_parallel.Shard] | None = None,
+    digest: WeightDigest | None = None,
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     layout = detect_layout(list(files))
@@ -172,7 +176,7 @@ def _read_checkpoint(
     if config.tie_word_embeddings and plans["lm_head.weight"].sources[0] not in files:
         plans["lm_head.weight"] = plans["model.embed_tokens.weight"]
     return read_plans(model_dir, files, layout, plans, config, schema, device, progress, keep_fp4=keep_fp4,
-                      keep_fp8=keep_fp8, local_experts=local_experts, shards=shards)
+                      keep_fp8=keep_fp8, local_experts=local_experts, shards=shards, digest=digest)
 
 
 def read_plans(
@@ -183,17 +187,18 @@ def read_plans(
     local_experts: Callable[[int], list[int]] | None = None,
     shards: dict[str, tensor_parallel.Shard] | None = None,
     is_mtp: bool = False,
+    digest: WeightDigest | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read the tensors of `plans` (internal name -> how it is stored) from the checkpoint `files`
     (`checkpoint_files`) of `layout` (`detect_layout`), each checked first and built as `load_weights` describes (dequantised, or kept
     packed / FP8 under `keep_fp4` / `keep_fp8`) in its `schema` dtype on `device`. `is_mtp`: the plans
     are the MTP layer's (`checkpoint_layout.mtp_source_plans`), and the checkpoint's other `mtp.*`
-    tensors, not the model's, are the unexpected ones."""
+    tensors, not the model's, are the unexpected ones. `digest` is given every byte read."""
     shards = shards or {}
     if progress is None:
         progress = sum(path.stat().st_size for path in set(files.values())) > _AUTO_PROGRESS_BYTES
     with ExitStack() as stack:
-        reader = SafetensorsReader(files, stack)
+        reader = SafetensorsReader(files, stack, digest)
         _Check(plans, reader, config, embedding_source(layout), is_mtp).raise_if_any(model_dir, layout)
         finite = _FiniteCheck()
         weights = {}

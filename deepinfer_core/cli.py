@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_plugins_parser(subparsers)
     add_serve_parser_or_hint(subparsers)
-    from deepinfer_core.entrypoints.plan_cmd import add_plan_parser  # argparse only; sizing is imported when run
+    from deepinfer_core.entrypoints.plan_cmd import add_plan_parser  # argparse only: sizing loads when run
 
     add_plan_parser(subparsers)
     return parser

@@ -101,9 +101,9 @@ def format_plan(plan) -> str:
     from deepinfer_core.entrypoints.sizing import KINDS, SHARDING_RULES
 
     layout, budget = plan.layout, plan.budget
-    lines = [f"{plan.model_type}: tensor_parallel_size={layout.tensor_parallel_size} "
-             f"data_parallel_size={layout.data_parallel_size} enable_expert_parallel={layout.enable_expert_parallel} "
-             f"({layout.world_size} ranks), {budget.gpu_memory_gib:g} GiB per GPU, max_model_len={budget.max_model_len}"]
+    lines = [(f"{plan.model_type}: tensor_parallel_size={layout.tensor_parallel_size} "
+              f"data_parallel_size={layout.data_parallel_size} enable_expert_parallel={layout.enable_expert_parallel} "
+              f"({layout.world_size} ranks), {budget.gpu_memory_gib:g} GiB per GPU, max_model_len={budget.max_model_len}")]
     if not plan.runnable:
         lines += ["NOT RUNNABLE IN THIS BUILD: " + "; ".join(plan.refusals),
                   "sized by these sharding rules (what the layout would need):", *(f"  - {r}" for r in SHARDING_RULES)]
@@ -118,8 +118,8 @@ def format_plan(plan) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     lines += ["", "  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
-    lines += ["", "weights and host in GiB; KV/request includes the request slot's fixed state "
-                  f"({plan.ranks[0].kv_bytes_per_slot / 2**20:.1f} MiB)"]
+    lines += ["", ("weights and host in GiB; KV/request includes the request slot's fixed state "
+                   f"({plan.ranks[0].kv_bytes_per_slot / 2**20:.1f} MiB)")]
     lines += [f"note: {note}" for note in plan.notes]
     if plan.fits:
         lines.append(f"fits: {plan.concurrent_requests} concurrent {budget.max_model_len}-token requests "

@@ -23,11 +23,11 @@ from pathlib import Path
 KINDS = ("attention", "shared_expert", "routed_expert", "engram", "embedding_head", "mtp", "other")
 """Weight kinds, as the JSON keys `<kind>_bytes` name them. `other`: norms, mHC mixing, routers."""
 SHARDING_RULES = (
-    "tensor parallelism over T ranks: the query heads, output groups, attention sinks, the shared expert's "
-    "width and every routed expert's width are cut 1/T; q_a, kv, compressors, indexer, router, Engram, "
-    "embedding, LM head, norms and mHC are replicated; every rank holds the whole KV cache (one K=V head)",
-    "expert parallelism over E ranks (E = T x D): each rank holds n_routed_experts / E whole routed "
-    "experts; everything else as without it",
+    ("tensor parallelism over T ranks: the query heads, output groups, attention sinks, the shared expert's "
+     "width and every routed expert's width are cut 1/T; q_a, kv, compressors, indexer, router, Engram, "
+     "embedding, LM head, norms and mHC are replicated; every rank holds the whole KV cache (one K=V head)"),
+    ("expert parallelism over E ranks (E = T x D): each rank holds n_routed_experts / E whole routed "
+     "experts; everything else as without it"),
     "data parallelism over D ranks: each rank (group of T) has its own requests and KV cache",
 )
 _HEADER_LIMIT = 256 * 2**20
@@ -348,7 +348,8 @@ def plan_deployment(model: str | Path, layout: Layout, budget: Budget, dtype=Non
     config = read_model_config(model)
     path = Path(model)
     dtypes = safetensors_dtypes(path if path.is_dir() else path.parent)
-    fp8 = _stored_fp8(config, dtypes)
+    # a family with its own loader (V4.1) dequantises its FP8 projections at load: none stays FP8
+    fp8 = None if config.capabilities.has_checkpoint_loader else _stored_fp8(config, dtypes)
     refused = refusals(config, layout)
     device, host, plans = rank_weights(config, layout, budget, dtype, not refused, fp8)
     # every rank of these layouts holds the same shapes (its own heads, slices or expert slots)

@@ -41,6 +41,7 @@ def v4_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v41_dir(tmp_path_factory):
+    """A tiny V4.1 checkpoint as released (FP8, FP4 experts, Engram); expert width 64 for whole FP4 halves."""
     return write_v41_checkpoint(tmp_path_factory.mktemp("v41"), tiny_v41_config(moe_intermediate_size=64), seed=2)
 
 
@@ -139,10 +140,11 @@ def test_a_layout_this_build_refuses_is_sized_and_marked_not_runnable(v41_dir, c
     assert main(["plan", str(v41_dir), "-tp", "2", "--gpu-memory-gib", "80"]) == 1
     text = capsys.readouterr().out
     assert "NOT RUNNABLE IN THIS BUILD" in text and "sharding rules" in text
+    assert "would fit" in text and "this build does not run the layout" in text
     whole = plan_deployment(v41_dir, Layout(), Budget(80, 512), dtype=torch.bfloat16).ranks[0].device_bytes
     ep = plan_deployment(v41_dir, Layout(data_parallel_size=2, enable_expert_parallel=True), Budget(80, 512),
                          dtype=torch.bfloat16)
-    assert not ep.runnable and not ep.fits
+    assert not ep.runnable and ep.would_fit and not ep.fits  # sized, and never claimed to run
     assert ep.ranks[1].device_bytes["routed_expert"] * 2 == whole["routed_expert"]
     assert ep.ranks[1].device_bytes["engram"] == whole["engram"]  # replicated
 

@@ -91,8 +91,8 @@ def plan_json(plan) -> dict:
         "gpu_memory_utilization": budget.gpu_memory_utilization, "max_num_seqs": budget.max_num_seqs,
         "runnable": plan.runnable, "not_runnable_reasons": plan.refusals,
         "sharding_rules": list(SHARDING_RULES) if not plan.runnable else [],
-        "ranks": ranks, "concurrent_requests": plan.concurrent_requests if plan.fits else 0,
-        "fits": plan.fits, "notes": plan.notes,
+        "ranks": ranks, "concurrent_requests": plan.concurrent_requests if plan.would_fit else 0,
+        "would_fit": plan.would_fit, "fits": plan.fits, "notes": plan.notes,
     }
 
 
@@ -121,13 +121,14 @@ def format_plan(plan) -> str:
     lines += ["", ("weights and host in GiB; KV/request includes the request slot's fixed state "
                    f"({plan.ranks[0].kv_bytes_per_slot / 2**20:.1f} MiB)")]
     lines += [f"note: {note}" for note in plan.notes]
+    held = (f"{plan.concurrent_requests} concurrent {budget.max_model_len}-token requests "
+            f"({layout.data_parallel_size} x {plan.concurrent_requests // layout.data_parallel_size})")
     if plan.fits:
-        lines.append(f"fits: {plan.concurrent_requests} concurrent {budget.max_model_len}-token requests "
-                     f"({layout.data_parallel_size} x {plan.concurrent_requests // layout.data_parallel_size})")
+        lines.append(f"fits: {held}")
+    elif plan.would_fit:
+        lines.append(f"would fit ({held}), but this build does not run the layout")
     else:
-        bad = [r.rank for r in plan.ranks if not r.fits]
-        why = f"ranks {bad} do not fit" if bad else "the layout is not runnable in this build"
-        lines.append(f"does not fit: {why}")
+        lines.append(f"does not fit: ranks {[r.rank for r in plan.ranks if not r.fits]} are short of memory")
     return "\n".join(lines)
 
 

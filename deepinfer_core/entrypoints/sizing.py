@@ -101,8 +101,14 @@ class DeploymentPlan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def would_fit(self) -> bool:
+        """Every rank fits, whether or not this build runs the layout."""
+        return all(rank.fits for rank in self.ranks)
+
+    @property
     def fits(self) -> bool:
-        return self.runnable and all(rank.fits for rank in self.ranks)
+        """The layout runs in this build and every rank fits."""
+        return self.runnable and self.would_fit
 
     @property
     def concurrent_requests(self) -> int:

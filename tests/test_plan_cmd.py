@@ -163,3 +163,10 @@ def test_the_example_configs_are_the_release_values():
     assert (v4.num_hidden_layers, v4.n_routed_experts, v4.expert_dtype) == (43, 256, "fp4")
     assert v4.layer_types[:4] == ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
                                   "heavily_compressed_attention"]
+
+
+def test_bad_input_is_one_plain_sentence(v4_dir, tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "missing.json")]) == 1
+    assert "is neither a checkpoint directory nor a config.json file" in capsys.readouterr().err
+    assert main(["plan", str(v4_dir), "--tensor-parallel-size", "8"]) == 1  # 4 heads do not split over 8
+    assert "tensor_parallel_size=8 does not fit the model" in capsys.readouterr().err

@@ -23,9 +23,10 @@ from deepinfer_core.entrypoints.sizing import (
 )
 from deepinfer_core.kv.cache import KVCache
 from deepinfer_core.models import registry
-from deepinfer_core.models.tiny import tiny_config, write_checkpoint
+from deepinfer_core.models.tiny import random_state_dict, tiny_config, write_checkpoint
 from deepinfer_core.models.v41_tiny import tiny_v41_config, write_v41_checkpoint
 from deepinfer_core.worker.model_loader import load_model
+from deepinfer_core.worker.runner import ModelRunner
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "configs"
 V4_LAYOUTS = [Layout(), Layout(tensor_parallel_size=2), Layout(data_parallel_size=2, enable_expert_parallel=True)]
@@ -83,6 +84,23 @@ def test_v4_plan_from_the_config_alone_equals_the_plan_beside_the_checkpoint(v4_
         alone = plan_deployment(tmp_path / "v4.json", layout, Budget(1.0, 512), dtype=torch.bfloat16)
         beside = plan_deployment(v4_dir, layout, Budget(1.0, 512), dtype=torch.bfloat16)
         assert [r.device_bytes for r in alone.ranks] == [r.device_bytes for r in beside.ranks]
+
+
+def test_the_mtp_layer_counts_what_the_drafter_loads(tmp_path):
+    config_dict = tiny_config(moe_intermediate_size=64)
+    weights = random_state_dict(config_dict, seed=1, mtp_layers=1)
+    model_dir = write_checkpoint(tmp_path / "mtp", config_dict, weights, layout="official", quant="fp8+fp4")
+    config = registry.load_model_config(model_dir)
+    engine_config = EngineConfig(model=str(model_dir), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=8,
+                                 speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    module = ModelRunner(config, engine_config.resolve(config), torch.device("cpu")).mtp.module
+    loaded = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    shutil.copy(model_dir / "config.json", tmp_path / "alone.json")
+    for model in (model_dir, tmp_path / "alone.json"):  # FP8 from the headers, or as the release stores it
+        plan = plan_deployment(model, Layout(), Budget(1.0, 512, mtp=True), dtype=torch.bfloat16)
+        assert plan.ranks[0].device_bytes["mtp"] == loaded
+    without = plan_deployment(model_dir, Layout(), Budget(1.0, 512), dtype=torch.bfloat16)
+    assert without.ranks[0].device_bytes["mtp"] == 0 and any("--mtp" in note for note in without.notes)
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])

@@ -193,12 +193,21 @@ def safetensors_dtypes(model_dir: str | Path) -> dict[str, str] | None:
 
 def _stored_fp8(config, dtypes: dict[str, str] | None):
     """A predicate on internal weight names: is it stored as block-scaled FP8 (one whole source tensor)?"""
-    from deepinfer_core.models.loading.checkpoint_layout import FP8_DTYPE, detect_layout, source_plans
+    from deepinfer_core.models.loading.checkpoint_layout import (
+        FP8_DTYPE,
+        detect_layout,
+        mtp_source_plans,
+        source_plans,
+    )
     from deepinfer_core.models.tiny import _FP8_SUFFIXES as RELEASE_FP8_SUFFIXES  # what tiny checkpoints copy
 
     if dtypes is None:  # no checkpoint: DeepSeek's release stores these projections in FP8
         return lambda name: name.endswith(RELEASE_FP8_SUFFIXES)
-    plans = source_plans(config, detect_layout(list(dtypes)))
+    layout = detect_layout(list(dtypes))
+    plans = source_plans(config, layout)
+    mtp_layers = config.num_nextn_predict_layers if "mtp" in config.capabilities.drafters else 0
+    if mtp_layers and any(name.startswith(("mtp.", "model.mtp.")) for name in dtypes):
+        plans |= {f"mtp.{n}": plan for n, plan in mtp_source_plans(config, layout, mtp_layers).items()}
     return lambda name: (name in plans and plans[name].join == "copy"
                          and dtypes.get(plans[name].sources[0]) == FP8_DTYPE)
 

@@ -78,6 +78,13 @@ def test_v4_plan_weight_bytes_equal_what_each_rank_loads(v4_dir, layout):
         assert any(t.dtype == torch.float8_e4m3fn for t in state.values())
 
 
+def test_v4_plan_of_dequantised_weights_equals_what_the_rank_loads(v4_dir):
+    plan = plan_deployment(v4_dir, Layout(), Budget(1.0, 512, quantized_weights="dequantize"), dtype=torch.bfloat16)
+    state = engine_load(v4_dir, Layout(), 0, quantized_weights="dequantize").model.state_dict()
+    assert plan.ranks[0].device_bytes == bytes_by_kind(state.items())
+    assert not any(t.dtype in (torch.float8_e4m3fn, torch.int8) for t in state.values())
+
+
 def test_v4_plan_from_the_config_alone_equals_the_plan_beside_the_checkpoint(v4_dir, tmp_path):
     shutil.copy(v4_dir / "config.json", tmp_path / "v4.json")
     for layout in V4_LAYOUTS:

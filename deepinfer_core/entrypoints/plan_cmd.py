@@ -35,6 +35,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="request slots the engine reserves (default 256)")
     parser.add_argument("--engram-placement", choices=("device", "host"), default="device",
                         help="where V4.1's Engram tables live (default device)")
+    parser.add_argument("--quantized-weights", choices=("native", "dequantize"), default="native",
+                        help="native: FP4 experts and FP8 projections stay packed (default); dequantize: all bf16")
     parser.add_argument("--mtp", action="store_true", help="count the MTP drafter's layer (speculative decoding)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(handler=run_plan)
@@ -62,7 +64,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpu-memory-utilization must be at most 1, got {args.gpu_memory_utilization}")
     layout = Layout(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
     budget = Budget(args.gpu_memory_gib, args.max_model_len, args.gpu_memory_utilization, args.max_num_seqs,
-                    args.engram_placement, args.mtp)
+                    args.engram_placement, args.mtp, args.quantized_weights)
     plan = plan_deployment(args.model, layout, budget)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1

@@ -63,6 +63,8 @@ class Budget:
     engram_placement: str = "device"
     mtp: bool = False
     """Count the MTP drafter's layer (held only with `speculative_config={"method": "mtp"}`)."""
+    quantized_weights: str = "native"
+    """"native" (FP4 experts packed, FP8 projections kept where whole) or "dequantize" (all bf16)."""
 
 
 @dataclass
@@ -291,24 +293,25 @@ def rank_weights(config, layout: Layout, budget: Budget, dtype, runnable: bool, 
     """`(device bytes by kind, host bytes by kind, layer plans)` of one rank."""
     from deepinfer_core.config import ConfigError
 
-    model, plans = rank_model(config, layout, ep_rank, dtype, runnable, fp8)
+    model, plans = rank_model(config, layout, ep_rank, dtype, runnable, fp8, budget.quantized_weights)
     state = model.state_dict()
     host_names = type(model).host_weight_names(state, budget.engram_placement)
     device = bytes_by_kind((n, t) for n, t in state.items() if n not in host_names)
     host = bytes_by_kind((n, t) for n, t in state.items() if n in host_names)
     if not runnable and layout.ep_size > 1:  # whole experts, n / E of them (the rule the runnable layouts follow)
-        whole, _ = rank_model(config, replace(layout, tensor_parallel_size=1), 0, dtype, False, fp8)
+        whole, _ = rank_model(config, replace(layout, tensor_parallel_size=1), 0, dtype, False, fp8,
+                              budget.quantized_weights)
         if config.n_routed_experts % layout.ep_size:
             raise ConfigError(f"{config.n_routed_experts} routed experts do not split evenly over {layout.ep_size} "
                               "expert-parallel ranks")
         routed = bytes_by_kind(whole.state_dict().items())["routed_expert"]
         device["routed_expert"] = routed // layout.ep_size
     if budget.mtp:
-        device["mtp"] = _mtp_bytes(config, layout, dtype, fp8)
+        device["mtp"] = _mtp_bytes(config, layout, dtype, fp8, budget.quantized_weights == "native")
     return device, host, plans
 
 
-def _mtp_bytes(config, layout: Layout, dtype, fp8) -> int:
+def _mtp_bytes(config, layout: Layout, dtype, fp8, native: bool) -> int:
     """The MTP drafter's layers on one rank (cut like a target layer; the embedding and head are shared)."""
     import torch
 
@@ -321,10 +324,10 @@ def _mtp_bytes(config, layout: Layout, dtype, fp8) -> int:
     if "mtp" not in config.capabilities.drafters or not config.num_nextn_predict_layers:
         raise ConfigError(f"{config.model_type} carries no MTP layer the engine runs; drop --mtp")
     local = _local_config(config, layout.tensor_parallel_size)
-    fmt = "fp4" if config.expert_dtype == "fp4" else "dense"
+    fmt = "fp4" if native and config.expert_dtype == "fp4" else "dense"
     with torch.device("meta"):
         module = MultiTokenPredictor(local, dtype, config.num_nextn_predict_layers, fmt)
-        if fp8 is not None and config.quantization_config:  # kept FP8 as the target's are, uncut ones only
+        if native and fp8 is not None and config.quantization_config:  # FP8 as the target's: uncut ones only
             shards = tensor_parallel.mtp_tensor_shards(tensor_schema(module), 0, layout.tensor_parallel_size)
             kept = [n for n in weight_formats.fp8_projection_names(module) if n not in shards and fp8(f"mtp.{n}")]
             weight_formats.hold_fp8_linears(module, {n.removesuffix(".weight") + ".weight_scale": None for n in kept},

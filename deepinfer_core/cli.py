@@ -125,6 +125,8 @@ SUBCOMMANDS = {
                         "deepinfer_core.entrypoints.serve_cli", "add_serve_parser"),
     "router": Subcommand("route requests to prefill and decode instances (prefill/decode disaggregation)",
                          "deepinfer_core.entrypoints.router", "add_router_parser"),
+    "plan": Subcommand("size a deployment per rank (weights, KV cache, requests that fit) without loading weights",
+                       "deepinfer_core.entrypoints.plan_cmd", "add_plan_parser"),
 }
 """Only the subcommand being run has its module imported, so `deepinfer --help` imports no torch or server."""
 EXTRA_OF_MODULE = {"httpx": "pd", "nixl": "pd", "nixl_cu13": "pd"}

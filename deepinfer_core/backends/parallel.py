@@ -31,7 +31,8 @@ class EplbConfig(BaseModel):
 
     num_redundant_experts: NonNegativeInt = Field(
         0, description="Extra physical expert slots per MoE layer, over all EP ranks, holding replicas of "
-        "busy experts; num_experts + this must split evenly over the EP ranks.")
+        "busy experts; counts only with enable_eplb=True, and then num_experts + this must split evenly over "
+        "the EP ranks (without EPLB the experts split unevenly, the first ranks taking one more).")
     window_size: PositiveInt = Field(1000, description="Steps of per-expert load the balancer looks back on.")
     step_interval: PositiveInt = Field(3000, description="Steps between two rebalances of the expert placement.")
 

@@ -95,16 +95,16 @@ class ParallelConfig(BaseModel):
         return self.rank_of(dp, 0, 0)
 
     def check_implemented(self) -> None:
-        """Raise `NotImplementedError` naming each layout this build cannot run yet."""
-        missing = []
+        """Raise `NotImplementedError` naming the first layout this build cannot run yet."""
         if self.tensor_parallel_size > 1 and self.enable_expert_parallel:
-            missing.append(f"tensor_parallel_size={self.tensor_parallel_size} with enable_expert_parallel=True "
-                           "(tensor-parallel ranks hold a slice of every expert; expert parallelism a whole share)")
+            raise NotImplementedError(
+                f"tensor and expert parallelism together: tensor_parallel_size={self.tensor_parallel_size} with "
+                "enable_expert_parallel=True (tensor-parallel ranks hold a slice of every expert; expert "
+                "parallelism a whole share)")
         if self.context_parallel_size > 1 and (self.world_size != self.context_parallel_size or self.enable_expert_parallel):
-            missing.append(f"context_parallel_size={self.context_parallel_size} combined with tensor, data or "
-                           "expert parallelism (context parallelism runs alone)")
-        if missing:
-            raise NotImplementedError("not implemented yet: " + "; ".join(missing))
+            raise NotImplementedError(
+                f"context parallelism with other parallelism: context_parallel_size={self.context_parallel_size} "
+                "combined with tensor, data or expert parallelism (context parallelism runs alone)")
 
 
 GROUP_KINDS = ("tp", "cp", "dp", "ep")

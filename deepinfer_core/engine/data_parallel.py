@@ -66,9 +66,10 @@ def check_layout(model_config, config: EngineConfig) -> None:
     layout.check_implemented()
     tensor_parallel.check_tensor_parallel(model_config, config.tensor_parallel_size)
     context_parallel.check_context_parallel(model_config, config)
+    model_config.capabilities.check_parallel(model_config.model_type, "expert", layout.ep_size)
     if layout.tensor_parallel_size > 1 or layout.context_parallel_size > 1:
         raise NotImplementedError(
-            f"data_parallel_size={layout.data_parallel_size} with tensor_parallel_size={layout.tensor_parallel_size}"
+            f"data parallelism with tensor or context parallelism: data_parallel_size={layout.data_parallel_size} with tensor_parallel_size={layout.tensor_parallel_size}"
             f" and context_parallel_size={layout.context_parallel_size}: each DP rank's engine core runs one "
             "process, so data parallelism needs tensor and context parallel size 1 for now")
 

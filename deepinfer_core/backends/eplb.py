@@ -19,7 +19,7 @@ class EplbSpec:
     num_slots: int
     """Physical expert slots over all ranks (>= num_experts; the surplus holds replicas)."""
     num_ranks: int = 1
-    """Expert-parallel ranks; slots are split evenly across them."""
+    """Expert-parallel ranks; slots are split evenly across them (EPLB needs it)."""
     num_nodes: int = 1
     """Machines the EP ranks span (ranks node-major, `num_ranks / num_nodes` each). Above 1, with
     `num_groups` a multiple of it, placement is hierarchical: expert groups are packed onto nodes first

@@ -6,7 +6,7 @@ permutation, the grouped GEMMs with the SwiGLU clamp and the weighted combine in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -51,14 +51,26 @@ class MoESpec:
     own declines such specs."""
     ep_size: int = 1
     """Expert-parallel ranks."""
+    ep_rank: int = 0
+    """This rank's index among the expert-parallel ranks (its share of the slots: `ep_slot_share`)."""
     num_slots: int = 0
     """Physical expert slots over all EP ranks (`num_experts` plus the redundant ones; 0: `num_experts`),
-    `num_slots // ep_size` on each rank."""
+    split over the ranks by `ep_slot_share` (the first ranks take one more when they do not divide)."""
 
     @property
     def num_local_slots(self) -> int:
         """Physical expert slots this rank holds (every expert without expert parallelism)."""
-        return (self.num_slots or self.num_experts) // self.ep_size if self.expert_parallel else self.num_experts
+        if not self.expert_parallel:
+            return self.num_experts
+        return ep_slot_share(self.num_slots or self.num_experts, self.ep_size, self.ep_rank)[1]
+
+
+def ep_slot_share(num_slots: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """`(first slot, slot count)` of EP rank `ep_rank` when `num_slots` physical expert slots are laid
+    out rank-major over `ep_size` ranks as vLLM's linear placement does: `num_slots // ep_size` each,
+    and the first `num_slots % ep_size` ranks one more (9 slots over 2 ranks: slots 0-4, then 5-8)."""
+    base, extra = divmod(num_slots, ep_size)
+    return ep_rank * base + min(ep_rank, extra), base + (1 if ep_rank < extra else 0)
 
 
 @dataclass
@@ -94,9 +106,10 @@ class MoEWeights:
 @dataclass
 class ExpertPlacement:
     """One MoE layer's routed experts over the expert-parallel ranks: logical experts (what the router
-    picks) held in physical slots, `num_local_slots` per rank, rank-major (slot `s` lives on rank
-    `s // num_local_slots`). Redundant slots hold replicas of busy experts (EPLB). The tensors live on
-    the device and are updated in place when experts move, so captured graphs stay valid."""
+    picks) held in physical slots, rank-major, split by `ep_slot_share` (the first ranks hold one slot
+    more when the ranks do not divide the slots). Redundant slots hold replicas of busy experts (EPLB).
+    The tensors live on the device and are updated in place when experts move, so captured graphs stay
+    valid."""
 
     group: Any
     """torch.distributed group of the EP ranks (None: a process of its own, no collectives)."""
@@ -105,6 +118,7 @@ class ExpertPlacement:
     size: int
     """EP ranks."""
     num_local_slots: int
+    """Slots this rank holds (`ep_slot_share(num_slots, size, rank)[1]`)."""
     slot_experts: torch.Tensor
     """`[num_slots]` int64 logical expert held by each physical slot (DeepSeek EPLB's `phy2log`)."""
     expert_slots: torch.Tensor
@@ -118,15 +132,30 @@ class ExpertPlacement:
     """Measure the dispatch's collectives (synchronising the device around each; benches only)."""
     dispatch_s: float = 0.0
     """Seconds spent in this layer's dispatch collectives while `time_dispatch` was on."""
+    first_slot: int = field(init=False, default=0)
+    """This rank's first physical slot (`ep_slot_share`)."""
+
+    def __post_init__(self) -> None:
+        first, count = ep_slot_share(self.num_slots, self.size, self.rank)
+        if count != self.num_local_slots:
+            raise ValueError(f"EP rank {self.rank} of {self.size} holds {count} of the {self.num_slots} expert "
+                             f"slots, not {self.num_local_slots}")
+        self.first_slot = first
 
     @property
     def num_slots(self) -> int:
         return self.slot_experts.numel()
 
+    def slot_owners(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(EP rank, index among that rank's slots)` of every physical slot id in `slots`, on the device."""
+        base, extra = divmod(self.num_slots, self.size)
+        wide = (base + 1) * extra  # the slots of the first `extra` ranks, which hold one more each
+        ranks = torch.where(slots < wide, slots // (base + 1), extra + (slots - wide) // max(base, 1))
+        return ranks, slots - ranks * base - ranks.clamp(max=extra)
+
     def local_experts(self) -> list[int]:
         """Logical expert of each of this rank's slots, in slot order."""
-        first = self.rank * self.num_local_slots
-        return self.slot_experts[first : first + self.num_local_slots].tolist()
+        return self.slot_experts[self.first_slot : self.first_slot + self.num_local_slots].tolist()
 
 
 EXPERT_FORMATS = ("dense", "fp4")

@@ -31,7 +31,8 @@ class EplbConfig(BaseModel):
 
     num_redundant_experts: NonNegativeInt = Field(
         0, description="Extra physical expert slots per MoE layer, over all EP ranks, holding replicas of "
-        "busy experts; num_experts + this must split evenly over the EP ranks.")
+        "busy experts; counts only with enable_eplb=True, and then num_experts + this must split evenly over "
+        "the EP ranks (without EPLB the experts split unevenly, the first ranks taking one more).")
     window_size: PositiveInt = Field(1000, description="Steps of per-expert load the balancer looks back on.")
     step_interval: PositiveInt = Field(3000, description="Steps between two rebalances of the expert placement.")
 
@@ -94,16 +95,16 @@ class ParallelConfig(BaseModel):
         return self.rank_of(dp, 0, 0)
 
     def check_implemented(self) -> None:
-        """Raise `NotImplementedError` naming each layout this build cannot run yet."""
-        missing = []
+        """Raise `NotImplementedError` naming the first layout this build cannot run yet."""
         if self.tensor_parallel_size > 1 and self.enable_expert_parallel:
-            missing.append(f"tensor_parallel_size={self.tensor_parallel_size} with enable_expert_parallel=True "
-                           "(tensor-parallel ranks hold a slice of every expert; expert parallelism a whole share)")
+            raise NotImplementedError(
+                f"tensor and expert parallelism together: tensor_parallel_size={self.tensor_parallel_size} with "
+                "enable_expert_parallel=True (tensor-parallel ranks hold a slice of every expert; expert "
+                "parallelism a whole share)")
         if self.context_parallel_size > 1 and (self.world_size != self.context_parallel_size or self.enable_expert_parallel):
-            missing.append(f"context_parallel_size={self.context_parallel_size} combined with tensor, data or "
-                           "expert parallelism (context parallelism runs alone)")
-        if missing:
-            raise NotImplementedError("not implemented yet: " + "; ".join(missing))
+            raise NotImplementedError(
+                f"context parallelism with other parallelism: context_parallel_size={self.context_parallel_size} "
+                "combined with tensor, data or expert parallelism (context parallelism runs alone)")
 
 
 GROUP_KINDS = ("tp", "cp", "dp", "ep")

@@ -54,8 +54,8 @@ class ModelCapabilities:
         """`NotImplementedError` when `size` ranks of parallelism `kind` ("tensor", "context" or "expert")
         are asked of a family that does not implement it."""
         if size > 1 and not getattr(self, f"{kind}_parallel"):
-            raise NotImplementedError(f"{kind}_parallel_size={size} for {model_type!r} ({kind} parallelism is "
-                                      "implemented for deepseek_v4)")
+            raise NotImplementedError(f"a parallelism the model family lacks: {kind}_parallel_size={size} for "
+                                      f"{model_type!r} ({kind} parallelism is implemented for deepseek_v4)")
 
 
 class QuantizationConfig(BaseModel):
@@ -121,7 +121,7 @@ class FamilyConfig(BaseModel):
     @property
     def capabilities(self) -> ModelCapabilities:
         """What this family can do (`ModelCapabilities`)."""
-        raise NotImplementedError(f"{type(self).__name__} declares no capabilities")
+        raise NotImplementedError(f"{type(self).__name__} declares no capabilities")  # internal: a family's own bug
 
     @property
     def has_engram(self) -> bool:

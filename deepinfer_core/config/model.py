@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from deepinfer_core.config.eos import with_checkpoint_eos
 from deepinfer_core.config.family import (
     ConfigError,
     FamilyConfig,
@@ -113,11 +114,12 @@ class ModelConfig(FamilyConfig):
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json`; log a warning for each value far from the family's
-        (`unusual_values`). Raises `ConfigError` naming the file if it is missing, unreadable, not
-        JSON, or does not describe a supported model."""
+        """Read `<path>/config.json`, its EOS ids joined by those generation_config.json and the tokenizer
+        name (`config.eos`); log a warning for each value far from the family's (`unusual_values`).
+        Raises `ConfigError` naming the file if it is missing, unreadable, not JSON, or does not describe
+        a supported model."""
         config_path = Path(path) / "config.json"
-        data = read_config_json(path)
+        data = with_checkpoint_eos(read_config_json(path), path)
         try:
             config = cls.from_dict(data)
         except ValidationError as err:

@@ -40,8 +40,8 @@ def check_context_parallel(model_config, engine_config) -> None:
     size = engine_config.context_parallel_size
     model_config.capabilities.check_parallel(model_config.model_type, "context", size)
     if size > 1 and engine_config.speculative_config is not None:
-        raise NotImplementedError(f"context_parallel_size={size} with speculative_config (speculative decoding "
-                                  "under context parallelism)")
+        raise NotImplementedError(f"context parallelism with speculative decoding: context_parallel_size={size} "
+                                  "with speculative_config (drafts are not split over the ranks)")
 
 
 def balanced_pieces(num_tokens: int, size: int) -> list[tuple[int, int]]:

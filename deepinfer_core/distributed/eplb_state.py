@@ -2,7 +2,8 @@
 
 `ExpertShards` is built by the runner when expert parallelism is on. It decides the initial
 placement (every logical expert once, in order, then the redundant slots holding `e mod E`, as
-vLLM lays them out), tells the loader which experts this rank reads, and gives every MoE layer its
+vLLM lays them out; slots split rank-major, the first ranks holding one more when the EP size does
+not divide them, as vLLM's linear placement does; EPLB needs an even split), tells the loader which experts this rank reads, and gives every MoE layer its
 `ExpertPlacement`. With EPLB it also keeps the load window: after every step (dummy steps too, so
 all ranks count alike) the per-slot counts the MoE backend added on the device are folded into a ring
 of `window_size` steps of logical-expert load, on the device, with no host sync. Every
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from deepinfer_core import plugins
 from deepinfer_core.backends.eplb import EplbSpec
-from deepinfer_core.backends.moe import ExpertPlacement, MoEWeights
+from deepinfer_core.backends.moe import ExpertPlacement, MoEWeights, ep_slot_share
 from deepinfer_core.backends.parallel import GroupInfo, ParallelConfig, ParallelGroups
 from deepinfer_core.distributed.expert_moves import move_experts
 
@@ -46,6 +47,16 @@ def make_expert_shards(parallel: ParallelGroups, model_config, device: torch.dev
     for placement in shards.placements:
         placement.time_dispatch = time_dispatch
     return shards
+
+
+def eplb_split_error(num_experts: int, num_slots: int, ep_size: int) -> str:
+    """Why EPLB cannot place `num_slots` over `ep_size` ranks, and the redundant-slot count that would do."""
+    redundant = num_slots - num_experts
+    fit = redundant + (-num_slots) % ep_size
+    return (f"with enable_eplb=True the {num_slots} expert slots (n_routed_experts {num_experts} + "
+            f"eplb_config.num_redundant_experts {redundant}) must split evenly over the {ep_size} EP ranks "
+            f"(the balancer gives every rank as many slots); set eplb_config.num_redundant_experts to {fit}, "
+            f"or turn EPLB off: expert parallelism alone splits the experts unevenly")
 
 
 def initial_slot_experts(num_experts: int, num_slots: int) -> list[int]:
@@ -87,12 +98,9 @@ class ExpertShards:
         eplb = layout.eplb_config
         self.num_experts = num_experts
         self.num_slots = num_experts + (eplb.num_redundant_experts if layout.enable_eplb else 0)
-        if self.num_slots % ep.size:
-            raise ValueError(
-                f"{self.num_slots} expert slots (n_routed_experts {num_experts} + num_redundant_experts "
-                f"{self.num_slots - num_experts}) do not split evenly over {ep.size} EP ranks; choose "
-                f"num_redundant_experts so that the sum is a multiple of {ep.size}")
-        self.num_local_slots = self.num_slots // ep.size
+        if layout.enable_eplb and self.num_slots % ep.size:
+            raise ValueError(eplb_split_error(num_experts, self.num_slots, ep.size))
+        self.first_slot, self.num_local_slots = ep_slot_share(self.num_slots, ep.size, ep.rank)
         self.max_replicas = self.num_slots - num_experts + 1
         self.slot_experts = torch.tensor([initial_slot_experts(num_experts, self.num_slots)] * num_layers)
         self.slot_load = torch.zeros(num_layers, self.num_slots, dtype=torch.int64, device=device)
@@ -113,13 +121,13 @@ class ExpertShards:
 
     def plans(self, plans: list) -> list:
         """`plans` with every layer's `MoESpec` marked expert-parallel (local slots sized for this rank)."""
-        return [replace(p, moe=replace(p.moe, expert_parallel=True, ep_size=self.ep.size, num_slots=self.num_slots))
+        return [replace(p, moe=replace(p.moe, expert_parallel=True, ep_size=self.ep.size, ep_rank=self.ep.rank,
+                                       num_slots=self.num_slots))
                 for p in plans]
 
     def local_experts(self, layer: int) -> list[int]:
         """Logical expert of each of this rank's slots of `layer` (what the loader reads)."""
-        first = self.ep.rank * self.num_local_slots
-        return self.slot_experts[layer, first : first + self.num_local_slots].tolist()
+        return self.slot_experts[layer, self.first_slot : self.first_slot + self.num_local_slots].tolist()
 
     def select_local(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole-model weights (internal names) cut to this rank's expert slots."""

@@ -13,6 +13,7 @@ the request that asked for it. Requests that arrive together are batched by the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -20,12 +21,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from deepinfer_core.executor.protocol import WorkerError
+
 if TYPE_CHECKING:
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.outputs import RequestOutput
     from deepinfer_core.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -150,8 +154,12 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
                     self.last_stats = self.engine.stats()
-        except BaseException as err:  # noqa: BLE001 - a failed step ends every request with the error
+        except BaseException as err:  # a failed step ends every request with the error
             self._error = err
+            # the one line that says why the engine died (a worker's cause names its rank); the traceback
+            # only for what is not a worker's report, whose own traceback the worker already sent
+            logger.error("the engine stopped; every open request ends with an error: %s", err,
+                         exc_info=None if isinstance(err, WorkerError) else err)
         finally:
             self._stop.set()
             self._fail_all(self._error)

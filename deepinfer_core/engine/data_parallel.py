@@ -68,6 +68,7 @@ def check_layout(model_config, config: EngineConfig) -> None:
     layout.check_implemented()
     tensor_parallel.check_tensor_parallel(model_config, config.tensor_parallel_size)
     context_parallel.check_context_parallel(model_config, config)
+    model_config.capabilities.check_parallel(model_config.model_type, "expert", layout.ep_size)
 
 
 class DataParallelEngine:

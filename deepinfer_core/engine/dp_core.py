@@ -221,7 +221,7 @@ def build_core(engine_config, model_config, runner, rank: int, dp_rank: int, inb
     DP rank's other ranks (`peers`) when it has more than one."""
     rounds = None
     if runner.experts is not None:  # only EP has collectives in the model that cross DP ranks
-        if peers is not None:
+        if peers is not None:  # internal: tensor with expert parallelism is refused before any rank starts
             raise NotImplementedError("expert parallelism over data-parallel ranks of several ranks each")
         rounds = StepRounds()
     executor = CoreExecutor(runner, rank, rounds, peers)

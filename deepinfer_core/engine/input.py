@@ -110,6 +110,7 @@ def check_sampling_params(
                              "allow other ids or lower min_tokens")
     if not token_history and needs_token_history(params):
         needs = ", ".join(name for name in history_fields(params) if name)
+        # internal: every engine front passes token_history=True
         raise NotImplementedError(f"{needs}: the engine does not pass generated ids to the sampler yet")
 
 

@@ -100,7 +100,8 @@ class TemplateOptions:
                                       "chat format always opens the assistant's turn)")
         unknown = sorted(set(self.chat_template_kwargs or {}) - set(THINKING_KWARGS))
         if unknown:
-            raise NotImplementedError(f"chat_template_kwargs {unknown} (only {list(THINKING_KWARGS)} are read)")
+            raise NotImplementedError(f"chat_template_kwargs other than thinking: {unknown} (only "
+                                      f"{list(THINKING_KWARGS)} are read)")
 
     def thinking(self, thinking: bool | None) -> bool | None:
         """`thinking`, or else the one `chat_template_kwargs` gives."""

@@ -88,9 +88,12 @@ async def _prepend(first: str, rest: AsyncGenerator[str, None], api: Api) -> Asy
             yield first
         async for frame in rest:
             yield frame
-    except ModelOutputError as err:  # the stream ends with the API's error event, not a made-up answer
-        body = ApiError.from_message(500, str(err), api).body
+    except (ModelOutputError, EngineDeadError) as err:  # the API's error event ends the stream, never a cut
+        status = 503 if isinstance(err, EngineDeadError) else 500
+        body = ApiError.from_message(status, str(err), api).body
         yield (f"event: error\ndata: {body}\n\n" if api == "messages" else f"data: {body}\n\n")
+        if api == "chat":  # OpenAI's chat stream always ends with [DONE], as vLLM's does after an error
+            yield "data: [DONE]\n\n"
     finally:
         await rest.aclose()
 

@@ -21,6 +21,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig, device
     # refused before any rank starts
     tensor_parallel.check_tensor_parallel(model_config, engine_config.tensor_parallel_size)
     context_parallel.check_context_parallel(model_config, engine_config)
+    model_config.capabilities.check_parallel(model_config.model_type, "expert", engine_config.parallel_config.ep_size)
     if launched_by_torchrun():
         return TorchrunExecutor(model_config, engine_config, device, weights)
     parallel = engine_config.parallel_config

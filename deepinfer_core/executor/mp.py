@@ -1,8 +1,9 @@
 """`MultiprocExecutor` ("mp"): one worker process per rank, started by the engine, joined in a
 `torch.distributed` group (gloo on CPU, NCCL on CUDA). Every rank gets every step through its own
 pipe as two messages, the plan (`execute_model`) then the grammar rows (`sample`, a pickled array),
-and answers the second; rank 0's answer carries the result. A rank that raises, dies or stays silent past
-`worker_timeout_s` ends the executor with a `WorkerError` naming the rank and the cause.
+and answers the second; rank 0's answer carries the result. A rank that raises, dies, stops beating
+while it works for `worker_heartbeat_timeout_s` (hung, or stopped: `worker.Heartbeat`) or takes longer
+than `worker_timeout_s` over a step ends the executor with a `WorkerError` naming the rank and the cause.
 
 Today every rank holds the whole model (a replica) and computes the same plan; sharding the model
 across ranks plugs in behind the runner without changing this protocol.
@@ -43,6 +44,7 @@ class MultiprocExecutor:
                  weights: dict[str, torch.Tensor] | None = None) -> None:
         self.world_size = engine_config.num_ranks
         self.timeout_s = engine_config.worker_timeout_s
+        self.heartbeat_timeout_s = engine_config.worker_heartbeat_timeout_s
         self.layout = engine_config.parallel_config
         self.rank_reports: list[dict | None] = [None] * self.world_size
         """Per rank, its latest `worker.RankReport`: steps, step and dispatch seconds, EPLB figures."""
@@ -117,10 +119,14 @@ class MultiprocExecutor:
     def _collect(self, timeout_s: float | None, what: str) -> list:
         """One answer from every rank; `WorkerError` on an error report, a dead rank or a timeout."""
         answers: dict[int, object] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
+        heard = [start] * self.world_size  # the last message of each rank: an answer or a heartbeat
         while len(answers) < self.world_size:
             waiting = [rank for rank in range(self.world_size) if rank not in answers]
             remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if deadline is not None:  # steps only: start-up loads weights with no heartbeat
+                self._check_heartbeats(waiting, heard, what)
             if remaining <= 0:
                 for rank in waiting:  # a dead rank is the cause, not the silence it left behind
                     if self._procs[rank].poll() is not None:
@@ -139,6 +145,9 @@ class MultiprocExecutor:
                         if code >= 0:  # not killed by a signal: a peer's death may be the cause
                             self._fail_dead_peer(rank, what, cause)
                         self._fail(rank, cause)
+                    heard[rank] = time.monotonic()
+                    if kind == "alive":
+                        continue
                     if kind == "error":
                         self._fail_dead_peer(rank, what, f"raised during {what}: {payload}")
                         self._fail(rank, f"raised during {what}: {payload}")
@@ -146,6 +155,17 @@ class MultiprocExecutor:
                 elif self._procs[rank].poll() is not None:
                     self._fail(rank, f"exited during {what} (exit code {self._procs[rank].returncode})")
         return [answers[rank] for rank in range(self.world_size)]
+
+    def _check_heartbeats(self, waiting: list[int], heard: list[float], what: str) -> None:
+        """Fail the first waiting rank silent for `heartbeat_timeout_s` (a dead one is named as such)."""
+        now = time.monotonic()
+        silent = [rank for rank in waiting if now - heard[rank] > self.heartbeat_timeout_s]
+        for rank in silent:
+            if self._procs[rank].poll() is not None:
+                self._fail(rank, f"exited during {what} (exit code {self._procs[rank].returncode})")
+        if silent:
+            self._fail(silent[0], f"hung: no answer and no heartbeat for {self.heartbeat_timeout_s:g} s during "
+                                  f"{what} (worker_heartbeat_timeout_s); ranks silent: {silent}")
 
     def _fail_dead_peer(self, rank: int, what: str, cause: str, grace_s: float = 1.0) -> None:
         """`rank` failed with `cause`: if another rank was killed by a signal (`signalled_peer`), name that

@@ -4,7 +4,10 @@
 A worker joins the torch.distributed group (`cpu:gloo`, plus `cuda:nccl` on GPUs), builds its
 `ModelRunner` (the ranks agree on the smallest cache that fits every one), then runs steps until told
 to stop: each step is two messages, `("model", plan)` (the forward, no answer) and `("sample",
-grammar_rows)` (sampling with the grammar rows the engine filled meanwhile; the answer). Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)`
+grammar_rows)` (sampling with the grammar rows the engine filled meanwhile; the answer). While a step is
+under way a `Heartbeat` thread sends `("alive", None)` every quarter of `worker_heartbeat_timeout_s`, so
+the engine tells a rank that is slow (still beating) from one that hangs or is stopped (silent).
+Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)`
 returns an engine whose `TorchrunExecutor` broadcasts each plan; on every other rank that call serves
 plans and exits the process when rank 0 shuts down.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import pickle
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, fields, replace
@@ -157,14 +161,38 @@ def host_result(result: StepResult) -> StepResult:
     return result
 
 
+class Heartbeat:
+    """While `busy` is set, send `("alive", None)` every `interval_s` from a daemon thread (the step runs
+    on the main thread; a rank stopped or stuck holding the interpreter stops beating)."""
+
+    def __init__(self, send, interval_s: float) -> None:
+        self.send, self.interval_s = send, interval_s
+        self.busy, self._stop = threading.Event(), threading.Event()
+        threading.Thread(target=self._run, name="deepinfer-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self.busy.is_set():
+                try:
+                    self.send("alive", None)
+                except OSError:  # the engine is gone: nobody to tell
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 def worker_main(conn) -> None:
     """A rank started by `MultiprocExecutor`: read its start-up arguments from `conn`, build the runner,
     report, then run steps from `conn` (see the module docstring) until `None`."""
+    lock = threading.Lock()  # the heartbeat thread and the step share the pipe: one message at a time
 
     def send(kind: str, payload) -> None:
-        conn.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        with lock:
+            conn.send_bytes(data)
 
-    runner = None
+    runner, heartbeat = None, None
     try:
         rank, world_size, init_method, model_config, engine_config, device, weights = pickle.loads(conn.recv_bytes())
         local_device = rank_device(torch.device(device), rank)
@@ -174,13 +202,16 @@ def worker_main(conn) -> None:
         del weights
         send("ready", runner_info(runner, rank))
         is_leader, report = is_dp_leader(engine_config, rank), RankReport(runner, rank)
+        heartbeat = Heartbeat(send, engine_config.worker_heartbeat_timeout_s / 4)
         while (message := pickle.loads(conn.recv_bytes())) is not None:
             kind, payload = message  # ("model", plan), then ("sample", grammar rows)
+            heartbeat.busy.set()
             if kind == "model":
                 report.execute_model(payload)
                 continue
             result = report.sample(payload)
             send("result", (host_result(result) if is_leader else None, report.as_dict()))
+            heartbeat.busy.clear()
     except Exception as err:  # noqa: BLE001 -- reported to the engine, which names the rank
         traceback.print_exc()
         try:
@@ -189,6 +220,8 @@ def worker_main(conn) -> None:
             pass
         sys.exit(1)
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if runner is not None:
             runner.close()  # its model's worker threads (V4.1's Engram prefetch)
         if dist.is_initialized():

@@ -86,7 +86,8 @@ def build_layer_plan(config, dtype: torch.dtype) -> list[LayerPlan]:
         rate = 0 if kind == "sliding" else int(config.compress_rates[layer_type])
         if rate and BLOCK_SIZE % rate:
             raise NotImplementedError(
-                f"compress rate {rate} of {layer_type}: the paged cache needs rates dividing its {BLOCK_SIZE}-token block"
+                f"a compress rate not dividing the cache block: compress rate {rate} of {layer_type}; the paged "
+                f"cache needs rates dividing its {BLOCK_SIZE}-token block"
             )
         is_csa = kind == "csa"
         attention = AttentionSpec(

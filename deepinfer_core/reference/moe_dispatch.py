@@ -50,10 +50,10 @@ class AllToAllDispatch:
         """`x` `[T, H]`, `slots` `[T, k]` -> (received rows `[M, H]`, their local slot ids `[M]`, handle)."""
         p = self.placement
         flat = slots.reshape(-1)
-        dest = flat // p.num_local_slots
+        dest, local = p.slot_owners(flat)
         order = dest.argsort(stable=True)
         rows = x.repeat_interleave(slots.shape[1], dim=0)[order]
-        local = (flat % p.num_local_slots)[order]
+        local = local[order]
         send_counts = torch.bincount(dest, minlength=p.size) if flat.numel() else dest.new_zeros(p.size)
         recv_counts = torch.empty_like(send_counts)
         self._exchange(recv_counts, send_counts)

@@ -70,12 +70,24 @@ def test_prefix_affinity_abort_and_a_core_error(tmp_path):
         engine.add_request("b", prompts()[1] + prompts()[3], GREEDY)  # the other core: fewer tokens in flight
         engine.add_request("c", long[:200], GREEDY)  # same first block as "a": a's core, though busier
         assert engine._owner["a"] == engine._owner["c"] != engine._owner["b"]
+        # a's core now carries 468 tokens, b's 248: more than one step's budget (64) busier, so the
+        # affinity yields and the least loaded core takes a prompt with the same first block
+        engine.add_request("d", long[:150], GREEDY)
+        assert engine._owner["d"] == engine._owner["b"]
+        rank = engine._owner["d"]  # the last core to take the block
         engine.abort("b")
-        assert sorted(engine.unfinished_request_ids()) == ["a", "c"]
+        assert sorted(engine.unfinished_request_ids()) == ["a", "c", "d"]
         seen = set()
         while engine.has_unfinished_requests():
             seen.update(out.request_id for out in engine.step())
-        assert seen == {"a", "c"}  # nothing of the aborted request comes back
+        assert seen == {"a", "c", "d"}  # nothing of the aborted request comes back
+        hits = [core["prefix_cache_hit_tokens"] for core in engine.stats()["data_parallel"]]
+        engine.add_request("e", long[:140], GREEDY)  # idle cores: the one that last took the block (d's) wins
+        assert engine._owner["e"] == rank
+        while engine.has_unfinished_requests():
+            engine.step()
+        after = [core["prefix_cache_hit_tokens"] for core in engine.stats()["data_parallel"]]
+        assert after[rank] - hits[rank] == 128 and after[1 - rank] == hits[1 - rank]  # its first block, cached
         bad = SamplingParams(temperature=0, max_tokens=4)
         bad.max_tokens = -1  # past the front end's checks: the core raises
         engine.cores.send(1, proto.AddRequest("x", [1, 2, 3], bad))

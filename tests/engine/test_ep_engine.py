@@ -124,6 +124,27 @@ def test_four_dp_ranks_hold_a_quarter_of_the_experts_each(tmp_path, single):
         assert m["weights_bytes"] == full - whole * 3 // 4
 
 
+def test_experts_the_ranks_do_not_divide_split_unevenly_and_match_the_single_engine(tmp_path):
+    """9 experts over 2 EP ranks (vLLM's split: 5 and 4): each rank loads its share and the tokens equal
+    one rank's."""
+    config = tiny_config("sliding_csa_hca", index_n_heads=16, n_routed_experts=9)
+    weights = random_state_dict(config, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    batch = [(str(i), p[:50], params) for i, p in enumerate(prompts()[:4])]
+    options = {"dtype": "float32", "max_num_seqs": 4, "num_kv_blocks": 6, "worker_timeout_s": 60}
+    write_config(tmp_path, config)
+    want = run(build_engine(EngineConfig(model=str(tmp_path), **options), weights=weights), batch)
+    engine = build_engine(EngineConfig(model=str(tmp_path), data_parallel_size=2, enable_expert_parallel=True,
+                                       **options), weights=weights)
+    try:
+        got, memory = run(engine, batch), engine.stats()["rank_memory"]
+    finally:
+        engine.shutdown()
+    assert_same(got, want)
+    experts = sum(t.numel() * t.element_size() for name, t in weights.items() if ".experts." in name)
+    assert memory[0]["weights_bytes"] - memory[1]["weights_bytes"] == experts // 9  # rank 0 holds one expert more
+
+
 def test_a_killed_rank_ends_the_engine_naming_it(tmp_path):
     engine = make_engine(tmp_path, data_parallel_size=2, enable_expert_parallel=True, worker_timeout_s=20)
     engine.add_request("a", prompts()[2], SamplingParams(max_tokens=20, ignore_eos=True))

@@ -175,3 +175,37 @@ def test_a_peer_killed_by_a_signal_is_named_instead_of_the_rank_whose_collective
         with pytest.raises(WorkerError, match=rf"worker rank {named} exited during a step \(exit code -9\); "
                                               r"worker rank 0 then raised during a step: .*connection closed"):
             executor._fail_dead_peer(0, "a step", cause, grace_s=0.1)
+
+
+def test_a_stopped_rank_is_named_hung_within_its_heartbeat_timeout_not_the_step_timeout(tmp_path):
+    """Rank 1 stopped mid-work: rank 0 waits in a collective but keeps beating, rank 1 falls silent and
+    is named within `worker_heartbeat_timeout_s` (4 s), long before `worker_timeout_s` (600 s)."""
+    engine = make_engine(tmp_path, distributed_executor_backend="mp", world_size=2, worker_heartbeat_timeout_s=4)
+    try:
+        engine.add_request("a", prompts([20])[0], SamplingParams(max_tokens=8))
+        engine.step()  # a step answered while both ranks beat
+        os.kill(engine.executor._procs[1].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker rank 1 hung: no answer and no heartbeat for 4 s during a "
+                                              r"step \(worker_heartbeat_timeout_s\); ranks silent: \[1\]"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 60
+    finally:
+        engine.shutdown()
+    assert all(proc.poll() is not None for proc in engine.executor._procs)  # the stopped rank was killed
+
+
+def test_the_heartbeat_beats_only_while_the_rank_works():
+    from deepinfer_core.executor.worker import Heartbeat
+
+    beats = []
+    heartbeat = Heartbeat(lambda kind, payload: beats.append(kind), 0.02)
+    try:
+        time.sleep(0.2)
+        assert beats == []  # idle: nothing piles up in the pipe
+        heartbeat.busy.set()
+        time.sleep(0.3)
+        assert len(beats) >= 3 and set(beats) == {"alive"}
+    finally:
+        heartbeat.stop()

@@ -83,3 +83,30 @@ def test_groups_built_on_four_gloo_ranks_reduce_over_the_right_ranks():
     assert results[1]["dp"] == (1 + 3, 0, 2, (1, 3))
     assert results[2]["ep"] == (0 + 1 + 2 + 3, 2, 4, (0, 1, 2, 3))
     assert results[2]["cp"] == (2, 0, 1, (2,))
+
+
+def test_v41_with_expert_parallelism_is_refused_before_any_rank_starts(tmp_path):
+    """DeepSeek-V4.1 runs whole on each rank: expert parallelism is refused by the layout checks, naming
+    the family, not by the model inside a worker after the ranks started."""
+    import json
+
+    from deepinfer_core.engine.data_parallel import build_engine
+    from deepinfer_core.models.v41_tiny import tiny_v41_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_v41_config()))
+    with pytest.raises(NotImplementedError, match=r"a parallelism the model family lacks: expert_parallel_size=2 "
+                       r"for 'deepseek_v41'"):
+        build_engine(EngineConfig(model=str(tmp_path), enable_expert_parallel=True, data_parallel_size=2))
+
+
+def test_layouts_not_built_yet_are_refused_by_key(tmp_path):
+    with pytest.raises(NotImplementedError, match="^tensor and expert parallelism together: tensor_parallel_size=2"):
+        ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True).check_implemented()
+    with pytest.raises(NotImplementedError, match="^context parallelism with other parallelism: context_parallel_size=2"):
+        ParallelConfig(context_parallel_size=2, data_parallel_size=2).check_implemented()
+    from deepinfer_core.engine.data_parallel import build_engine
+
+    write_config(tmp_path, parity_config("hca128"))
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(NotImplementedError, match="^context parallelism with speculative decoding: context_parallel_size=2"):
+        build_engine(EngineConfig(model=str(tmp_path), context_parallel_size=2, speculative_config=spec))

@@ -15,7 +15,7 @@ def inverse_frequencies(rope: dict, rope_dim: int) -> torch.Tensor:
     if rope.get("rope_type", "default") == "default":
         return inv_freq
     if rope["rope_type"] != "yarn":
-        raise NotImplementedError(f"rope_type {rope['rope_type']!r} (only 'default' and 'yarn' are supported)")
+        raise NotImplementedError(f"a rope_type other than 'default' or 'yarn': rope_type {rope['rope_type']!r}")
     return _yarn(inv_freq, rope, rope_dim, base)
 
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from deepinfer_core.config import ConfigError, FamilyConfig, ModelCapabilities, SwaReplay, read_config_json
+from deepinfer_core.config.eos import with_checkpoint_eos
 
 MODEL_TYPE = "deepseek_v41"
 ARCHITECTURE = "DeepseekV41ForCausalLM"
@@ -165,7 +166,7 @@ class V41Config(FamilyConfig):
         path = Path(path)
         if not (path / "config.json").is_file() and (path / "inference" / "config.json").is_file():
             return cls.from_inference_dict(json.loads((path / "inference" / "config.json").read_text()))
-        return cls.from_dict(read_config_json(path))
+        return cls.from_dict(with_checkpoint_eos(read_config_json(path), path))
 
     # ------------------------------------------------------------------ checks
 

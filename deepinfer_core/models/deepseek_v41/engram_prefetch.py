@@ -39,7 +39,8 @@ class EngramPrefetcher:
 
     def __init__(self, tables: dict[int, EngramTable], columns: dict[int, int], device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
-            raise NotImplementedError(f"Engram prefetch on {device.type} devices (set engram_prefetch=False)")
+            raise NotImplementedError(f"Engram prefetch off CPU and CUDA: {device.type} devices "
+                                      "(set engram_prefetch=False)")
         self.tables, self.columns, self.device = tables, columns, device
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None

@@ -125,6 +125,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.capabilities = config.capabilities
         for name, kind in (("tp", "tensor"), ("ep", "expert"), ("cp", "context")):
             if getattr(self.parallel, name).size > 1 and not getattr(self.capabilities, f"{kind}_parallel"):
+                # internal: check_parallel refuses these layouts before any rank starts
                 raise NotImplementedError(f"DeepSeek-V4.1 with {name} size {getattr(self.parallel, name).size}: "
                                           "the V4.1 model runs whole on each rank for now")
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)

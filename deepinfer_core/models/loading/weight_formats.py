@@ -66,7 +66,7 @@ def check_quantization(quantization: str | None, model_config: ModelConfig) -> N
     if quantization == "fp8":
         raise NotImplementedError("quantization='fp8' on an unquantised checkpoint (quantising weights at load); "
                                   "leave quantization=None to run the checkpoint at its own precision")
-    raise NotImplementedError(f"quantization={quantization!r}: only the checkpoint's own precision (None) and "
+    raise NotImplementedError(f"a quantization other than None or 'fp8': quantization={quantization!r}: only the checkpoint's own precision (None) and "
                               f"its block-FP8 method ('fp8') are implemented")
 
 

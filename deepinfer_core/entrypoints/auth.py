@@ -26,9 +26,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepinfer_core.entrypoints.errors import api_of_path, error_response
+from deepinfer_core.entrypoints.http_options import API_KEY_ENV, PD_SECRET_ENV
 
-API_KEY_ENV = "DEEPINFER_API_KEY"
-PD_SECRET_ENV = "DEEPINFER_PD_SECRET"
 PROTECTED_PREFIX = "/v1/"
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
 """FastAPI's description of the API (and its pages' own sub-paths, such as `/docs/oauth2-redirect`)."""

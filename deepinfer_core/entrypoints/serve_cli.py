@@ -19,14 +19,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from deepinfer_core.entrypoints.auth import API_KEY_ENV, PD_SECRET_ENV
 from deepinfer_core.entrypoints.engine_flags import add_engine_arguments, check_vllm_options, engine_options
-from deepinfer_core.entrypoints.limits import (
+from deepinfer_core.entrypoints.http_options import (
+    API_KEY_ENV,
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_HEADER_READ_TIMEOUT_S,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    PD_SECRET_ENV,
     HttpLimits,
 )
 

@@ -124,6 +124,8 @@ class DataParallelEngine:
         cost = (len(prompt_token_ids) + sampling_params.max_tokens) * sampling_params.n
         if not self._owner:
             self._last_heard = time.monotonic()
+        if self._tokens[rank] == 0:  # an idle core has had nothing to say: its silence starts now
+            self.cores.last_heard[rank] = time.monotonic()
         self._owner[request_id], self._request_tokens[request_id] = rank, cost
         self._tokens[rank] += cost
         if self.config.enable_prefix_caching and len(prompt_token_ids) >= BLOCK_SIZE:
@@ -193,6 +195,9 @@ class DataParallelEngine:
             self.cores.shutdown(wait_s=0.5)
             raise WorkerError(f"no engine core sent anything for {self.config.worker_timeout_s:g} s with "
                               f"{len(self._owner)} requests in flight (worker_timeout_s)")
+        if self._owner:
+            self.cores.check_heartbeats({rank for rank, tokens in enumerate(self._tokens) if tokens > 0},
+                                        self.config.worker_heartbeat_timeout_s)
         for message in messages:
             if not isinstance(message, proto.Outputs):
                 continue

@@ -42,6 +42,8 @@ class CoreClient:
         self.workers, self.ranks_per_core = workers or {}, ranks_per_core
         self.num_cores, self.timeout_s, self._cleanup = len(inboxes), timeout_s, cleanup
         self.is_shut_down, self.waited_s = False, 0.0
+        self.last_heard = [time.monotonic()] * self.num_cores
+        """Per core, when it last sent anything (a heartbeat included)."""
         ready: dict[int, proto.Ready] = {}
         while len(ready) < self.num_cores:
             for message in self.receive(1.0, what="start-up"):
@@ -86,8 +88,8 @@ class CoreClient:
             self._fail(dp_rank, "does not take messages (its socket has no reader)")
 
     def receive(self, wait_s: float, what: str = "a step") -> list:
-        """Every message the cores sent, waiting up to `wait_s` for the first; `WorkerError` if a core
-        failed or died. The time spent waiting is added to `waited_s`."""
+        """Every message the cores sent (heartbeats only noted in `last_heard`), waiting up to `wait_s` for
+        the first; `WorkerError` if a core failed or died. The time spent waiting is added to `waited_s`."""
         start = time.perf_counter()
         ready = self.outbox.poll(int(wait_s * 1000))
         self.waited_s = time.perf_counter() - start
@@ -95,6 +97,9 @@ class CoreClient:
         while ready or self.outbox.poll(0):
             ready = False
             message = proto.decode_from_core(self.outbox.recv())
+            self.last_heard[message.dp_rank] = time.monotonic()
+            if isinstance(message, proto.Alive):
+                continue
             if isinstance(message, proto.Failed):
                 rank = message.rank if message.rank is not None else message.dp_rank
                 self._fail_dead_peer(rank, what, f"raised during {what}: {message.message}")
@@ -106,6 +111,15 @@ class CoreClient:
                     self._fail_dead_peer(rank, what, f"exited during {what} (exit code {proc.returncode})")
                     self._fail(rank, f"exited during {what} (exit code {proc.returncode})")
         return messages
+
+    def check_heartbeats(self, working: set[int], timeout_s: float) -> None:
+        """`WorkerError` naming the first of the `working` cores (those with requests) silent for
+        `timeout_s`: no output and no heartbeat, so hung or stopped."""
+        now = time.monotonic()
+        silent = [dp for dp in sorted(working) if now - self.last_heard[dp] > timeout_s]
+        if silent:
+            self._fail(silent[0] * self.ranks_per_core, f"hung: no output and no heartbeat for {timeout_s:g} s "
+                       f"with requests in flight (worker_heartbeat_timeout_s); cores silent: {silent}", silent[0])
 
     def _all_procs(self) -> dict:
         """Global rank -> process, for every rank started here (a remote core's is unknown)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import threading
 import traceback
 
 import torch
@@ -128,6 +129,32 @@ class CoreExecutor:
         self.runner.close()
 
 
+class CoreHeartbeat:
+    """While `busy` is set, send `Alive` every `interval_s` from a daemon thread, on a socket of its own
+    (pyzmq sockets are not shared between threads). A core stopped, or stuck holding the interpreter,
+    stops beating; one inside a long device call or a collective releases it and keeps beating."""
+
+    def __init__(self, outbox, dp_rank: int, interval_s: float) -> None:
+        self.busy, self._stop = threading.Event(), threading.Event()
+        address = outbox.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._socket = outbox.context.socket(zmq.PUSH)
+        self._socket.connect(address)
+        self._message = proto.encode(proto.Alive(dp_rank))
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="deepinfer-core-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            if self.busy.is_set():
+                self._socket.send(self._message)
+        self._socket.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 class EngineCore:
     """The loop of one DP rank's core: messages in, steps, outputs out (see the module docstring)."""
 
@@ -137,11 +164,22 @@ class EngineCore:
         self.inbox, self.outbox = inbox, outbox
         self.is_stopping = False
         self._parent = os.getppid()
+        self.heartbeat = CoreHeartbeat(outbox, dp_rank, engine.config.worker_heartbeat_timeout_s / 4)
 
     def run(self) -> None:
         """Serve until the front end says `Stop` (every core of a lockstep group leaves together)."""
+        try:
+            self._run()
+        finally:
+            self.heartbeat.stop()
+
+    def _run(self) -> None:
         while True:
             self._receive(self._wait_s())
+            if self.engine.has_unfinished_requests():
+                self.heartbeat.busy.set()
+            else:
+                self.heartbeat.busy.clear()
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 if outputs:

@@ -1,8 +1,8 @@
 """The messages between the data-parallel front end and its engine cores (pyzmq frames, msgspec msgpack).
 
 The front end sends each core `AddRequest`, `Abort`, `QueryStats` and `Stop`; a core answers with
-`Ready` once built, `Outputs` after a step that produced any, `Stats` when asked, and `Failed` when it
-raises (then it exits). Only the start-up arguments (configs and weights, tensors included) travel
+`Ready` once built, `Outputs` after a step that produced any, `Stats` when asked, `Alive` while it has
+requests (a heartbeat), and `Failed` when it raises (then it exits). Only the start-up arguments (configs and weights, tensors included) travel
 pickled, once, before any of these.
 """
 
@@ -63,8 +63,15 @@ class Failed(msgspec.Struct, tag="failed"):
     rank: int | None = None
 
 
+class Alive(msgspec.Struct, tag="alive"):
+    """Core `dp_rank` is working (a heartbeat, sent from its own thread while it has requests): the front
+    end tells a slow core (beating) from one that hangs or is stopped (silent)."""
+
+    dp_rank: int
+
+
 ToCore = AddRequest | Abort | QueryStats | Stop
-FromCore = Ready | Outputs | Stats | Failed
+FromCore = Ready | Outputs | Stats | Failed | Alive
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_core = msgspec.msgpack.Decoder(ToCore).decode

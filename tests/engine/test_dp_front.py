@@ -3,6 +3,10 @@ dp_client.py, dp_core.py): routing, merging, aborts, a core's error, and the MoE
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from deepinfer_core import SamplingParams
@@ -97,6 +101,30 @@ def test_prefix_affinity_abort_and_a_core_error(tmp_path):
                 engine.step()
         assert all(proc.poll() is not None for proc in engine.cores.procs)
     finally:
+        engine.shutdown()
+
+
+def test_a_stopped_core_is_named_within_the_heartbeat_timeout(tmp_path):
+    """A core stopped mid-request (SIGSTOP: alive, but silent) is named after `worker_heartbeat_timeout_s`,
+    not after `worker_timeout_s`; a busy core that keeps beating is not."""
+    engine = make_engine(tmp_path, data_parallel_size=2, num_kv_blocks=8, worker_heartbeat_timeout_s=3)
+    stopped = None
+    try:
+        for dp in (0, 1):
+            engine.add_request(f"r{dp}", prompts()[dp], SamplingParams(max_tokens=400, ignore_eos=True))
+        engine.step()
+        stopped = engine.cores.procs[engine._owner["r1"]]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        dp = engine._owner["r1"]
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"worker rank {dp} hung: no output and no heartbeat for 3 s.*"
+                                              rf"\(DP rank {dp}\)"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 30  # worker_timeout_s is 60 here
+    finally:
+        if stopped is not None and stopped.poll() is None:  # the failure's shutdown normally killed it
+            os.kill(stopped.pid, signal.SIGCONT)
         engine.shutdown()
 
 

@@ -130,7 +130,8 @@ def _checkpoint_weights(loaded: LoadedModel, model_cls: type, model, shards, hos
     keep_fp4 = loaded.plans[0].moe.expert_format == "fp4"
     if model.capabilities.has_checkpoint_loader:
         weights = model_cls.load_checkpoint(cfg.model, loaded.config, loaded.dtype, loaded.device, keep_fp4=keep_fp4,
-                                            **({"host": host_names} if host_names else {}))
+                                            **({"host": host_names} if host_names else {}),
+                                            **({"shards": shards} if shards else {}))
         return experts.select_local(weights) if experts is not None else weights
     native = cfg.quantized_weights == "native"
     return load_weights(cfg.model, loaded.config, loaded.dtype, loaded.device, keep_fp4=keep_fp4,

@@ -40,6 +40,7 @@ from deepinfer_core.backends.layer_ops import (
 )
 from deepinfer_core.backends.paged import write_rings
 from deepinfer_core.backends.parallel import ParallelGroups
+from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.deepseek_v4.layers import RMSNorm
 from deepinfer_core.models.deepseek_v4.rope import Rotary, rope_tables
 from deepinfer_core.models.deepseek_v4.row_trim import TrimmedStep, no_logits
@@ -101,12 +102,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @classmethod
     def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = ()):
+                        host: Collection[str] = (), shards: dict | None = None):
         """Weights from an official-layout checkpoint, in this model's names (`v41_weights`); those
-        named in `host` are read into host memory, never onto `device`."""
+        named in `host` are read into host memory, never onto `device`; under tensor parallelism only
+        the rank's `shards` of the cut tensors (`tensor_parallel.tensor_shards`)."""
         from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 
-        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host)
+        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, shards=shards)
 
     @staticmethod
     def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:
@@ -125,7 +127,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name, kind in (("tp", "tensor"), ("ep", "expert"), ("cp", "context")):
             if getattr(self.parallel, name).size > 1 and not getattr(self.capabilities, f"{kind}_parallel"):
                 raise NotImplementedError(f"DeepSeek-V4.1 with {name} size {getattr(self.parallel, name).size}: "
-                                          "the V4.1 model runs whole on each rank for now")
+                                          f"{kind} parallelism is not implemented for V4.1 yet")
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Block(config, plan, dtype) for plan in plans)
         self.norm = RMSNorm(config.hidden_size)
@@ -239,10 +241,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                                                 image_mask))
                 shared = {key: trim.take(value) for key, value in shared.items()}
                 ctx = trim.ctx
-            out = self.attention(i, x, ctx, caches[i], shared, compress=not is_trim_point)
+            # attention and MoE end in row-parallel projections: their partial sums meet here (tensor
+            # parallelism; `tensor_parallel_v41` says what is cut and what every rank computes whole)
+            out = tensor_parallel.all_reduce(self.attention(i, x, ctx, caches[i], shared, compress=not is_trim_point),
+                                             self.parallel.tp)
             streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
                                                                 block.ffn_norm.weight, pre_a)
-            pending = (self.moe(i, x, ctx, image_mask), post_f, comb_f)
+            pending = (tensor_parallel.all_reduce(self.moe(i, x, ctx, image_mask), self.parallel.tp), post_f, comb_f)
         if trim is not None:
             logits_indices = trim.logits_rows(logits_indices)
         rows = [t[logits_indices] for t in (streams, *pending, pre)]

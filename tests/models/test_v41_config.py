@@ -121,8 +121,8 @@ def test_the_registry_reads_v41_and_the_v4_config_points_at_it(tmp_path):
 def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
     config = V41Config.from_dict(RELEASE)
     capabilities = config.capabilities
-    assert capabilities.tensor_parallel  # tests/engine/test_v41_tp_engine.py
-    assert not (capabilities.context_parallel or capabilities.expert_parallel)
+    assert capabilities.tensor_parallel and capabilities.expert_parallel  # tests/engine/test_v41_{tp,ep}_engine.py
+    assert not capabilities.context_parallel
     assert capabilities.swa_replay_default == "bounded" == V41Config.swa_replay_default
     assert capabilities.drafters == () and capabilities.has_checkpoint_loader and capabilities.can_trim_decoder
     assert capabilities.has_engram and config.has_engram
@@ -139,8 +139,7 @@ def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
 def test_a_family_without_a_parallelism_refuses_it_naming_the_size_and_the_family():
     capabilities = V41Config.from_dict(RELEASE).capabilities
     capabilities.check_parallel("deepseek_v41", "tensor", 1)  # one rank is no parallelism
-    with pytest.raises(NotImplementedError, match=r"expert_parallel_size=2 for 'deepseek_v41'"):
-        capabilities.check_parallel("deepseek_v41", "expert", 2)
+    capabilities.check_parallel("deepseek_v41", "expert", 2)  # implemented
     with pytest.raises(NotImplementedError, match=r"context_parallel_size=2 for 'deepseek_v41'"):
         capabilities.check_parallel("deepseek_v41", "context", 2)
     # tensor parallelism is implemented: the release splits over 8 ranks (64 heads, 8 output groups, FP4

@@ -85,10 +85,39 @@ def test_a_rank_reads_exactly_its_slices_of_the_checkpoint(checkpoint, monkeypat
     assert "layers.5.attn.indexer.wq_b.weight" in read_whole  # replicated: read whole
 
 
-@pytest.mark.parametrize(("group", "kind"), [("ep", "expert"), ("cp", "context")])
-def test_expert_and_context_parallelism_are_still_refused(checkpoint, group, kind):
+def test_an_expert_parallel_rank_reads_only_its_experts_in_slot_order(checkpoint, monkeypatch):
+    directory, config = checkpoint
+    whole = load_v41_checkpoint(directory, config, torch.float32, "cpu", keep_fp4=True)
+    slots = {layer: [5, 2, 7] if layer % 2 else [0, 3, 3] for layer in range(config.num_hidden_layers)}
+    read = []
+    original = SafetensorsReader.read
+    monkeypatch.setattr(SafetensorsReader, "read", lambda self, name: read.append(name) or original(self, name))
+    local = load_v41_checkpoint(directory, config, torch.float32, "cpu", keep_fp4=True, local_experts=slots.__getitem__)
+    for name, tensor in whole.items():
+        parts = name.split(".")
+        expected = tensor[slots[int(parts[1])]] if ".ffn.experts." in name else tensor
+        assert torch.equal(local[name], expected), name
+    assert {int(n.split(".")[4]) for n in read if n.startswith("layers.1.ffn.experts.")} == {2, 5, 7}
+
+
+def test_in_memory_weights_are_cut_to_an_expert_parallel_ranks_slots(checkpoint):
+    """Weights handed over in memory (V4.1's names) keep only the rank's expert slots, like V4's."""
+    from deepinfer_core.backends.parallel import ParallelConfig
+    from deepinfer_core.distributed.eplb_state import ExpertShards
+
+    directory, config = checkpoint
+    whole = load_v41_checkpoint(directory, config, torch.float32, "cpu")
+    layout = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+    experts = ExpertShards(layout, GroupInfo(None, 1, 2, (0, 1)), config.num_hidden_layers, config.n_routed_experts, "cpu")
+    local = experts.select_local(whole)
+    for name, tensor in whole.items():
+        expected = tensor[4:] if ".ffn.experts." in name else tensor  # rank 1 of 2: experts 4..7
+        assert torch.equal(local[name], expected), name
+
+
+def test_context_parallelism_is_still_refused(checkpoint):
     _, config = checkpoint
-    parallel = replace(ParallelGroups.single(), **{group: GroupInfo(None, 0, 2, (0, 1))})
+    parallel = replace(ParallelGroups.single(), cp=GroupInfo(None, 0, 2, (0, 1)))
     plans = DeepseekV41ForCausalLM.layer_plan(config, torch.float32)
-    with torch.device("meta"), pytest.raises(NotImplementedError, match=f"{kind} parallelism is not implemented for V4.1"):
+    with torch.device("meta"), pytest.raises(NotImplementedError, match="context parallelism is not implemented for V4.1"):
         DeepseekV41ForCausalLM(config, plans, torch.float32, parallel=parallel)

@@ -102,13 +102,15 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @classmethod
     def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = (), shards: dict | None = None):
+                        host: Collection[str] = (), shards: dict | None = None, local_experts=None):
         """Weights from an official-layout checkpoint, in this model's names (`v41_weights`); those
         named in `host` are read into host memory, never onto `device`; under tensor parallelism only
-        the rank's `shards` of the cut tensors (`tensor_parallel.tensor_shards`)."""
+        the rank's `shards` of the cut tensors (`tensor_parallel.tensor_shards`), under expert
+        parallelism only its `local_experts` (layer -> expert per slot)."""
         from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 
-        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, shards=shards)
+        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, shards=shards,
+                                   local_experts=local_experts)
 
     @staticmethod
     def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:
@@ -363,6 +365,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         limit = float(self.config.swiglu_limit)
         if image_mask is None:
             routed = backend.forward(x, ctx.input_ids, weights)
+        elif self.parallel.ep.size > 1:  # a rank's dispatches must pair with every other rank's
+            raise NotImplementedError("image positions (bias_vl routing) under expert parallelism")
         else:  # image positions select with bias_vl
             routed = torch.empty_like(x)
             for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -38,10 +38,13 @@ _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
 
 
 def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = (), shards: dict[str, Shard] | None = None) -> dict[str, torch.Tensor]:
+                        host: Collection[str] = (), shards: dict[str, Shard] | None = None,
+                        local_experts: Callable[[int], list[int]] | None = None) -> dict[str, torch.Tensor]:
     """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`; those
     named in `host` (the Engram tables placed in host memory) are read into host memory instead. With
-    `shards` (a tensor-parallel rank's, by internal name) only those slices of the cut tensors are read."""
+    `shards` (a tensor-parallel rank's, by internal name) only those slices of the cut tensors are read;
+    with `local_experts` (layer -> the expert of each of an expert-parallel rank's slots) only those
+    routed experts, stacked in slot order."""
     shards = shards or {}
     model_dir = Path(model_dir)
     differences = release_differences(model_dir, config)
@@ -59,7 +62,8 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
             value = _read(reader, name, tensor.dtype, config, dtype, shards.get(name))
             weights[name] = to_host(value) if name in host else value.to(device)
         for layer in range(config.num_hidden_layers):
-            weights.update(_experts(reader, config, layer, dtype, device, keep_fp4, shards))
+            experts = local_experts(layer) if local_experts is not None else range(config.n_routed_experts)
+            weights.update(_experts(reader, config, layer, experts, dtype, device, keep_fp4, shards))
     if config.engram_layer_ids:
         weights["engram_token_map"] = torch.tensor(token_map(model_dir / "tokenizer.json"), dtype=torch.long)
     return weights
@@ -105,16 +109,16 @@ def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torc
     return tensor
 
 
-def _experts(reader, config, layer: int, dtype, device, keep_fp4: bool,
+def _experts(reader, config, layer: int, experts, dtype, device, keep_fp4: bool,
              shards: dict[str, Shard]) -> dict[str, torch.Tensor]:
-    """One layer's routed experts stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale` packed);
-    a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part)."""
+    """One layer's routed `experts` stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale`
+    packed); a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part)."""
     prefix, out = f"layers.{layer}.ffn.experts.", {}
     for target, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
         shard = shards.get(prefix + target)
         source_shard = shard.source_shard("stack_pairs") if shard is not None else None
         values, scales = [], []
-        for e in range(config.n_routed_experts):
+        for e in experts:
             read = [_expert(reader, f"{prefix}{e}.{p}", config, dtype, keep_fp4, source_shard) for p in parts]
             values.append(torch.cat([value for value, _ in read]))
             if keep_fp4 and config.expert_dtype == "fp4":

@@ -134,8 +134,10 @@ class ExpertShards:
         out = {}
         for name, tensor in weights.items():
             parts = name.split(".")
-            if len(parts) > 4 and parts[0] == "model" and parts[3] == "mlp" and parts[4] == "experts":
-                index = torch.tensor(self.local_experts(int(parts[2])), device=tensor.device)
+            v4 = len(parts) > 4 and parts[0] == "model" and parts[3:5] == ["mlp", "experts"]
+            v41 = len(parts) > 3 and parts[0] == "layers" and parts[2:4] == ["ffn", "experts"]  # DeepSeek-V4.1
+            if v4 or v41:
+                index = torch.tensor(self.local_experts(int(parts[2 if v4 else 1])), device=tensor.device)
                 tensor = tensor.index_select(0, index)
             out[name] = tensor
         return out

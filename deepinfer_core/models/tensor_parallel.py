@@ -26,6 +26,10 @@ The MTP drafter's layer (`mtp.<i>.*`) is a decoder layer of the same shapes: its
 expert width are cut by the same rules (`mtp_tensor_shards`) and its two partial sums meet the same
 way, while its own input projections, norms and head collapse are replicated; so every rank computes
 the same drafts.
+
+DeepSeek-V4.1 (`layers.N.*` names) is cut by the same rules; `tensor_parallel_v41` lists its tensors and
+says why each of its additions (MoE `bias`/`bias_vl`, Engram, the two-level indexer, single-pass mHC) is
+replicated.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 
 from deepinfer_core.backends import quant
 from deepinfer_core.config import ConfigError, ModelConfig
+from deepinfer_core.models.tensor_parallel_v41 import V41_LAYER_NAME, V41_PER_LAYER
 
 
 @dataclass(frozen=True)
@@ -128,11 +133,19 @@ def tensor_shards(names, rank: int, size: int) -> dict[str, Shard]:
         return {}
     shards = {}
     for name in names:
-        match = _LAYER_NAME.fullmatch(name)
-        rule = _PER_LAYER.get(match.group(1)) if match else None
+        rule = _cut_rule(name)
         if rule is not None:
             shards[name] = Shard(rule[0], rank, size, rule[1])
     return shards
+
+
+def _cut_rule(name: str) -> tuple[int, int] | None:
+    """`(dim, parts)` of a V4 (`model.layers.N.*`, `mtp.N.*`) or V4.1 (`layers.N.*`) tensor, None: replicated."""
+    for pattern, rules in ((_LAYER_NAME, _PER_LAYER), (V41_LAYER_NAME, V41_PER_LAYER)):
+        match = pattern.fullmatch(name)
+        if match:
+            return rules.get(match.group(1))
+    return None
 
 
 def mtp_tensor_shards(names, rank: int, size: int) -> dict[str, Shard]:

@@ -121,7 +121,8 @@ def test_the_registry_reads_v41_and_the_v4_config_points_at_it(tmp_path):
 def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
     config = V41Config.from_dict(RELEASE)
     capabilities = config.capabilities
-    assert not (capabilities.tensor_parallel or capabilities.context_parallel or capabilities.expert_parallel)
+    assert capabilities.tensor_parallel and capabilities.expert_parallel  # tests/engine/test_v41_{tp,ep}_engine.py
+    assert not capabilities.context_parallel
     assert capabilities.swa_replay_default == "bounded" == V41Config.swa_replay_default
     assert capabilities.drafters == () and capabilities.has_checkpoint_loader and capabilities.can_trim_decoder
     assert capabilities.has_engram and config.has_engram
@@ -138,7 +139,11 @@ def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
 def test_a_family_without_a_parallelism_refuses_it_naming_the_size_and_the_family():
     capabilities = V41Config.from_dict(RELEASE).capabilities
     capabilities.check_parallel("deepseek_v41", "tensor", 1)  # one rank is no parallelism
-    with pytest.raises(NotImplementedError, match=r"expert_parallel_size=2 for 'deepseek_v41'"):
-        capabilities.check_parallel("deepseek_v41", "expert", 2)
-    with pytest.raises(NotImplementedError, match=r"tensor_parallel_size=4 for 'deepseek_v41'"):
-        tensor_parallel.check_tensor_parallel(V41Config.from_dict(RELEASE), 4)
+    capabilities.check_parallel("deepseek_v41", "expert", 2)  # implemented
+    with pytest.raises(NotImplementedError, match=r"context_parallel_size=2 for 'deepseek_v41'"):
+        capabilities.check_parallel("deepseek_v41", "context", 2)
+    # tensor parallelism is implemented: the release splits over 8 ranks (64 heads, 8 output groups, FP4
+    # expert width 2304 / 8 = 9 x 32), not over 16 (a rank would hold half an output group)
+    tensor_parallel.check_tensor_parallel(V41Config.from_dict(RELEASE), 8)
+    with pytest.raises(ConfigError, match=r"o_groups \(8\) is not a multiple of tensor_parallel_size \(16\)"):
+        tensor_parallel.check_tensor_parallel(V41Config.from_dict(RELEASE), 16)

@@ -40,6 +40,7 @@ from deepinfer_core.backends.layer_ops import (
 )
 from deepinfer_core.backends.paged import write_rings
 from deepinfer_core.backends.parallel import ParallelGroups
+from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.deepseek_v4.layers import RMSNorm
 from deepinfer_core.models.deepseek_v4.rope import Rotary, rope_tables
 from deepinfer_core.models.deepseek_v4.row_trim import TrimmedStep, no_logits
@@ -101,13 +102,17 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @classmethod
     def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = (), digest=None):
+                        host: Collection[str] = (), shards: dict | None = None, local_experts=None,
+                        digest=None):
         """Weights from an official-layout checkpoint, in this model's names (`v41_weights`); those
-        named in `host` are read into host memory, never onto `device`; `digest` (a `WeightDigest`) is
+        named in `host` are read into host memory, never onto `device`; under tensor parallelism only
+        the rank's `shards` of the cut tensors (`tensor_parallel.tensor_shards`), under expert
+        parallelism only its `local_experts` (layer -> expert per slot); `digest` (a `WeightDigest`) is
         given the bytes read."""
         from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 
-        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, digest=digest)
+        return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, shards=shards,
+                                   local_experts=local_experts, digest=digest)
 
     @staticmethod
     def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:
@@ -127,7 +132,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if getattr(self.parallel, name).size > 1 and not getattr(self.capabilities, f"{kind}_parallel"):
                 # internal: check_parallel refuses these layouts before any rank starts
                 raise NotImplementedError(f"DeepSeek-V4.1 with {name} size {getattr(self.parallel, name).size}: "
-                                          "the V4.1 model runs whole on each rank for now")
+                                          f"{kind} parallelism is not implemented for V4.1 yet")
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Block(config, plan, dtype) for plan in plans)
         self.norm = RMSNorm(config.hidden_size)
@@ -241,10 +246,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                                                                                 image_mask))
                 shared = {key: trim.take(value) for key, value in shared.items()}
                 ctx = trim.ctx
-            out = self.attention(i, x, ctx, caches[i], shared, compress=not is_trim_point)
+            # attention and MoE end in row-parallel projections: their partial sums meet here (tensor
+            # parallelism; `tensor_parallel_v41` says what is cut and what every rank computes whole)
+            out = tensor_parallel.all_reduce(self.attention(i, x, ctx, caches[i], shared, compress=not is_trim_point),
+                                             self.parallel.tp)
             streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
                                                                 block.ffn_norm.weight, pre_a)
-            pending = (self.moe(i, x, ctx, image_mask), post_f, comb_f)
+            pending = (tensor_parallel.all_reduce(self.moe(i, x, ctx, image_mask), self.parallel.tp), post_f, comb_f)
         if trim is not None:
             logits_indices = trim.logits_rows(logits_indices)
         rows = [t[logits_indices] for t in (streams, *pending, pre)]
@@ -360,6 +368,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         limit = float(self.config.swiglu_limit)
         if image_mask is None:
             routed = backend.forward(x, ctx.input_ids, weights)
+        elif self.parallel.ep.size > 1:  # a rank's dispatches must pair with every other rank's
+            raise NotImplementedError("image positions (bias_vl routing) under expert parallelism")
         else:  # image positions select with bias_vl
             routed = torch.empty_like(x)
             for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):

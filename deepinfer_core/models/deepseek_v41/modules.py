@@ -87,11 +87,12 @@ class SharedExpert(nn.Module):
 class FFNWeights(nn.Module):
     def __init__(self, config, plan: V41LayerPlan, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate = Gate(config, dtype)
+        self.gate = Gate(config, dtype)  # routes over every expert, also under expert parallelism
+        slots = plan.moe.num_local_slots  # every expert, or this rank's slots under expert parallelism
         if plan.moe.expert_format == "fp4":
-            self.experts = FP4Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+            self.experts = FP4Experts(slots, config.hidden_size, config.moe_intermediate_size)
         else:
-            self.experts = Experts(config, config.n_routed_experts, dtype)
+            self.experts = Experts(config, slots, dtype)
         self.shared_experts = SharedExpert(config, dtype)
 
 

@@ -7,13 +7,17 @@ not run them). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x3
 dequantised to the compute dtype; FP4 experts are dequantised too, or kept packed (`keep_fp4`); the
 Engram tables stay in their FP8 bytes. The Engram token map is built from the checkpoint's own
 `tokenizer.json`. A config or tokenizer that differs from the release is reported (logged) at load.
+
+Under tensor parallelism (`shards`, `tensor_parallel.tensor_shards` of the rank) only the rank's slices
+of the cut tensors are read: FP8 projections in whole scale blocks where the cut falls on block edges
+(else read whole and cut after dequantising), FP4 experts as their packed bytes and scales.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,10 +25,12 @@ import torch
 
 from deepinfer_core.backends import quant
 from deepinfer_core.config import CheckpointError
+from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.deepseek_v41.engram import ENGRAM_TABLE_SUFFIXES
 from deepinfer_core.models.deepseek_v41.release import is_skipped, release_differences, released_tensors
 from deepinfer_core.models.loading.checkpoint_files import SafetensorsReader, checkpoint_files
 from deepinfer_core.models.loading.weights import to_host
+from deepinfer_core.models.tensor_parallel import Shard
 
 logger = logging.getLogger(__name__)
 _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
@@ -32,10 +38,15 @@ _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
 
 
 def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
-                        host: Collection[str] = (), digest=None) -> dict[str, torch.Tensor]:
+                        host: Collection[str] = (), shards: dict[str, Shard] | None = None,
+                        local_experts: Callable[[int], list[int]] | None = None,
+                        digest=None) -> dict[str, torch.Tensor]:
     """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`; those
-    named in `host` (the Engram tables placed in host memory) are read into host memory instead;
-    `digest` (a `WeightDigest`) is given the bytes read."""
+    named in `host` (the Engram tables placed in host memory) are read into host memory instead. With
+    `shards` (a tensor-parallel rank's, by internal name) only those slices of the cut tensors are read;
+    with `local_experts` (layer -> the expert of each of an expert-parallel rank's slots) only those
+    routed experts, stacked in slot order; `digest` (a `WeightDigest`) is given the bytes read."""
+    shards = shards or {}
     model_dir = Path(model_dir)
     differences = release_differences(model_dir, config)
     if differences:
@@ -52,10 +63,11 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
             is_scale = name.endswith(".scale") and not name.endswith(ENGRAM_TABLE_SUFFIXES)
             if is_skipped(name) or is_scale or ".experts." in name:
                 continue
-            value = _read(reader, name, tensor.dtype, config, dtype)
+            value = _read(reader, name, tensor.dtype, config, dtype, shards.get(name))
             weights[name] = to_host(value) if name in host else value.to(device)
         for layer in range(config.num_hidden_layers):
-            weights.update(_experts(reader, config, layer, dtype, device, keep_fp4))
+            experts = local_experts(layer) if local_experts is not None else range(config.n_routed_experts)
+            weights.update(_experts(reader, config, layer, experts, dtype, device, keep_fp4, shards))
     if config.engram_layer_ids:
         weights["engram_token_map"] = torch.tensor(token_map(model_dir / "tokenizer.json"), dtype=torch.long)
     return weights
@@ -86,7 +98,12 @@ def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path) ->
         raise CheckpointError(f"{model_dir} is not a DeepSeek-V4.1 checkpoint for its config.json: " + "; ".join(parts))
 
 
-def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torch.dtype) -> torch.Tensor:
+def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torch.dtype,
+          shard: Shard | None = None) -> torch.Tensor:
+    if shard is not None:  # a cut projection, sink or shared expert: only the rank's slices
+        if stored == "F8_E4M3":
+            return tensor_parallel.read_fp8_slices(reader, name, shard, config.fp8_block, "cpu").to(dtype)
+        return tensor_parallel.read_slices(reader, name, shard, "cpu")
     tensor = reader.read(name)
     if name.endswith(ENGRAM_TABLE_SUFFIXES):
         return tensor.view(torch.uint8)  # the table stays in its own bytes
@@ -96,28 +113,43 @@ def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torc
     return tensor
 
 
-def _experts(reader, config, layer: int, dtype, device, keep_fp4: bool) -> dict[str, torch.Tensor]:
-    """One layer's routed experts stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale` packed)."""
+def _experts(reader, config, layer: int, experts, dtype, device, keep_fp4: bool,
+             shards: dict[str, Shard]) -> dict[str, torch.Tensor]:
+    """One layer's routed `experts` stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale`
+    packed); a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part)."""
     prefix, out = f"layers.{layer}.ffn.experts.", {}
-    num = config.n_routed_experts
-    fp4 = config.expert_dtype == "fp4"
     for target, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+        shard = shards.get(prefix + target)
+        source_shard = shard.source_shard("stack_pairs") if shard is not None else None
         values, scales = [], []
-        for e in range(num):
-            names = [f"{prefix}{e}.{p}" for p in parts]
-            if fp4 and keep_fp4:
-                values.append(torch.cat([reader.read(n + ".weight") for n in names]))
-                scales.append(torch.cat([reader.read(n + ".scale") for n in names]))
-            elif fp4:
-                values.append(torch.cat([quant.dequantize_fp4(reader.read(n + ".weight"), reader.read(n + ".scale"))
-                                         for n in names]).to(dtype))
-            else:
-                values.append(torch.cat([quant.dequantize_fp8(reader.read(n + ".weight"), reader.read(n + ".scale"),
-                                                              config.fp8_block) for n in names]).to(dtype))
+        for e in experts:
+            read = [_expert(reader, f"{prefix}{e}.{p}", config, dtype, keep_fp4, source_shard) for p in parts]
+            values.append(torch.cat([value for value, _ in read]))
+            if keep_fp4 and config.expert_dtype == "fp4":
+                scales.append(torch.cat([scale for _, scale in read]))
         out[prefix + target] = torch.stack(values).to(device)
         if scales:
             out[prefix + target + "_scale"] = torch.stack(scales).to(device)
     return out
+
+
+def _expert(reader, name: str, config, dtype, keep_fp4: bool, shard: Shard | None):
+    """One expert projection `name` (w1, w2 or w3): packed FP4 codes and scales when kept, else its
+    dequantised weight and None; only `shard`'s slices when given (FP4 as bytes, FP8 in scale blocks)."""
+    weight, scale = name + ".weight", name + ".scale"
+    if config.expert_dtype != "fp4":
+        if shard is not None:
+            return tensor_parallel.read_fp8_slices(reader, weight, shard, config.fp8_block, "cpu").to(dtype), None
+        return quant.dequantize_fp8(reader.read(weight), reader.read(scale), config.fp8_block).to(dtype), None
+    if shard is None:
+        codes, scales = reader.read(weight), reader.read(scale)
+    else:  # w2 is cut along its packed, grouped input dim: two codes a byte, one scale per 32
+        is_input_dim = shard.dim == len(reader.shape(weight)) - 1
+        codes = tensor_parallel.read_slices(reader, weight, shard, "cpu", 2 if is_input_dim else 1)
+        scales = tensor_parallel.read_slices(reader, scale, shard, "cpu", quant.FP4_GROUP_SIZE if is_input_dim else 1)
+    if keep_fp4:
+        return codes, scales
+    return quant.dequantize_fp4(codes, scales).to(dtype), None
 
 
 def token_map(tokenizer_file: Path) -> list[int]:

@@ -170,14 +170,18 @@ def test_json_output_and_exit_status(v4_dir, capsys):
 
 
 def test_a_layout_this_build_refuses_is_sized_and_marked_not_runnable(v41_dir, capsys):
-    assert main(["plan", str(v41_dir), "-tp", "2", "--gpu-memory-gib", "80"]) == 1
+    # tensor with expert parallelism is refused for every family
+    assert main(["plan", str(v41_dir), "-tp", "2", "--enable-expert-parallel", "--gpu-memory-gib", "80"]) == 1
     text = capsys.readouterr().out
     assert "NOT RUNNABLE IN THIS BUILD" in text and "sharding rules" in text
     assert "would fit" in text and "this build does not run the layout" in text
+    refused = plan_deployment(v41_dir, Layout(tensor_parallel_size=2, enable_expert_parallel=True), Budget(80, 512),
+                              dtype=torch.bfloat16)
+    assert not refused.runnable and refused.would_fit and not refused.fits  # sized, and never claimed to run
     whole = plan_deployment(v41_dir, Layout(), Budget(80, 512), dtype=torch.bfloat16).ranks[0].device_bytes
     ep = plan_deployment(v41_dir, Layout(data_parallel_size=2, enable_expert_parallel=True), Budget(80, 512),
                          dtype=torch.bfloat16)
-    assert not ep.runnable and ep.would_fit and not ep.fits  # sized, and never claimed to run
+    assert ep.runnable and ep.fits
     assert ep.ranks[1].device_bytes["routed_expert"] * 2 == whole["routed_expert"]
     assert ep.ranks[1].device_bytes["engram"] == whole["engram"]  # replicated
 

@@ -369,6 +369,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if image_mask is None:
             routed = backend.forward(x, ctx.input_ids, weights)
         elif self.parallel.ep.size > 1:  # a rank's dispatches must pair with every other rank's
+            # internal: no request carries images yet (the vision tower is not built)
             raise NotImplementedError("image positions (bias_vl routing) under expert parallelism")
         else:  # image positions select with bias_vl
             routed = torch.empty_like(x)

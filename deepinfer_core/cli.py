@@ -188,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser([named] if named in SUBCOMMANDS else []).parse_args(argv)
     try:
         return args.handler(args)
+    except ModuleNotFoundError as err:  # an optional dependency the command needs when it runs (not for --help)
+        if (err.name or "").startswith("deepinfer_core"):
+            raise
+        return _unavailable(args, args.command, err.name)
     except Exception as err:
         if not is_user_error(err):
             raise

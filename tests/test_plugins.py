@@ -267,7 +267,7 @@ def test_detect_device_prefers_a_plugin(isolated_plugin_manager):
 @pytest.mark.parametrize(("accelerator", "extra"), [("nvidia", "nvidia"), ("ascend", "ascend")])
 def test_accelerator_without_its_plugin_names_the_extra(isolated_plugin_manager, monkeypatch, accelerator, extra):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", accelerator)
-    with pytest.raises(plugins.PluginError, match=rf'pip install "deepinfer\[{extra}\]"'):
+    with pytest.raises(plugins.PluginError, match=rf'pip install --find-links dist "deepinfer\[{extra}\]"'):
         plugins.select_device()
 
 

@@ -105,9 +105,14 @@ def test_bad_constraints_are_value_errors_with_xgrammars_message(llm: LLM) -> No
     assert not llm.engine.has_unfinished_requests()
 
 
-def run_engine(engine: Engine, requests: dict[str, SamplingParams], prompt=(0, 7), gains: list | None = None) -> dict:
+def run_engine(engine: Engine, requests: dict[str, SamplingParams], prompt=(0, 7), gains: list | None = None,
+               compile_first: bool = True) -> dict:
     """Every request to the end; `gains` gets, per step, the tokens each request decoding at its start had
-    gained by its end (a pending one included)."""
+    gained by its end (a pending one included). With `compile_first` the grammars are compiled before the
+    requests are added, so every request is admitted at the first step whatever the machine's load (the
+    steps then depend on the tokens only)."""
+    if compile_first:
+        engine.structured_output.wait_all([params.structured_outputs for params in requests.values()])
     for request_id, params in requests.items():
         engine.add_request(request_id, list(prompt) + [len(request_id)], params)
     done = {}
@@ -349,7 +354,7 @@ def test_a_compile_timeout_ends_the_request_with_an_error(overlapped_engine: Eng
     with pytest.raises(GrammarError, match="took longer than 0.1 s"):
         stalled_compiler.wait(StructuredOutputsParams(regex="[0-9]{3}"))
     slow = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}"))
-    done = run_engine(overlapped_engine, {"slow": slow, "free": free(0)})
+    done = run_engine(overlapped_engine, {"slow": slow, "free": free(0)}, compile_first=False)
     assert done["slow"].finish_reason == "error" and done["slow"].token_ids == []
     assert done["free"].finish_reason == "length"
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import httpx
 
 HANDLE_TIMEOUT_S = 5.0
 """Longest a handle's read may take, connection to last byte (a handle is a few KB from memory)."""
@@ -34,13 +33,15 @@ def normalized_url(url: str) -> str:
     """`url` as `scheme://host:port/path` (lowercase host, explicit port, no trailing slash), for
     comparing instance URLs. :raises ValueError: not an http(s) URL with a host."""
     try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as err:
+        parsed = urllib.parse.urlsplit(url)
+        port = parsed.port
+    except (ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"{url!r} is not a URL ({err})") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.userinfo or parsed.query:
+    if (parsed.scheme not in ("http", "https") or not parsed.hostname or "@" in parsed.netloc or parsed.query
+            or parsed.fragment):
         raise ValueError(f"{url!r} is not an http(s) base URL (http://host:port)")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    return f"{parsed.scheme}://{parsed.host.lower()}:{port}{parsed.path.rstrip('/')}"
+    port = port or (443 if parsed.scheme == "https" else 80)
+    return f"{parsed.scheme}://{parsed.hostname.lower()}:{port}{parsed.path.rstrip('/')}"
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ def read_handle(source, client: HandleClient | None, num_blocks: int) -> object:
 
 
 def _read_bounded(url: str, headers: dict[str, str], timeout_s: float, max_bytes: int) -> bytes:
+    import httpx  # the pd extra's: only a decode instance reading a handle needs it
+
     deadline = time.monotonic() + timeout_s
     chunks, size = [], 0
     try:

@@ -85,18 +85,19 @@ def test_groups_built_on_four_gloo_ranks_reduce_over_the_right_ranks():
     assert results[2]["cp"] == (2, 0, 1, (2,))
 
 
-def test_v41_with_expert_parallelism_is_refused_before_any_rank_starts(tmp_path):
-    """DeepSeek-V4.1 runs whole on each rank: expert parallelism is refused by the layout checks, naming
-    the family, not by the model inside a worker after the ranks started."""
+def test_v41_with_context_parallelism_is_refused_before_any_rank_starts(tmp_path):
+    """DeepSeek-V4.1 shards by tensor and expert parallelism but not yet by context parallelism: that is
+    refused by the layout checks, naming the family, not by the model inside a worker after the ranks
+    started."""
     import json
 
     from deepinfer_core.engine.data_parallel import build_engine
     from deepinfer_core.models.v41_tiny import tiny_v41_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_v41_config()))
-    with pytest.raises(NotImplementedError, match=r"a parallelism the model family lacks: expert_parallel_size=2 "
+    with pytest.raises(NotImplementedError, match=r"a parallelism the model family lacks: context_parallel_size=2 "
                        r"for 'deepseek_v41'"):
-        build_engine(EngineConfig(model=str(tmp_path), enable_expert_parallel=True, data_parallel_size=2))
+        build_engine(EngineConfig(model=str(tmp_path), context_parallel_size=2, distributed_executor_backend="mp"))
 
 
 def test_layouts_not_built_yet_are_refused_by_key(tmp_path):

@@ -22,13 +22,10 @@ from typing import TYPE_CHECKING, Any
 from deepinfer_core.entrypoints.engine_flags import add_engine_arguments, check_vllm_options, engine_options
 from deepinfer_core.entrypoints.http_options import (
     API_KEY_ENV,
-    DEFAULT_BODY_READ_TIMEOUT_S,
-    DEFAULT_HEADER_READ_TIMEOUT_S,
-    DEFAULT_LIMIT_CONCURRENCY,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     PD_SECRET_ENV,
     HttpLimits,
+    add_http_limit_arguments,
+    http_limits_from,
 )
 
 if TYPE_CHECKING:
@@ -69,18 +66,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's limits, CORS, TLS and logging (uvicorn's)."""
+    add_http_limit_arguments(parser)  # the limits, shared with `deepinfer router`
     http = parser.add_argument_group("HTTP server")
-    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                      help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})")
-    http.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
-                      help=f"seconds a request body may take to arrive, then 408 (default {DEFAULT_BODY_READ_TIMEOUT_S:g})")
-    http.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S,
-                      help="seconds a request's headers may take to arrive, then the connection is closed "
-                           f"(default {DEFAULT_HEADER_READ_TIMEOUT_S:g})")
-    http.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
-                      help=f"most connections served at once, 503 beyond (default {DEFAULT_LIMIT_CONCURRENCY})")
-    http.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
-                      help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_TIMEOUT_KEEP_ALIVE_S})")
     http.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                       help="uvicorn's log level (default info)")
     http.add_argument("--allowed-origins", type=json_list, default=None, metavar="JSON",
@@ -142,9 +129,7 @@ def engine_config_of(args: argparse.Namespace, model_dir: str) -> Any:
 
 def http_limits_of(args: argparse.Namespace) -> HttpLimits:
     """The HTTP limits the parsed options ask for."""
-    return HttpLimits(max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout,
-                      limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive,
-                      header_read_timeout_s=args.header_read_timeout)
+    return http_limits_from(args)
 
 
 def uvicorn_options_of(args: argparse.Namespace) -> dict[str, Any]:

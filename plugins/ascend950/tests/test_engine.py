@@ -80,7 +80,7 @@ def test_greedy_tokens_and_logprobs_match_the_reference_engine(tmp_path, isolate
     counts = [b.path_counts for b in plugin.attention]
     assert sum(c["sparse_flash_mla"] for c in counts) > 0  # sliding layers, and steps without block 0
     # block 0 is the engine's null block (`kv.cache.NULL_BLOCK`), never handed out: no step needs the fallback
-    assert sum(c["fallback (block id 0 or static shapes)"] for c in counts) == 0
+    assert sum(c["fallback (block id 0)"] for c in counts) == 0
     for i in range(len(prompts)):
         assert actual[str(i)][0] == expected[str(i)][0], i
         assert max(abs(a - b) for a, b in zip(actual[str(i)][1], expected[str(i)][1])) < 0.05, i

@@ -16,12 +16,14 @@ dense) and the per-head sinks, with BF16/FP16 KV in the op's paged layout (`PA_B
   `e < (t + 1) // rate`, as the contract says.
 
 Block id 0. The op documents block-table values as positive integers. The engine reserves block 0 as
-its null block (`deepinfer_core.kv.cache.NULL_BLOCK`) and never hands it out, so every eager step takes
-the op; a step whose block tables still hold a 0 (checked once per step, one host read: a guard) would
-run its compressed layers through the PyTorch fallback (the reference's code on the NPU), and so does
-any step under static shapes, where that check cannot run: compressed specs do not declare
-`supports_cuda_graphs` until the captured path is checked on a 950. `path_counts` counts which path
-served.
+its null block (`deepinfer_core.kv.cache.NULL_BLOCK`) and never hands it out, so a 0 in an engine's
+table is padding past a request's blocks, never read (reads stop at `seqused_cmp_kv`), and
+`prepare_compressed` sends it, like -1, as id 1. Under static shapes (decode graphs) the tables come
+from the runner's graph buffers, zero-padded, so compressed specs declare `supports_cuda_graphs` and
+every captured step takes the op. An eager step from a caller that does use block 0 as a real block
+(the backend conformance suite's random tables) is caught by a guard (one host read per step) and runs
+its compressed layers through the PyTorch fallback (the reference's code on the NPU). `path_counts`
+counts which path served.
 
 Step geometry (tables, lengths, the 1024-int metadata) is built once per step per layer kind and reused
 by every layer of the forward pass. Decode steps read no device value on the host (shapes come from
@@ -39,6 +41,7 @@ import torch
 
 from deepinfer_ascend950.constraints import check_sparse_flash_mla_call, check_sparse_flash_mla_spec
 from deepinfer_core.backends.attention import AttentionMetadata, AttentionSpec
+from deepinfer_core.kv.cache import NULL_BLOCK
 from deepinfer_core.reference.attention import ReferenceAttention
 
 WINDOW_BLOCK = 128
@@ -116,12 +119,12 @@ def prepare_window_kv(kv: torch.Tensor, window: torch.Tensor, metadata: Attentio
 
 def prepare_compressed(compressed: torch.Tensor, block_tables: torch.Tensor, entries_per_block: int,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`cmp_kv` `[blocks, epb, 1, D]` (a view of the pool) and its int32 block table, the -1 padding
-    (never read: beyond `seqused_cmp_kv`) replaced by block 1 so that every value is positive when the
-    request's own ids are."""
+    """`cmp_kv` `[blocks, epb, 1, D]` (a view of the pool) and its int32 block table, the padding (-1, or
+    the engine's null block 0; never read: beyond `seqused_cmp_kv`) replaced by block 1 so that every
+    value is positive."""
     usable = compressed.shape[0] // entries_per_block
     view = compressed[: usable * entries_per_block].view(usable, entries_per_block, 1, compressed.shape[1])
-    return view, torch.where(block_tables < 0, 1, block_tables).to(torch.int32)
+    return view, torch.where(block_tables <= NULL_BLOCK, 1, block_tables).to(torch.int32)
 
 
 @dataclass
@@ -145,10 +148,10 @@ class AscendAttention:
                                     spec.dtype)
         self.spec, self.device, self.ops = spec, device, cann_ops
         self.fallback = ReferenceAttention(spec, device)
-        self.supports_cuda_graphs = spec.compress_rate == 0
-        """Sliding-only decode reads no device value on the host; compressed specs under static shapes
-        take the fallback (block id 0, see the module docstring), so they do not ask for graphs."""
-        self.path_counts = {"sparse_flash_mla": 0, "fallback (block id 0 or static shapes)": 0}
+        self.supports_cuda_graphs = True
+        """Decode reads no device value on the host; under static shapes the tables' zeros are the engine's
+        null block (padding), sent as id 1 (see the module docstring)."""
+        self.path_counts = {"sparse_flash_mla": 0, "fallback (block id 0)": 0}
         self._step: StepGeometry | None = None
         self._block_zero: tuple[AttentionMetadata, bool] | None = None
 
@@ -157,12 +160,11 @@ class AscendAttention:
         return self.fallback.indexer_topk(q, weights, index_keys, metadata, num_entries)
 
     def needs_fallback(self, metadata: AttentionMetadata, has_cmp: bool) -> bool:
-        """Whether this step's compressed attention cannot take the op: under static shapes, or with
-        block id 0 in a block table (one host read, once per step)."""
-        if not has_cmp:
+        """Whether this eager step's compressed attention cannot take the op: block id 0 used as a real
+        block in a table (one host read, once per step). Under static shapes the tables are the engine's,
+        whose zeros are padding (and no host read may run)."""
+        if not has_cmp or metadata.needs_static_shapes:
             return False
-        if metadata.needs_static_shapes:
-            return True
         if self._block_zero is None or self._block_zero[0] is not metadata:
             self._block_zero = (metadata, bool((metadata.block_tables == 0).any()))
         return self._block_zero[1]
@@ -175,7 +177,7 @@ class AscendAttention:
         if has_cmp and spec.is_sparse and topk_indices is None:
             raise ValueError("CSA attention needs topk_indices from indexer_topk")
         if self.needs_fallback(metadata, has_cmp):
-            self.path_counts["fallback (block id 0 or static shapes)"] += 1
+            self.path_counts["fallback (block id 0)"] += 1
             return self.fallback.forward(q, kv, window, compressed, sinks, metadata, topk_indices, num_entries)
         self.path_counts["sparse_flash_mla"] += 1
         step = self._geometry(metadata, has_cmp, num_entries, topk_indices)

@@ -260,3 +260,28 @@ def test_image_embeds_of_the_wrong_shape_are_clear_errors(checkpoint, model):
         runner.model(ctx, runner.kv_cache.layers, torch.arange(1), image_mask=mask, image_embeds=embeds[1:])
     with pytest.raises(ValueError, match="without the image_mask"):
         runner.model(ctx, runner.kv_cache.layers, torch.arange(1), image_embeds=embeds)
+
+
+# ---------------------------------------------------------------------- layout under parallelism
+
+
+def test_the_tower_is_replicated_and_never_an_fp8_projection(model):
+    from deepinfer_core.models import tensor_parallel
+    from deepinfer_core.models.deepseek_v41.release import is_vision
+    from deepinfer_core.models.loading.weight_formats import fp8_projection_names
+
+    names = [n for n in model.state_dict() if is_vision(n)]
+    assert len(names) == 2 + 8 * 2 + 1 + 4 + 3
+    assert tensor_parallel.tensor_shards(names, 0, 2) == {}  # whole on every tensor-parallel rank
+    assert not [n for n in fp8_projection_names(model) if is_vision(n)]
+
+
+def test_images_under_expert_parallelism_are_refused_before_a_step(model):
+    from deepinfer_core.models.deepseek_v41.vision import check_image_input
+
+    check_image_input(model.config)
+    with pytest.raises(NotImplementedError, match="^images under expert parallelism: "):
+        check_image_input(model.config, expert_parallel=True)
+    text_only = V41Config.from_dict({k: v for k, v in tiny_v41_config().items() if k != "vision_config"})
+    with pytest.raises(ValueError, match="cannot take images"):
+        check_image_input(text_only)

@@ -20,8 +20,9 @@ import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-KINDS = ("attention", "shared_expert", "routed_expert", "engram", "embedding_head", "mtp", "other")
-"""Weight kinds, as the JSON keys `<kind>_bytes` name them. `other`: norms, mHC mixing, routers."""
+KINDS = ("attention", "shared_expert", "routed_expert", "engram", "embedding_head", "mtp", "vision", "other")
+"""Weight kinds, as the JSON keys `<kind>_bytes` name them. `vision`: V4.1's image tower and aligner;
+`other`: norms, mHC mixing, routers."""
 SHARDING_RULES = (
     ("tensor parallelism over T ranks: the query heads, output groups, attention sinks, the shared expert's "
      "width and every routed expert's width are cut 1/T; q_a, kv, compressors, indexer, router, Engram, "
@@ -122,6 +123,8 @@ def weight_kind(name: str) -> str:
     """The kind (`KINDS`) of a model tensor, by its name in either family's model."""
     if name.startswith("mtp."):
         return "mtp"
+    if name.startswith("vision."):
+        return "vision"
     if ".engram." in name or name == "engram_token_map":
         return "engram"
     if name in _EMBEDDING_HEAD:

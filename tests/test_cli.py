@@ -145,7 +145,8 @@ def test_router_without_httpx_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "httpx", None)  # as if the pd extra were not installed
     assert cli.main(["router", "--help"]) == 2
     assert capsys.readouterr().err.strip() == ('deepinfer router is not available (httpx is not installed): '
-                                               'pip install "deepinfer[pd]"')
+                                               'pip install --find-links dist "deepinfer[pd]" (the wheels '
+                                               '`nox -s wheels` builds; from a source checkout: pip install -e ".[pd]")')
 
 
 def test_options_are_never_abbreviated(capsys):

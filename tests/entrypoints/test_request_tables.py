@@ -24,6 +24,7 @@ import torch
 from deepinfer_core.entrypoints.serve import build_app
 from deepinfer_core.entrypoints.serve_cli import running_server
 from tests.entrypoints.live import SERVED_NAME, tiny_engine
+from tests.entrypoints.test_serve_concurrency import disconnect_midway
 
 CONTAINERS = (dict, set, list, collections.deque, collections.OrderedDict)
 SKIPPED = (torch.Tensor, torch.nn.Module, type, str, bytes, int, float)
@@ -76,14 +77,7 @@ async def _stream(client: openai.AsyncOpenAI, index: int) -> None:
     messages = [{"role": "user", "content": f"Request {index}: tell me a story."}]
     extra = {"thinking": {"type": "disabled"}}
     if kind == 3:  # a disconnect mid-stream: the engine aborts the request
-        stream = await client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=1500,
-                                                      stream=True, extra_body=extra)
-        received = 0
-        async for _ in stream:
-            received += 1
-            if received == 2:
-                break
-        await stream.close()
+        await disconnect_midway(client, index)
         return
     if kind == 2:  # the Responses API, with logprobs
         stream = await client.responses.create(model=SERVED_NAME, input=messages[0]["content"], max_output_tokens=6,

@@ -45,6 +45,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     :raises ModuleNotFoundError: httpx, FastAPI or uvicorn is not installed (the CLI names the extra).
     """
+    import httpx  # noqa: F401 -- imported first, so a bare install is told the pd extra, the router's own
     import uvicorn
 
     from deepinfer_core.entrypoints.router import build_router_app

@@ -6,7 +6,7 @@ prompt-encoding throughput of deepseek-recipe on a ~32K-token conversation.
 
 Prints one JSON line per measurement, then a short table.
 
-Needs the serving extra and an HTTP client: `pip install httpx "deepinfer[recipe]"` (checked first).
+Needs the serving extra and an HTTP client: `pip install httpx -e plugins/recipe` (checked first).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import sys
 import time
 
 # module -> what to install for it
-REQUIREMENTS = {"httpx": "httpx", "fastapi": '"deepinfer[recipe]"', "uvicorn": '"deepinfer[recipe]"',
-                "deepseek_recipe": '"deepinfer[recipe]"', "deepinfer_recipe": '"deepinfer[recipe]"'}
+# (from the checkout this script runs in: the recipe plugin brings the server's FastAPI and uvicorn)
+REQUIREMENTS = {"httpx": "httpx", "fastapi": "-e plugins/recipe", "uvicorn": "-e plugins/recipe",
+                "deepseek_recipe": "-e plugins/recipe", "deepinfer_recipe": "-e plugins/recipe"}
 
 
 def missing_requirements() -> list[str]:
-    """What to pip install for the modules this script needs and cannot find."""
+    """The `pip install` arguments for the modules this script needs and cannot find."""
     return list(dict.fromkeys(pip for module, pip in REQUIREMENTS.items() if importlib.util.find_spec(module) is None))
 
 

@@ -124,7 +124,7 @@ SUBCOMMANDS = {
     "serve": Subcommand("serve a checkpoint over HTTP (OpenAI and Anthropic APIs)",
                         "deepinfer_core.entrypoints.serve_cli", "add_serve_parser"),
     "router": Subcommand("route requests to prefill and decode instances (prefill/decode disaggregation)",
-                         "deepinfer_core.entrypoints.router", "add_router_parser"),
+                         "deepinfer_core.entrypoints.router_cli", "add_router_parser"),
     "plan": Subcommand("size a deployment per rank (weights, KV cache, requests that fit) without loading weights",
                        "deepinfer_core.entrypoints.plan_cmd", "add_plan_parser"),
 }

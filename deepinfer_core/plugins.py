@@ -291,12 +291,12 @@ PLUGIN_DIRECTORIES = {"nvidia": "nvidia_sm100", "ascend": "ascend950", "recipe":
 
 
 def install_hint(extra: str) -> str:
-    """The command that installs `extra`, the README's way: our plugins are not on PyPI (where `deepinfer`
-    is another project), so they install from the wheels `nox -s wheels` builds into dist/, or from source."""
-    if extra not in PLUGIN_DIRECTORIES:
-        return f'pip install "deepinfer[{extra}]"'
+    """The command that installs `extra` of our pyproject, the README's way: `deepinfer` on PyPI is another
+    project, so ours (and our plugins) install from the wheels `nox -s wheels` builds into dist/, or from a
+    source checkout (a plugin extra from its directory under plugins/, any other extra from the root)."""
+    source = f"plugins/{PLUGIN_DIRECTORIES[extra]}" if extra in PLUGIN_DIRECTORIES else f'".[{extra}]"'
     return (f'pip install --find-links dist "deepinfer[{extra}]" (the wheels `nox -s wheels` builds; from a source '
-            f"checkout: pip install -e plugins/{PLUGIN_DIRECTORIES[extra]})")
+            f"checkout: pip install -e {source})")
 
 
 def select_device() -> torch.device:

@@ -14,7 +14,8 @@ import deepinfer_core
 CORE = Path(deepinfer_core.__file__).parent
 
 ROWS: tuple[tuple[str, ...], ...] = (
-    ("backends", "plan", "config", "sampling_params", "outputs", "hookspecs", "chat_contract"),  # contracts
+    ("backends", "plan", "config", "sampling_params", "outputs", "hookspecs", "chat_contract",  # contracts
+     "lazy_exports"),  # (the PEP 562 loader the packages of every row export through)
     ("reference",),
     ("plugins", "plugin_report", "tokenizer"),
     ("models",),

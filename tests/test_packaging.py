@@ -180,8 +180,10 @@ def test_extras_install_from_a_fresh_wheelhouse(tmp_path):
     assert "--max-model-len" in _deepinfer(environment, "serve", "--help", env=env, cwd=tmp_path).stdout  # no server needed
     serve = _deepinfer(environment, "serve", env=env, cwd=tmp_path, returncode=2)  # running it needs the server
     assert '--find-links dist "deepinfer[recipe]"' in serve.stderr and "Traceback" not in serve.stderr
-    router = _deepinfer(environment, "router", "--help", env=env, cwd=tmp_path, returncode=2)
-    assert 'pip install "deepinfer[pd]"' in router.stderr
+    assert "--prefill" in _deepinfer(environment, "router", "--help", env=env, cwd=tmp_path).stdout  # no httpx needed
+    router = _deepinfer(environment, "router", "--prefill", "http://p:1", "--decode", "http://d:2", env=env, cwd=tmp_path,
+                        returncode=2)
+    assert 'pip install --find-links dist "deepinfer[pd]"' in router.stderr
 
     # every plugin extra (the README's route), into the same environment
     _add_to_view(view, _declared_requirements(tuple(PLUGINS)))

@@ -11,8 +11,9 @@ layout the engine's config is typed with - imports without torch, and `deepinfer
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from deepinfer_core.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from deepinfer_core.backends.attention import (
@@ -48,17 +49,7 @@ _SUBMODULE_OF = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    submodule = _SUBMODULE_OF.get(name)
-    if submodule is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_SUBMODULE_OF])
+__getattr__, __dir__ = lazy_exports(__name__, _SUBMODULE_OF)
 
 
 __all__ = [

@@ -107,7 +107,7 @@ class EngineConfig(BaseModel):
         600.0, gt=0, description="Longest a worker rank may take to answer one step before the engine fails."
     )
     worker_heartbeat_timeout_s: float = Field(
-        30.0, gt=0, description="Longest a worker rank of the mp executor, or a data-parallel engine core, may "
+        30.0, gt=0, description="Longest a worker rank (mp or torchrun), or a data-parallel engine core, may "
         "stay silent while it has work (no answer, no heartbeat: hung or stopped) before the engine fails, naming "
         "it; ranks and cores beat every quarter of it.")
     speculative_config: SpeculativeConfig | None = Field(

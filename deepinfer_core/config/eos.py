@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from deepinfer_core.config.family import ConfigError
+from deepinfer_core.config.family import ConfigError, read_json_object
 
 logger = logging.getLogger(__name__)
 GENERATION_CONFIG = "generation_config.json"
@@ -54,15 +54,7 @@ def _as_ids(value: Any, path: Path) -> list[int]:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path) if path.is_file() else None
 
 
 def _generation_config_eos(model_dir: Path) -> list[tuple[int, Path]]:

@@ -81,12 +81,18 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{config_path} not found: point the model path at a checkpoint directory")
+    return read_json_object(config_path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file at `path`; `ConfigError` naming the file if it is unreadable, not JSON
+    or not a JSON object (config.json, generation_config.json, tokenizer_config.json alike)."""
     try:
-        data = json.loads(config_path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{config_path} is not valid JSON: {err}") from err
+        raise ConfigError(f"{path} is not valid JSON: {err}") from err
     if not isinstance(data, dict):
-        raise ConfigError(f"{config_path} must hold a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
 
 

@@ -37,6 +37,26 @@ _FINISH_REASON = {
     SequenceStatus.FINISHED_ERROR: "error",
 }
 _INCOMPLETE = "\ufffd"  # what a tokenizer yields for a UTF-8 sequence cut in the middle
+TOKEN_TEXTS_ENTRIES = 16384
+"""Single-token decodes an engine keeps (per cache): the most frequent tokens, not the whole vocabulary."""
+
+
+class TokenTexts(dict):
+    """A cache of single-token decodes that holds at most `max_entries` (the oldest one leaves first): a
+    long-running server sees most of a 129K vocabulary in time, and none of it needs to stay."""
+
+    def __init__(self, max_entries: int = TOKEN_TEXTS_ENTRIES) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+
+    def decoded(self, token_id: int, decode: Callable[[int], str]) -> str:
+        """`token_id`'s text, from the cache or `decode(token_id)`."""
+        text = self.get(token_id)
+        if text is None:
+            if len(self) >= self.max_entries:
+                del self[next(iter(self))]
+            text = self[token_id] = decode(token_id)
+        return text
 
 
 def check_stop(
@@ -147,9 +167,9 @@ class IncrementalText:
         tokenizer (a step usually decodes one token alone, then it and the new token together).
     """
 
-    def __init__(self, tokenizer: Tokenizer, token_texts: dict[int, str] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, token_texts: TokenTexts | None = None) -> None:
         self.tokenizer = tokenizer
-        self.token_texts = {} if token_texts is None else token_texts
+        self.token_texts = TokenTexts() if token_texts is None else token_texts
         self.text = ""
         self.prefix = self.read = 0
         self.num_ids = 0
@@ -160,10 +180,7 @@ class IncrementalText:
         self.num_ids = len(ids)
         decode = self.tokenizer.decode
         if self.read - self.prefix == 1:
-            token = ids[self.prefix]
-            before = self.token_texts.get(token)
-            if before is None:
-                before = self.token_texts[token] = decode([token], skip_special_tokens=True)
+            before = self.token_texts.decoded(ids[self.prefix], lambda token: decode([token], skip_special_tokens=True))
         else:
             before = decode(ids[self.prefix : self.read], skip_special_tokens=True)
         after = decode(ids[self.prefix :], skip_special_tokens=True)
@@ -191,9 +208,9 @@ class OutputProcessor:
         self.registry, self.scheduler, self.structured_output = registry, scheduler, structured_output
         self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
         self.deterministic = deterministic
-        self._token_texts: dict[int, str] = {}
+        self._token_texts = TokenTexts()
         """Single-token decodes (special tokens kept), for logprobs."""
-        self._plain_token_texts: dict[int, str] = {}
+        self._plain_token_texts = TokenTexts()
         """Single-token decodes (special tokens skipped), shared by every incremental detokenizer."""
 
     # -- tokens in ----------------------------------------------------------------------------------
@@ -346,10 +363,7 @@ class OutputProcessor:
         """One token's text with special tokens kept (cached), for logprob entries; None without a tokenizer."""
         if self.tokenizer is None:
             return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
+        return self._token_texts.decoded(token_id, lambda token: self.tokenizer.decode([token]))
 
 
 def _host_lists(output: SamplerOutput) -> SamplerOutput:

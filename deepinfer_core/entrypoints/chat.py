@@ -20,7 +20,7 @@ from deepinfer_core.outputs import RequestOutput
 if TYPE_CHECKING:
     from deepinfer_core.sampling_params import SamplingParams
 
-RECIPE_HINT = 'install the DeepSeek chat format with: pip install "deepinfer[recipe]"'
+RECIPE_HINT = f"install the DeepSeek chat format with: {plugins.install_hint('recipe')}"
 
 
 class ChatEncodingUnavailableError(plugins.PluginError):

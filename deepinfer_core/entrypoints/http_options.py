@@ -13,6 +13,9 @@ API_KEY_ENV = "DEEPINFER_API_KEY"
 PD_SECRET_ENV = "DEEPINFER_PD_SECRET"
 """The instance key's environment variable, shared by the router and its prefill and decode instances."""
 
+HEALTH_INTERVAL_S = 2.0
+"""Seconds between the router's health checks of its instances (`deepinfer router --health-interval`)."""
+
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 DEFAULT_LIMIT_CONCURRENCY = 1024

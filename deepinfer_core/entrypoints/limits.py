@@ -10,9 +10,10 @@
   protocol is served with one (`BoundedHeadersH11`), and a client trickling headers holds nothing long.
 - A prompt whose text is longer in bytes than the context could hold is rejected before it is
   tokenized (`max_prompt_bytes`): no token of the vocabulary is longer than its longest entry.
-- After a request whose body was large (`TRIM_AFTER_BYTES`), the C heap is trimmed (glibc's
-  `malloc_trim`), so memory a burst of large bodies took returns to the system instead of staying in
-  the allocator's per-thread arenas.
+- After a request whose body was large (`TRIM_AFTER_BYTES`), and when the server falls idle after
+  `TRIM_AFTER_REQUESTS` requests or more since the last trim, the C heap is trimmed (glibc's
+  `malloc_trim`), so memory a burst of large bodies or of streams took returns to the system instead of
+  staying in the allocator's per-thread arenas (RSS stayed +0.9 GiB after 200 streams without it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from deepinfer_core.entrypoints.http_options import (  # noqa: F401 -- the limit
 )
 
 TRIM_AFTER_BYTES = 1024 * 1024
+TRIM_AFTER_REQUESTS = 64
+"""Requests answered since the last trim that make the server trim when it next has none in flight."""
 TRIM_DELAY_S = 0.2
 
 
@@ -165,11 +168,14 @@ def _malloc_trim():
         return None
 
 
-class TrimHeapAfterLargeBodies:
-    """ASGI middleware: once a request with a body over `TRIM_AFTER_BYTES` is answered, trim the heap."""
+class TrimHeap:
+    """ASGI middleware: trim the heap once a request with a body over `TRIM_AFTER_BYTES` is answered, and
+    once the last request in flight is answered when `TRIM_AFTER_REQUESTS` or more were since the last trim."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.num_in_flight = 0
+        self.num_since_trim = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -183,11 +189,16 @@ class TrimHeapAfterLargeBodies:
             received += len(message.get("body", b""))
             return message
 
+        self.num_in_flight += 1
         try:
             await self.app(scope, counting_receive, send)
         finally:
+            self.num_in_flight -= 1
+            self.num_since_trim += 1
+            is_idle_after_many = self.num_in_flight == 0 and self.num_since_trim >= TRIM_AFTER_REQUESTS
             trim = _malloc_trim()
-            if received > TRIM_AFTER_BYTES and trim is not None:
+            if (received > TRIM_AFTER_BYTES or is_idle_after_many) and trim is not None:
+                self.num_since_trim = 0
                 # a little later: the request's objects are freed only once this call has unwound
                 loop = asyncio.get_running_loop()
                 loop.call_later(TRIM_DELAY_S, loop.run_in_executor, None, trim, 0)

@@ -22,7 +22,8 @@ and an instance's answer to a client's error (a 4xx) is relayed as it is. A clie
 the decode stream, which aborts the request there. `/health` of the router lists each instance's state
 and answers 503 while a role has no healthy instance.
 
-It is the cluster's front door, with the server's limits (`limits.HttpLimits`: body size and read time,
+Its command (`router_cli.py`) parses without this module, so `deepinfer router --help` imports neither
+FastAPI nor httpx. It is the cluster's front door, with the server's limits (`limits.HttpLimits`: body size and read time,
 header read time, connection cap; a body over the limit is a 413 that reaches no instance) and its API
 key (`--api-key`, checked here and passed on). It signs what it sends the instances with the instance
 key (`auth.InstanceKey`: `DEEPINFER_PD_SECRET`, else the API key), so a decode instance takes a KV
@@ -31,15 +32,12 @@ transfer handle from the router only (`pd.py`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -48,19 +46,16 @@ from starlette.responses import Response, StreamingResponse
 
 from deepinfer_core.chat_contract import ApiError
 from deepinfer_core.entrypoints.auth import (
-    API_KEY_ENV,
     INSTANCE_AUTH_HEADER,
-    PD_SECRET_ENV,
     ApiKeyMiddleware,
     InstanceKey,
     instance_key_of,
 )
 from deepinfer_core.entrypoints.errors import api_error_response, error_response
+from deepinfer_core.entrypoints.http_options import HEALTH_INTERVAL_S
 from deepinfer_core.entrypoints.limits import (
     ClientGone,
     HttpLimits,
-    add_http_limit_arguments,
-    http_limits_from,
     read_body,
 )
 from deepinfer_core.entrypoints.pd import NO_KEY_HINT, sign_kv_transfer
@@ -73,7 +68,6 @@ ROUTED: dict[str, tuple[str, str]] = {
 """Path -> (prefill route's api, error shape)."""
 FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "content-type", "x-deepinfer-traffic-class")
 PREFILL_TIMEOUT_S = 600.0
-HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
 
 
@@ -346,33 +340,4 @@ def _render(pools: dict[str, Pool]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the `router` subcommand to `deepinfer`'s argument parser."""
-    parser = subparsers.add_parser("router", help="route requests to prefill and decode instances",
-                                   description=__doc__.splitlines()[0])
-    parser.add_argument("--prefill", action="append", required=True, help="a prefill instance's base URL (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, help="a decode instance's base URL (repeatable)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S,
-                        help="seconds between health checks of the instances (0: none)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help=f"key every /v1 request must present, as `deepinfer serve --api-key` (default: "
-                             f"${API_KEY_ENV}); also the instance key unless ${PD_SECRET_ENV} is set")
-    add_http_limit_arguments(parser)
-    parser.set_defaults(handler=run_router)
-    return parser
-
-
-def run_router(args: argparse.Namespace) -> int:
-    """Serve the router with uvicorn, under the HTTP limits the options ask for."""
-    import uvicorn
-
-    limits = http_limits_from(args)
-    app = build_router_app(args.prefill, args.decode, args.health_interval, limits=limits, api_key=args.api_key,
-                           pd_secret=os.environ.get(PD_SECRET_ENV) or None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **limits.uvicorn_options())
-    return 0
-
-
-__all__ = ["Instance", "NoHealthyInstanceError", "Pool", "add_router_parser", "build_router_app", "check_health", "run_router"]
+__all__ = ["Instance", "NoHealthyInstanceError", "Pool", "build_router_app", "check_health"]

@@ -35,7 +35,7 @@ from deepinfer_core.entrypoints.generation import CLIENT_CLOSED_REQUEST, handle_
 from deepinfer_core.entrypoints.limits import (
     ClientGone,
     HttpLimits,
-    TrimHeapAfterLargeBodies,
+    TrimHeap,
     max_token_bytes_of,
     read_body,
 )
@@ -121,7 +121,7 @@ def build_app(
     _add_routes(app, state)
     setup_pd(app, state, engine, instance_key_of(pd_secret, api_key), list(prefill_urls),
              public_url or "http://127.0.0.1:8000")
-    app.add_middleware(TrimHeapAfterLargeBodies)
+    app.add_middleware(TrimHeap)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app

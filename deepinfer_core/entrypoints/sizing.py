@@ -152,6 +152,7 @@ def bytes_by_kind(tensors) -> dict[str, int]:
 def read_model_config(path: str | Path):
     """The model config of a checkpoint directory or of a config.json file (any name), by its family."""
     from deepinfer_core.config import ConfigError
+    from deepinfer_core.config.family import read_json_object
     from deepinfer_core.models import registry
 
     path = Path(path)
@@ -159,12 +160,7 @@ def read_model_config(path: str | Path):
         return registry.load_model_config(path)
     if not path.is_file():
         raise ConfigError(f"{path} is neither a checkpoint directory nor a config.json file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
+    data = read_json_object(path)
     config_class = registry.import_object(registry.find_model(data).config_class)
     try:
         return config_class.from_dict(data)

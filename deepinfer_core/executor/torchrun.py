@@ -1,12 +1,19 @@
 """Under `torchrun` every rank runs the same script: rank 0's `LLM(...)`/`Engine(...)` returns an engine
 whose `TorchrunExecutor` broadcasts each step (the plan, then the grammar rows); on every other rank that call serves plans
-(`broadcast.serve_plans`) and exits the process when rank 0 shuts down."""
+(`broadcast.serve_plans`) and exits the process when rank 0 shuts down.
+
+The other ranks beat through the world's store (`rank_heartbeat`) while they serve. Rank 0 runs its
+share of each step (its collectives block) on a thread of its own and waits for it reading their
+beats, so a rank stopped or hung is named within `worker_heartbeat_timeout_s`, as under the mp
+executor, not after `worker_timeout_s`."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -14,6 +21,7 @@ import torch.distributed as dist
 from deepinfer_core.config import EngineConfig, ModelConfig
 from deepinfer_core.executor.broadcast import StepLeader, serve_plans
 from deepinfer_core.executor.protocol import ModelSideInfo, WorkerError, dp_leaders, dp_rank_of, runner_info
+from deepinfer_core.executor.rank_heartbeat import HeartbeatWatch, StoreHeartbeat, world_store
 from deepinfer_core.executor.worker import (
     RankReport,
     build_runner,
@@ -48,8 +56,13 @@ class TorchrunExecutor:
         infos = [None] * world_size if rank == 0 else None
         dist.gather_object(runner_info(runner, rank), infos, dst=0)
         layout = engine_config.parallel_config
+        heartbeat_timeout_s = engine_config.worker_heartbeat_timeout_s
         if rank != 0:
-            serve_plans(runner, rank, is_dp_leader(engine_config, rank), dp_rank_of(layout, rank))
+            heartbeat = StoreHeartbeat(world_store(), rank, heartbeat_timeout_s / 4)
+            try:
+                serve_plans(runner, rank, is_dp_leader(engine_config, rank), dp_rank_of(layout, rank))
+            finally:
+                heartbeat.stop()
             dist.destroy_process_group()
             raise SystemExit(0)
         self.runner, self.world_size, self.layout = runner, world_size, layout
@@ -58,6 +71,10 @@ class TorchrunExecutor:
         self.memory = [info.memory for info in infos]
         self.info: ModelSideInfo = self.infos[0]
         self.driver = StepLeader(RankReport(runner, 0), None, 0, list(range(world_size)))
+        self.watch = HeartbeatWatch(world_store(), list(range(1, world_size)), heartbeat_timeout_s)
+        # One thread runs rank 0's share of every step, so its device state stays on one thread.
+        self._steps = ThreadPoolExecutor(1, "deepinfer-torchrun-step", initializer=set_device, initargs=(local_device,))
+        self._failure: str | None = None
         self._is_shut_down = False
         atexit.register(self.shutdown)
 
@@ -78,7 +95,7 @@ class TorchrunExecutor:
 
     def execute_model_all(self, plans: list) -> None:
         """Broadcast the plans (each rank runs its DP rank's) and run rank 0's forward."""
-        self.driver.execute_model(plans)
+        self._watched(self.driver.execute_model, plans)
 
     def sample(self, grammar_rows=None, *, late: bool = False):
         result = self._sample_all(grammar_rows)[0]
@@ -87,11 +104,31 @@ class TorchrunExecutor:
     def _sample_all(self, grammar_rows) -> list[StepResult]:
         """Broadcast the grammar rows, sample rank 0's step and gather every rank's answer."""
         try:
-            result, answers = self.driver.sample(grammar_rows)
+            result, answers = self._watched(self.driver.sample, grammar_rows)
         except WorkerError:
             self.shutdown()
             raise
         return [result if rank == 0 else answers[rank] for rank in self.leaders]
+
+    def _watched(self, call, arg):
+        """`call(arg)` on the step thread, while the other ranks' heartbeats are read every quarter of
+        their timeout: a rank silent for all of it ends the executor with a `WorkerError` naming it."""
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+        future = self._steps.submit(call, arg)
+        self.watch.reset()
+        while True:
+            try:
+                return future.result(timeout=self.watch.interval_s)
+            except FutureTimeout:
+                silent = self.watch.silent()
+            if silent:
+                # The step thread stays blocked in a collective with the silent rank; nothing joins it.
+                self._failure = (f"worker rank {silent[0]} hung: no answer and no heartbeat for "
+                                 f"{self.watch.timeout_s:g} s during a step (worker_heartbeat_timeout_s); "
+                                 f"ranks silent: {silent}")
+                self.shutdown()
+                raise WorkerError(self._failure)
 
     @property
     def eplb_stats(self) -> dict | None:
@@ -101,6 +138,12 @@ class TorchrunExecutor:
         if self._is_shut_down or not dist.is_initialized():
             return
         self._is_shut_down = True
+        if self._failure is not None:
+            # A rank is silent and the step thread is blocked in a collective with it: stopping the
+            # others, closing the runner or destroying the group would block or race that thread.
+            logger.error("the torchrun executor stopped: %s", self._failure)
+            return
+        self._steps.shutdown()
         try:
             self.driver.stop()
         except Exception:  # noqa: BLE001 -- a rank already gone; the others time out on their own

@@ -34,6 +34,7 @@ import torch
 
 from deepinfer_core.kv.pd_handle import Handle, HandleClient, KvTransferError, parse_handle, read_handle
 from deepinfer_core.kv.tiers import BlockRef
+from deepinfer_core.plugins import install_hint
 from deepinfer_core.sampling_params import KvTransferParams
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 HANDLE_TTL_S = 120.0
 """A handle no decode instance read within this long is released."""
 READ_TIMEOUT_S = 30.0
-NIXL_HINT = 'prefill/decode disaggregation needs NIXL: pip install "deepinfer[pd]" (nixl-cu13)'
+NIXL_HINT = f"prefill/decode disaggregation needs NIXL (nixl-cu13): {install_hint('pd')}"
 
 
 def _nixl():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +131,14 @@ print("TOKENS " + json.dumps(done), flush=True)
 """
 
 
+def torchrun_env() -> dict[str, str]:
+    """This environment without a torchrun rank's variables, importing this tree's deepinfer_core (the
+    script runs from its own directory, where the installed copy would come first)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    return env
+
+
 def test_torchrun_ranks_serve_rank_zeros_engine(tmp_path):
     model_dir = write_checkpoint(tmp_path / "model", CONFIG, WEIGHTS)
     script = tmp_path / "run.py"
@@ -138,7 +147,7 @@ def test_torchrun_ranks_serve_rank_zeros_engine(tmp_path):
     expected = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=2, num_kv_blocks=8))
     outputs = serve(expected, batch, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     want = {o.request_id: o.outputs[0].token_ids for o in outputs}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = torchrun_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
          str(model_dir), json.dumps(batch)],
@@ -209,3 +218,59 @@ def test_the_heartbeat_beats_only_while_the_rank_works():
         assert len(beats) >= 3 and set(beats) == {"alive"}
     finally:
         heartbeat.stop()
+
+
+TORCHRUN_STOPPED_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from deepinfer_core import SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.engine import Engine
+from deepinfer_core.executor.protocol import WorkerError
+
+Path(sys.argv[2], f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", max_num_seqs=2, num_kv_blocks=8,
+                             distributed_executor_backend="mp", worker_heartbeat_timeout_s=2.0,
+                             worker_timeout_s=60))
+engine.add_request("a", list(range(2, 22)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+engine.step()  # a step answered while both ranks beat
+stopped = int(Path(sys.argv[2], "pid-1").read_text())
+os.kill(stopped, signal.SIGSTOP)
+start = time.monotonic()
+try:
+    while engine.has_unfinished_requests():
+        engine.step()
+    print("FINISHED", flush=True)
+except WorkerError as err:
+    print(f"ERROR {time.monotonic() - start:.1f} {err}", flush=True)
+os.kill(stopped, signal.SIGKILL)
+os._exit(0)  # the step thread is still blocked in a collective with the stopped rank
+"""
+
+
+def test_a_stopped_torchrun_rank_is_named_within_its_heartbeat_timeout(tmp_path):
+    """Issue 43 item 6: under torchrun without data parallelism, rank 1 stopped mid-request (SIGSTOP) is
+    named by rank 0 within `worker_heartbeat_timeout_s` (2 s), not after `worker_timeout_s` (60 s)."""
+    model_dir = write_checkpoint(tmp_path / "model", CONFIG, WEIGHTS)
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(TORCHRUN_STOPPED_SCRIPT))
+    env = torchrun_env()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+             str(model_dir), str(tmp_path)],
+            check=False, capture_output=True, text=True, timeout=200, env=env,
+        )
+    finally:  # never leave a stopped rank behind
+        pid = tmp_path / "pid-1"
+        if pid.exists():
+            try:
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("ERROR ", "FINISHED"))]
+    assert len(lines) == 1, proc.stdout + "\n".join(line for line in proc.stderr.splitlines() if "rank0" in line)[-3000:]
+    _, seconds, message = lines[0].split(" ", 2)
+    assert message == ("worker rank 1 hung: no answer and no heartbeat for 2 s during a step "
+                       "(worker_heartbeat_timeout_s); ranks silent: [1]")
+    assert float(seconds) < 10

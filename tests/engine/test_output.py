@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from deepinfer_core.engine.output import IncrementalText
+from deepinfer_core.engine.output import IncrementalText, TokenTexts
 from deepinfer_core.testing.checkpoints import embedded_tiny_model_dir
 from deepinfer_core.tokenizer import load_tokenizer
 
@@ -34,7 +34,7 @@ class CountingTokenizer:
 def test_shared_token_cache_leaves_one_decode_a_token_and_the_same_text():
     tokenizer = load_tokenizer(embedded_tiny_model_dir(), {"model_type": "deepseek_v4"})
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
-    counting, shared = CountingTokenizer(tokenizer), {}
+    counting, shared = CountingTokenizer(tokenizer), TokenTexts()
     texts = []
     for _ in range(2):  # the second completion finds every single-token decode cached
         incremental, counting.calls = IncrementalText(counting, shared), 0
@@ -44,3 +44,12 @@ def test_shared_token_cache_leaves_one_decode_a_token_and_the_same_text():
         texts.append(incremental.text)
     assert texts[0] == texts[1] == tokenizer.decode(ids, skip_special_tokens=True)
     assert counting.calls == len(ids) + 1  # the first step also decodes the empty prefix
+
+
+def test_the_token_text_cache_keeps_at_most_its_entries():
+    """Issue 43 item 7: a server's single-token decodes do not pile up over its whole vocabulary."""
+    texts = TokenTexts(max_entries=3)
+    for token in range(10):
+        assert texts.decoded(token, str) == str(token)
+    assert dict(texts) == {7: "7", 8: "8", 9: "9"}  # the newest stay
+    assert texts.decoded(9, lambda token: "decoded again") == "9"

@@ -17,7 +17,8 @@ import pytest
 from deepinfer_core.entrypoints.auth import INSTANCE_AUTH_HEADER, InstanceKey
 from deepinfer_core.entrypoints.limits import HttpLimits
 from deepinfer_core.entrypoints.pd import KV_TRANSFER_HEADER, KV_TRANSFER_SIGNATURE_HEADER
-from deepinfer_core.entrypoints.router import add_router_parser, build_router_app, run_router
+from deepinfer_core.entrypoints.router import build_router_app
+from deepinfer_core.entrypoints.router_cli import add_router_parser, run_router
 from deepinfer_core.entrypoints.serve_cli import running_server
 from tests.entrypoints.test_limits import connect, read_all
 

@@ -81,7 +81,7 @@ def test_without_the_recipe_plugin_serve_says_what_to_install_before_loading(
     monkeypatch.setattr(plugins, "chat_encodings", dict)  # no plugin registers a chat encoding
     monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
     assert cli.main(["serve", "--port", "8000"]) == 1
-    assert 'pip install "deepinfer[recipe]"' in capsys.readouterr().err
+    assert 'pip install --find-links dist "deepinfer[recipe]"' in capsys.readouterr().err
 
 
 def test_prefix_tier_options_reach_the_engine_config(tmp_path) -> None:
@@ -253,4 +253,4 @@ def test_a_pd_role_without_nixl_is_one_line(monkeypatch: pytest.MonkeyPatch, cap
     monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
     assert cli.main(["serve", str(embedded_tiny_model_dir()), "--role", "prefill"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and 'pip install "deepinfer[pd]"' in err and "--role prefill" in err
+    assert err.count("\n") == 1 and 'pip install --find-links dist "deepinfer[pd]"' in err and "--role prefill" in err

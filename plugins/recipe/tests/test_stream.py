@@ -194,3 +194,52 @@ def test_no_reasoning_tokens_without_thinking(encoding) -> None:
     _, stream = run(encoding, "chat", body, REENCODES_LONGER, finish_reason="length")
     usage = json.loads(stream.response_json())["usage"]
     assert usage["completion_tokens"] == 7 and usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0) == 0
+
+
+def _split_smile_entries(encoding, v4_tokenizer) -> list[dict]:
+    """Recipe's own entries for 🙂's two ids, met in the middle of an answer (OpenAI's convention)."""
+    generated = v4_tokenizer.encode("Hi ") + SMILE + v4_tokenizer.encode(" ok") + [EOS]
+    body = {"model": "tiny-v4", "input": "x", "reasoning": {"effort": "none"}, "top_logprobs": 1,
+            "include": ["message.output_text.logprobs"]}
+    _, stream = run(encoding, "responses", body, generated, logprobs=True)
+    entries = json.loads(stream.response_json())["output"][0]["content"][0]["logprobs"]
+    return entries[-3:-1]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_responses_logprobs_keep_a_final_partial_character(encoding, v4_tokenizer, streamed) -> None:
+    """Issue 49 item 9: the Responses API's answer ending mid-character has an entry per output token."""
+    generated = v4_tokenizer.encode("Once upon") + SMILE_FIRST_HALF
+    body = {"model": "tiny-v4", "input": "x", "reasoning": {"effort": "none"}, "top_logprobs": 1,
+            "include": ["message.output_text.logprobs"], "stream": streamed}
+    frames, stream = run(encoding, "responses", body, generated, finish_reason="length", logprobs=True)
+    if streamed:
+        events = [json.loads(f.split("data: ", 1)[1]) for f in frames if f.startswith("event: ")]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(e["delta"] for e in deltas) == "Once upon\ufffd"
+        assert sum(len(e["logprobs"]) for e in deltas) == len(generated)  # the tail's delta carries its entry
+        done = next(e for e in events if e["type"] == "response.output_text.done")
+        assert len(done["logprobs"]) == len(generated)
+        part = next(e for e in events if e["type"] == "response.content_part.done")["part"]
+        assert len(part["logprobs"]) == len(generated)
+        response = next(e for e in events if e["type"] == "response.incomplete")["response"]
+    else:
+        response = json.loads(stream.response_json())
+    content = response["output"][0]["content"][0]
+    assert content["text"] == "Once upon\ufffd"
+    assert response["usage"]["output_tokens"] == len(generated) == len(content["logprobs"])
+    tail = content["logprobs"][-1]
+    # The partial id's entry is the one recipe gives the same id in the middle of an answer.
+    assert tail == _split_smile_entries(encoding, v4_tokenizer)[0] | {"logprob": -0.5}
+    assert tail["token"] == "\\xf0\\x9f\\x99" and bytes(tail["bytes"]) == "\N{SLIGHTLY SMILING FACE}".encode()[:3]
+
+
+def test_chat_logprobs_of_a_final_partial_character_follow_recipe_convention(encoding, v4_tokenizer) -> None:
+    """A flushed tail's Chat Completions entry is shaped as recipe shapes the same id mid-answer."""
+    generated = v4_tokenizer.encode("Tell me") + SMILE_FIRST_HALF
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "disabled"},
+            "logprobs": True, "top_logprobs": 1}
+    _, stream = run(encoding, "chat", body, generated, finish_reason="length", logprobs=True)
+    entries = json.loads(stream.response_json())["choices"][0]["logprobs"]["content"]
+    assert len(entries) == len(generated)
+    assert entries[-1] == _split_smile_entries(encoding, v4_tokenizer)[0] | {"logprob": -0.5}

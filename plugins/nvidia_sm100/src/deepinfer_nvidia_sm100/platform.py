@@ -26,7 +26,7 @@ def device_problem(device: torch.device | None = None) -> str | None:
     if (major, minor) < MIN_CAPABILITY:
         return f"compute capability {major}.{minor} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
     if importlib.util.find_spec("triton") is None:
-        return "triton not importable (pip install 'deepinfer-nvidia-sm100[triton]')"
+        return 'triton not importable (pip install "triton>=3.2", the plugin\'s triton extra)'
     return None
 
 

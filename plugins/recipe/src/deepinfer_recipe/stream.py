@@ -8,8 +8,8 @@ Ids whose bytes end in the middle of a UTF-8 character are held back until a lat
 Recipe's processor drops a tokens chunk it cannot decode when the stream ends, so a tail still
 incomplete at the end is flushed as a text chunk (lossy, U+FFFD for the partial character, as
 DeepSeek's API shows it) that counts its tokens: no text and no token is lost from the usage. A text
-chunk carries no logprobs, so the stream adds the flushed ids' entries to Chat Completions' logprobs
-itself: there are as many entries as completion tokens.
+chunk carries no logprobs, so the stream adds the flushed ids' entries to the logprobs of Chat
+Completions and Responses itself (tail_logprobs.py): there are as many entries as completion tokens.
 
 Recipe counts reasoning tokens by encoding the reasoning text again, which can give more tokens than
 were generated (reasoning_tokens 10 of completion_tokens 8). The stream counts them itself, as the
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import deepseek_recipe as dr
 
 from deepinfer_core.chat_contract import PreparedRequest
+from deepinfer_recipe.tail_logprobs import TailLogprobs, logprob_entry
 
 if TYPE_CHECKING:
     from deepinfer_recipe.tokenizer import DeepseekTokenizer
@@ -99,9 +100,8 @@ class RecipeOutputStream:
         self._held_ids: list[int] = []
         self._held_pairs: list[tuple[float, list[tuple[int, float]]]] = []
         self._reasoning = ReasoningCount(tokenizer, state.conversation_request.parsing_options)
-        # Chat Completions logprobs of a flushed tail: the events that carry its text, and where they go.
-        self._tail_events: list[Any] = []
-        self._tail_logprobs: dict[str, list[dict[str, Any]]] = {}
+        # The logprobs of a tail flushed mid-character, written into the events and body that carry it.
+        self._tail: TailLogprobs | None = None
         self._is_ready = False
         self._is_closed = False
         self._response = None
@@ -145,7 +145,8 @@ class RecipeOutputStream:
         """The accumulated response body (non-streaming requests only)."""
         if self._response is None:
             raise RuntimeError("response_json() is only available for non-streaming requests")
-        return self._reasoning.into_usage(self._with_tail_logprobs(self._response.to_json(), is_chunk=False))
+        body = self._response.to_json()
+        return self._reasoning.into_usage(self._tail.body_json(body) if self._tail is not None else body)
 
     def close(self) -> None:
         """Release the parser without a successful completion."""
@@ -195,43 +196,11 @@ class RecipeOutputStream:
         held_ids, held_pairs = self._held_ids, self._held_pairs
         self._held_ids, self._held_pairs = [], []
         events = self._processor.push(dr.InferenceChunk.text(text, len(held_ids)))
-        if held_pairs and self._prepared.api == "chat":
-            self._tail_events = events
-            self._tail_logprobs = self._tail_logprobs_of(events, held_ids, held_pairs)
+        if held_pairs:
+            entries = [logprob_entry(self._tokenizer, token_id, pair) for token_id, pair in zip(held_ids, held_pairs)]
+            tail = TailLogprobs(self._prepared.api, events, entries)
+            self._tail = tail if tail.has_target else None
         return events
-
-    def _tail_logprobs_of(self, events: list[Any], ids: list[int], pairs: list[Any]) -> dict[str, list[dict[str, Any]]]:
-        """The flushed ids' logprob entries, under the delta field (`content` or `reasoning_content`)
-        that got their text."""
-        for event in events:
-            delta = (json.loads(event.to_json()).get("choices") or [{}])[0].get("delta") or {}
-            key = next((k for k in ("content", "reasoning_content") if delta.get(k)), None)
-            if key is not None:
-                return {key: [self._logprob_entry(token_id, pair) for token_id, pair in zip(ids, pairs)]}
-        return {}
-
-    def _logprob_entry(self, token_id: int, pair: tuple[float, list[tuple[int, float]]]) -> dict[str, Any]:
-        logprob, top = pair
-
-        def entry(tid: int, value: float) -> dict[str, Any]:
-            return {"token": self._tokenizer.decode([tid]), "logprob": value,
-                    "bytes": list(self._tokenizer.token_bytes(tid))}
-
-        return {**entry(token_id, logprob), "top_logprobs": [entry(t, v) for t, v in top]}
-
-    def _with_tail_logprobs(self, body: str, is_chunk: bool) -> str:
-        """`body` (a chunk carrying the flushed tail, or the whole response) with the tail's entries added."""
-        if not self._tail_logprobs:
-            return body
-        data = json.loads(body)
-        choice = data["choices"][0]
-        logprobs = choice.get("logprobs") or {}
-        for key, entries in self._tail_logprobs.items():
-            logprobs[key] = (logprobs.get(key) or []) + entries
-        choice["logprobs"] = logprobs
-        if is_chunk:
-            self._tail_logprobs = {}  # one chunk carries them
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
     def _emit(self, events: list[Any]) -> list[str]:
         if self._response is not None:
@@ -242,9 +211,8 @@ class RecipeOutputStream:
         return [sse_frame(name_of(event), self._reasoning.into_usage(self._event_json(event))) for event in events]
 
     def _event_json(self, event: Any) -> str:
-        if self._tail_logprobs and any(event is tail for tail in self._tail_events):
-            return self._with_tail_logprobs(event.to_json(), is_chunk=True)
-        return event.to_json()
+        body = self._tail.event_json(event) if self._tail is not None else None
+        return event.to_json() if body is None else body
 
 
 class ReasoningCount:

@@ -35,13 +35,17 @@ from deepinfer_core.plan import StepPlan
 
 def check_context_parallel(model_config, engine_config) -> None:
     """Raise `NotImplementedError` for context parallelism where it is not built: a model family without it
-    (`ModelCapabilities.context_parallel`), or with speculative decoding (drafts' logits rows and the MTP
-    drafter's streams are not split)."""
+    (`ModelCapabilities.context_parallel`), with speculative decoding (drafts' logits rows and the MTP
+    drafter's streams are not split) or with V4.1's decoder-side trimming."""
     size = engine_config.context_parallel_size
     model_config.capabilities.check_parallel(model_config.model_type, "context", size)
     if size > 1 and engine_config.speculative_config is not None:
         raise NotImplementedError(f"context parallelism with speculative decoding: context_parallel_size={size} "
                                   "with speculative_config (drafts are not split over the ranks)")
+    if size > 1 and engine_config.decoder_trimming:
+        raise NotImplementedError(f"context parallelism with decoder-side trimming: context_parallel_size={size} "
+                                  "with decoder_trimming (trimming keeps each request's last prompt rows, and a "
+                                  "rank holds only pieces of them)")
 
 
 def balanced_pieces(num_tokens: int, size: int) -> list[tuple[int, int]]:
@@ -219,7 +223,8 @@ class StepView:
     def __init__(self, layout: StepLayout, rank: int, group, device: torch.device) -> None:
         self.layout, self.rank, self.group, self.device = layout, rank, group, device
         self._rings: dict[int, RingPlan] = {}
-        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entry_lists: dict[int, list[list[int]]] = {}
 
     def ring_plan(self, ring: int) -> RingPlan:
         if ring not in self._rings:
@@ -234,13 +239,14 @@ class StepView:
 
     def entry_rows(self, rate: int, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`[size, most]` pool rows each rank writes (padded with `scratch_row`), and this rank's row."""
-        if rate not in self._entries:
-            rows = self.layout.entry_rows(rate)
+        key = (rate, scratch_row)  # pools of one rate may differ in size (their scratch rows)
+        if key not in self._entries:
+            rows = self._entry_lists.get(rate) or self._entry_lists.setdefault(rate, self.layout.entry_rows(rate))
             most = max(max(len(r) for r in rows), 1)
             padded = [r + [scratch_row] * (most - len(r)) for r in rows]
             table = torch.tensor(padded, dtype=torch.long, device=self.device)
-            self._entries[rate] = (table, table[self.rank])
-        return self._entries[rate]
+            self._entries[key] = (table, table[self.rank])
+        return self._entries[key]
 
 
 class ContextParallel:

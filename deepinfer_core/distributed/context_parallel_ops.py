@@ -70,7 +70,8 @@ class ContextParallelAttention:
 
 class ContextParallelLayerOps:
     """`LayerOps` whose compressor closes a rank's windows from exchanged tail rows and gathers the
-    entries every rank closed; the window ring is written by `ContextParallelAttention` on split steps."""
+    entries every rank closed; the window ring is written by `ContextParallelAttention` on split steps.
+    A model that closes entries itself (V4.1) calls the same exchanges through `SplitStepExchange`."""
 
     def __init__(self, inner) -> None:
         self.inner, self.spec = inner, inner.spec
@@ -93,9 +94,43 @@ class ContextParallelLayerOps:
                                                                [kv_tail, gate_tail])
         self.inner.compress(kv, gate, weights, metadata, scratch_kv, scratch_gate, entries, no_write_before)
         _write_rings([kv_tail, gate_tail], gathered, plan)
-        table, mine = view.entry_rows(weights.rate, entries.shape[0] - 1)
-        closed = view.all_gather(entries[mine])
-        entries[table.flatten()] = closed.view(-1, entries.shape[-1])
+        self.share_entries(metadata, [entries], weights.rate)
+
+    # -- `models.interface.SplitStepExchange` -------------------------------------------------------
+
+    def split_tail_rings(self, metadata: AttentionMetadata, kv: torch.Tensor, gate: torch.Tensor,
+                         kv_tail: torch.Tensor, gate_tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not isinstance(metadata, ContextParallelMetadata):
+            return None
+        # kv and gate travel as one fp32 row, which holds the activation dtype's values exactly
+        rows = torch.cat((kv.float(), gate.float()), dim=-1)
+        (scratch_kv, scratch_gate), gathered, plan = _exchange(metadata.view, rows, [kv_tail, gate_tail])
+        _write_rings([kv_tail, gate_tail], gathered, plan)  # the scratch rings already hold what pieces read
+        return scratch_kv, scratch_gate
+
+    def share_entries(self, metadata: AttentionMetadata, pools: list[torch.Tensor], rate: int) -> None:
+        if not isinstance(metadata, ContextParallelMetadata):
+            return
+        view = metadata.view
+        for pool in pools:
+            table, mine = view.entry_rows(rate, pool.shape[0] - 1)
+            closed = view.all_gather(pool[mine])
+            pool[table.flatten()] = closed.view(-1, pool.shape[-1])
+
+    def share_rows(self, metadata: AttentionMetadata, pool: torch.Tensor, rows: torch.Tensor,
+                   values: torch.Tensor) -> None:
+        if not isinstance(metadata, ContextParallelMetadata):
+            pool[rows] = values
+            return
+        view = metadata.view
+        most = max(sum(piece.length for piece in pieces) for pieces in view.layout.pieces)
+        padded_rows = rows.new_full((most,), -1)
+        padded_rows[: len(rows)] = rows
+        padded_values = values.new_zeros((most, *values.shape[1:]))
+        padded_values[: len(values)] = values
+        every_row, every_value = view.all_gather(padded_rows).flatten(), view.all_gather(padded_values).flatten(0, 1)
+        real = every_row >= 0  # a split step is never captured in a graph: the host may read this mask
+        pool[every_row[real]] = every_value[real].to(pool.dtype)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

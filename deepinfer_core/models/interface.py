@@ -114,6 +114,28 @@ class CausalLM(Protocol):
         """Stop whatever the model runs beside the steps (V4.1's Engram prefetch worker); at shutdown."""
 
 
+@runtime_checkable
+class SplitStepExchange(Protocol):
+    """Layer ops under context parallelism (`distributed.context_parallel_ops.ContextParallelLayerOps`), for
+    a model that closes compressed entries or writes paged rows itself (V4.1) rather than through
+    `LayerOps.compress`. On a split step (a rank runs only its pieces of the step's tokens) each method
+    exchanges with the other ranks of the cp group; on every other step `split_tail_rings` returns None,
+    `share_entries` does nothing and `share_rows` writes this rank's rows only."""
+
+    def split_tail_rings(self, metadata: AttentionMetadata, kv: torch.Tensor, gate: torch.Tensor,
+                         kv_tail: torch.Tensor, gate_tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per piece, scratch tail rings holding the `(kv, gate)` rows just before it (other ranks' rows,
+        or the request's rings for positions before the step); the real rings get each request's last
+        rows of the step, identically on every rank. None on a step that is not split."""
+
+    def share_entries(self, metadata: AttentionMetadata, pools: list[torch.Tensor], rate: int) -> None:
+        """Every rank's pools receive the entries (rate `rate`) every other rank's pieces closed."""
+
+    def share_rows(self, metadata: AttentionMetadata, pool: torch.Tensor, rows: torch.Tensor,
+                   values: torch.Tensor) -> None:
+        """`pool[rows] = values`, with every rank's rows and values of the step."""
+
+
 def cache_fingerprint(config, dtype: torch.dtype, plans: list[LayerPlan], weights_identity: bytes) -> bytes:
     """What cached blocks depend on besides their tokens: the model's config, its weights (`weights_identity`:
     `loading.weight_digest`'s hash of every byte the ranks read), the compute dtype and the cache layout.

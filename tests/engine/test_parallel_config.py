@@ -85,19 +85,20 @@ def test_groups_built_on_four_gloo_ranks_reduce_over_the_right_ranks():
     assert results[2]["cp"] == (2, 0, 1, (2,))
 
 
-def test_v41_with_context_parallelism_is_refused_before_any_rank_starts(tmp_path):
-    """DeepSeek-V4.1 shards by tensor and expert parallelism but not yet by context parallelism: that is
-    refused by the layout checks, naming the family, not by the model inside a worker after the ranks
-    started."""
+def test_v41_context_parallelism_with_decoder_trimming_is_refused_before_any_rank_starts(tmp_path):
+    """DeepSeek-V4.1 splits a prefill under context parallelism, but not with decoder-side trimming (which
+    keeps each request's last prompt rows, while a rank holds only pieces): that is refused by the layout
+    checks, naming both, not by the model inside a worker after the ranks started."""
     import json
 
     from deepinfer_core.engine.data_parallel import build_engine
     from deepinfer_core.models.v41_tiny import tiny_v41_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_v41_config()))
-    with pytest.raises(NotImplementedError, match=r"a parallelism the model family lacks: context_parallel_size=2 "
-                       r"for 'deepseek_v41'"):
-        build_engine(EngineConfig(model=str(tmp_path), context_parallel_size=2, distributed_executor_backend="mp"))
+    with pytest.raises(NotImplementedError, match=r"^context parallelism with decoder-side trimming: "
+                       r"context_parallel_size=2 with decoder_trimming"):
+        build_engine(EngineConfig(model=str(tmp_path), context_parallel_size=2, decoder_trimming=True,
+                                  distributed_executor_backend="mp"))
 
 
 def test_layouts_not_built_yet_are_refused_by_key(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 
@@ -122,7 +123,7 @@ def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
     config = V41Config.from_dict(RELEASE)
     capabilities = config.capabilities
     assert capabilities.tensor_parallel and capabilities.expert_parallel  # tests/engine/test_v41_{tp,ep}_engine.py
-    assert not capabilities.context_parallel
+    assert capabilities.context_parallel  # tests/engine/test_v41_cp_engine.py
     assert capabilities.swa_replay_default == "bounded" == V41Config.swa_replay_default
     assert capabilities.drafters == () and capabilities.has_checkpoint_loader and capabilities.can_trim_decoder
     assert capabilities.has_engram and config.has_engram
@@ -140,8 +141,11 @@ def test_a_family_without_a_parallelism_refuses_it_naming_the_size_and_the_famil
     capabilities = V41Config.from_dict(RELEASE).capabilities
     capabilities.check_parallel("deepseek_v41", "tensor", 1)  # one rank is no parallelism
     capabilities.check_parallel("deepseek_v41", "expert", 2)  # implemented
+    capabilities.check_parallel("deepseek_v41", "context", 2)  # implemented
+    # a family without one (a plugin's; every built-in family has all three) is refused by name
+    lacking = dataclasses.replace(capabilities, context_parallel=False)
     with pytest.raises(NotImplementedError, match=r"context_parallel_size=2 for 'deepseek_v41'"):
-        capabilities.check_parallel("deepseek_v41", "context", 2)
+        lacking.check_parallel("deepseek_v41", "context", 2)
     # tensor parallelism is implemented: the release splits over 8 ranks (64 heads, 8 output groups, FP4
     # expert width 2304 / 8 = 9 x 32), not over 16 (a rank would hold half an output group)
     tensor_parallel.check_tensor_parallel(V41Config.from_dict(RELEASE), 8)

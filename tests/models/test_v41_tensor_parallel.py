@@ -115,9 +115,13 @@ def test_in_memory_weights_are_cut_to_an_expert_parallel_ranks_slots(checkpoint)
         assert torch.equal(local[name], expected), name
 
 
-def test_context_parallelism_is_still_refused(checkpoint):
+def test_the_model_builds_in_a_context_parallel_group(checkpoint):
+    # context parallelism cuts no weight: every rank of the cp group holds the whole model (its steps are
+    # split by the runner; tests/engine/test_v41_cp_engine.py)
     _, config = checkpoint
     parallel = replace(ParallelGroups.single(), cp=GroupInfo(None, 0, 2, (0, 1)))
     plans = DeepseekV41ForCausalLM.layer_plan(config, torch.float32)
-    with torch.device("meta"), pytest.raises(NotImplementedError, match="context parallelism is not implemented for V4.1"):
-        DeepseekV41ForCausalLM(config, plans, torch.float32, parallel=parallel)
+    with torch.device("meta"):
+        whole = DeepseekV41ForCausalLM(config, plans, torch.float32)
+        split = DeepseekV41ForCausalLM(config, plans, torch.float32, parallel=parallel)
+    assert {n: p.shape for n, p in split.named_parameters()} == {n: p.shape for n, p in whole.named_parameters()}

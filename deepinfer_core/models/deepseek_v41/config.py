@@ -227,11 +227,13 @@ class V41Config(FamilyConfig):
 
     @property
     def capabilities(self) -> ModelCapabilities:
-        """DeepSeek-V4.1 shards under tensor parallelism (`tensor_parallel_v41`) and spreads its routed
-        experts under expert parallelism (context parallelism not yet), replays bounded, carries no drafter the engine runs (DSpark is read, not
-        run), reads its own checkpoint layout, and has Engram tables when `engram_layer_ids` names any."""
+        """DeepSeek-V4.1 shards under tensor parallelism (`tensor_parallel_v41`), spreads its routed
+        experts under expert parallelism, splits a prefill under context parallelism (its compressor, index
+        keys and Engram ids exchanged through `models.interface.SplitStepExchange`), replays bounded, carries
+        no drafter the engine runs (DSpark is read, not run), reads its own checkpoint layout, and has Engram
+        tables when `engram_layer_ids` names any."""
         return ModelCapabilities(
-            tensor_parallel=True, context_parallel=False, expert_parallel=True,
+            tensor_parallel=True, context_parallel=True, expert_parallel=True,
             swa_replay_default=self.swa_replay_default, drafters=(), has_engram=bool(self.engram_layer_ids),
             can_trim_decoder=True, has_checkpoint_loader=True)
 

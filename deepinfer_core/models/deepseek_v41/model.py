@@ -69,7 +69,7 @@ from deepinfer_core.models.deepseek_v41.modules import Block
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan, build_v41_plan
 from deepinfer_core.models.deepseek_v41.vision import VisionConfig, check_image_input
 from deepinfer_core.models.deepseek_v41.vision_tower import Aligner, VisionTower, encode_span
-from deepinfer_core.models.interface import ForwardContext, LayerCache
+from deepinfer_core.models.interface import ForwardContext, LayerCache, SplitStepExchange
 
 
 class _HostEngramTables:
@@ -311,7 +311,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             page = meta.block_tables[seq, (pos.clamp(min=0) // BLOCK_SIZE).clamp(max=meta.block_tables.shape[1] - 1)]
             return page.clamp(min=0) * BLOCK_SIZE + pos.clamp(min=0) % BLOCK_SIZE
 
-        pool[rows(positions)] = ids
+        if isinstance(self.ops, SplitStepExchange):  # a split step's look-back reads other ranks' ids too
+            self.ops.share_rows(meta, pool, rows(positions), ids)
+        else:
+            pool[rows(positions)] = ids
         back = [torch.where(positions - k >= 0, pool[rows(positions - k)], -2) for k in range(self.hasher.max_ngram)]
         return self.hasher.hashes(torch.stack(back, dim=1))
 
@@ -363,9 +366,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             kv, gate = ops.map_rows(lambda t: (compressor.wkv(t.float()), compressor.wgate(t.float())), x)
         else:
             kv, gate = ops.map_rows(compressor.wkv, x), None
-        pooled, entry, seq, keep = closed_groups(kv, gate, ratio, meta, cache.kv_tail, cache.gate_tail,
-                                                 ctx.no_write_before, ops.map_rows)
-        if ratio > 1:
+        # context parallelism: a split step's pieces read scratch rings holding the rows before them
+        exchange = ops if isinstance(ops, SplitStepExchange) else None
+        split = exchange.split_tail_rings(meta, kv, gate, cache.kv_tail, cache.gate_tail) \
+            if exchange is not None and ratio > 1 else None
+        kv_tail, gate_tail = split if split is not None else (cache.kv_tail, cache.gate_tail)
+        pooled, entry, seq, keep = closed_groups(kv, gate, ratio, meta, kv_tail, gate_tail, ctx.no_write_before,
+                                                 ops.map_rows)
+        if ratio > 1 and split is None:
             write_rings(meta, cache.kv_tail, kv, cache.gate_tail, gate)
         latent = ops.rms_norm(pooled.to(x.dtype), compressor.norm.weight)
         cos, sin = ops.map_rows(rotary.cos_sin, entry * ratio)
@@ -373,6 +381,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         keys = ops.rms_norm(ops.map_rows(indexer.wk, latent), indexer.k_norm.weight, cos, sin)
         write_entries(cache.index_keys, keys, entry, seq, keep, meta, ratio)
         write_entries(cache.compressed, ops.rotary(latent, cos, sin), entry, seq, keep, meta, ratio)
+        if exchange is not None:  # every rank's pools get the entries the other ranks' pieces closed
+            exchange.share_entries(meta, [cache.index_keys, cache.compressed], ratio)
 
     def indexer(self, i: int, x, qr, ctx: ForwardContext, cache: LayerCache, shared: dict, num_entries):
         plan, indexer, ops = self.plans[i], self.layers[i].attn.indexer, self.ops

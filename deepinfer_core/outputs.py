@@ -7,7 +7,7 @@ per-step `logprobs` and `finish_reason`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 """Why a completion ended: a stop token or EOS, `max_tokens` or a full context, an abort, or an error
@@ -146,6 +146,32 @@ class SpecDecodeMetrics:
     def mean_calibrated_confidence_per_slot(self) -> list[float]:
         """`[j]`: the mean calibrated acceptance probability over the drafts verified at slot j (DSpark)."""
         return [c / n if n else 0.0 for c, n in zip(self.calibrated_sum_per_slot, self.num_calibrated_per_slot)]
+
+    _STATS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("spec_drafted_tokens", "num_drafted_tokens"), ("spec_verified_tokens", "num_verified_tokens"),
+        ("spec_accepted_tokens", "num_accepted_tokens"), ("spec_verify_steps", "num_verify_steps"),
+        ("spec_acceptance_histogram", "acceptance_histogram"),
+        ("spec_verified_per_slot", "num_verified_per_slot"), ("spec_accepted_per_slot", "num_accepted_per_slot"),
+        ("spec_confidence_sum_per_slot", "confidence_sum_per_slot"),
+        ("spec_confidences_per_slot", "num_confidences_per_slot"),
+        ("spec_calibrated_sum_per_slot", "calibrated_sum_per_slot"),
+        ("spec_calibrated_per_slot", "num_calibrated_per_slot"))
+    RATIO_STATS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("spec_mean_acceptance_length", "mean_acceptance_length"),
+        ("spec_acceptance_rate_per_slot", "acceptance_rate_per_slot"),
+        ("spec_mean_confidence_per_slot", "mean_confidence_per_slot"),
+        ("spec_mean_calibrated_confidence_per_slot", "mean_calibrated_confidence_per_slot"))
+    """`stats()` keys computed from the counters (recomputed, not summed, when engines' counters are)."""
+
+    def to_stats(self) -> dict:
+        """The counters and the figures computed from them under their `stats()` / `/metrics` names."""
+        out = {key: list(v) if isinstance(v := getattr(self, name), list) else v for key, name in self._STATS}
+        return out | {key: getattr(self, name) for key, name in self.RATIO_STATS}
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> SpecDecodeMetrics:
+        """The counters of `stats` (`to_stats`'s keys, e.g. summed over data-parallel ranks)."""
+        return cls(**{name: stats[key] for key, name in cls._STATS if key in stats})
 
     def record(self, num_proposed: int, num_verified: int, num_accepted: int | None,
                confidences: list[float] | None = None, calibrated: list[float] | None = None) -> None:

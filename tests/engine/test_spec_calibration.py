@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from deepinfer_core.speculative.calibration import (
@@ -55,7 +56,7 @@ def test_the_map_never_decreases_with_the_raw_score():
         calibration.observe([-4.0], 1)
         calibration.observe([4.0], 0)
     values = [calibration.probabilities([bin_centre(b)])[0] for b in range(NUM_BINS)]
-    assert all(a <= b + 1e-12 for a, b in zip(values, values[1:]))
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(values))
     assert values[bin_of(-4.0)] == values[bin_of(4.0)]  # pooled into one block
 
 

@@ -61,9 +61,15 @@ def test_an_always_wrong_confident_drafter_pauses_and_decode_stays_overlapped(tm
     engine = pausable_engine(tmp_path / "b", policy)
     fake = FakeRunnerDrafter(engine, lambda request_id, n: ([never[request_id]] * 3, [3.0] * 3))
     steps = record_steps(engine)
-    assert tokens(generate(engine, MIXED, max_tokens=48, temperature=0)) == reference
+    outputs = generate(engine, MIXED, max_tokens=48, temperature=0)
+    assert tokens(outputs) == reference
     stats = engine.stats()
     assert stats["spec_verified_tokens"] > 0 and stats["spec_accepted_tokens"] == 0
+    # per slot: every verified draft carried raw confidence 3.0 and none was accepted; requests sum to stats
+    slots = len(stats["spec_verified_per_slot"])
+    assert stats["spec_mean_confidence_per_slot"] == [3.0] * slots and stats["spec_acceptance_rate_per_slot"] == [0.0] * slots
+    per_request = [out.metrics.spec_decode.num_verified_per_slot for out in outputs.values()]
+    assert [sum(v[j] if j < len(v) else 0 for v in per_request) for j in range(slots)] == stats["spec_verified_per_slot"]
     if policy == "fixed":
         assert fake.skipped == 0 and stats["spec_overlapped_steps"] == 0
         return

@@ -3,7 +3,7 @@
 Every tensor on disk is checked against `v41_release.released_tensors(config)` (name, dtype, shape)
 before any is read; missing, unexpected, misshaped and mistyped tensors raise one `CheckpointError`
 naming all of them. DSpark (`mtp.*`) and vision tensors are skipped and reported (the text model does
-not run them). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
+not run them; the DSpark drafter reads `mtp.*` itself, `dspark_weights`). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
 dequantised to the compute dtype; FP4 experts are dequantised too, or kept packed (`keep_fp4`); the
 Engram tables stay in their FP8 bytes. The Engram token map is built from the checkpoint's own
 `tokenizer.json`. A config or tokenizer that differs from the release is reported (logged) at load.
@@ -80,7 +80,8 @@ def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path) ->
     skipped = sorted(n for n in on_disk if is_skipped(n))
     if skipped:
         mtp = sum(n.startswith("mtp.") for n in skipped)
-        logger.info("%s: skipping %d DSpark (mtp.*) and %d vision tensors: the text model does not run them",
+        logger.info("%s: skipping %d DSpark (mtp.*) and %d vision tensors: the text model does not run them "
+                    "(speculative_config method 'dspark' reads mtp.*)",
                     model_dir, mtp, len(skipped) - mtp)
     missing = sorted(n for n in expected if n not in on_disk and not is_skipped(n))
     unexpected = sorted(n for n in on_disk if n not in expected and not is_skipped(n))
@@ -114,10 +115,11 @@ def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torc
 
 
 def _experts(reader, config, layer: int, experts, dtype, device, keep_fp4: bool,
-             shards: dict[str, Shard]) -> dict[str, torch.Tensor]:
+             shards: dict[str, Shard], block: str = "layers") -> dict[str, torch.Tensor]:
     """One layer's routed `experts` stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale`
-    packed); a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part)."""
-    prefix, out = f"layers.{layer}.ffn.experts.", {}
+    packed); a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part).
+    `block` "mtp": DSpark stage `layer`'s experts."""
+    prefix, out = f"{block}.{layer}.ffn.experts.", {}
     for target, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
         shard = shards.get(prefix + target)
         source_shard = shard.source_shard("stack_pairs") if shard is not None else None

@@ -14,22 +14,18 @@ import torch
 from deepinfer_core.config import CheckpointError
 from deepinfer_core.models.deepseek_v41.config import V41Config
 from deepinfer_core.models.deepseek_v41.dspark_weights import load_dspark_weights
-from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 from deepinfer_core.models.v41_tiny import tiny_v41_dspark_config, write_v41_checkpoint
 from deepinfer_core.speculative.dspark_drafter import build_dspark_drafter, context_visibility
 from deepinfer_core.speculative.mtp_drafter import DraftTarget
 from deepinfer_core.speculative.proposer import StoredDrafter
 from tests.models.dspark_reference import ReferenceDSpark
-from tests.models.v41_helpers import make_engine, random_prompt, run
+from tests.models.v41_helpers import dspark_checkpoint, make_engine, random_prompt, run
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = tiny_v41_dspark_config()
-    directory = write_v41_checkpoint(tmp_path_factory.mktemp("dspark"), config, seed=5)
-    parsed = V41Config.from_dict(config)
-    weights = load_v41_checkpoint(directory, parsed, torch.float32, "cpu")
-    return directory, weights, parsed
+    directory, weights = dspark_checkpoint(tmp_path_factory)
+    return directory, weights, V41Config.from_dir(directory)
 
 
 @pytest.fixture(scope="module")

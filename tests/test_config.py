@@ -313,7 +313,9 @@ def test_speculative_config_is_resolved_against_the_drafters_the_model_carries(m
     assert isinstance(resolved.speculative_config, SpeculativeConfig)
     assert resolved.speculative_config.num_speculative_tokens == 2
     v41 = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": {}})
-    with pytest.raises(ConfigError, match=r"method 'mtp': deepseek_v41 carries no such drafter .*use method 'ngram'"):
+    # V4.1's `mtp.*` slot holds DSpark (issue 46): the error says which method reads it
+    with pytest.raises(ConfigError, match=r"method 'mtp': the `mtp\.\*` slot of this deepseek_v41 checkpoint holds "
+                                          r"DSpark.*use method 'dspark'"):
         engine.resolve(v41)
     ngram = EngineConfig(model=str(model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert ngram.resolve(v41).speculative_config.method == "ngram"  # drafts from the request's own tokens

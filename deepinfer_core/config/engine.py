@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from deepinfer_core.backends.parallel import EplbConfig, ParallelConfig
 from deepinfer_core.config.family import ConfigError, FamilyConfig, SwaReplay
-from deepinfer_core.config.speculative import MODEL_DRAFTERS, SpeculativeConfig
+from deepinfer_core.config.speculative import SpeculativeConfig, check_against_model
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ class EngineConfig(BaseModel):
         "stay silent while it has work (no answer, no heartbeat: hung or stopped) before the engine fails, naming "
         "it; ranks and cores beat every quarter of it.")
     speculative_config: SpeculativeConfig | None = Field(
-        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp", '
+        None, description='Speculative decoding, vLLM\'s spelling: {"method": "ngram" | "mtp" | "dspark", '
         '"num_speculative_tokens": k, ...} (see `deepinfer_core.config.speculative.SpeculativeConfig`); '
         "None decodes one token per request and step.")
     tensor_parallel_size: PositiveInt = Field(1, description="Ranks splitting attention heads and dense projections.")
@@ -207,10 +207,8 @@ class EngineConfig(BaseModel):
                               "tables (only DeepSeek-V4.1 does); leave engram_placement at 'device'")
         if self.decoder_trimming:
             model_config.check_decoder_trimming()
-        spec = self.speculative_config
-        if spec is not None and spec.method in MODEL_DRAFTERS and spec.method not in capabilities.drafters:
-            raise ConfigError(f"speculative_config method {spec.method!r}: {model_config.model_type} carries no such "
-                              f"drafter (it carries {list(capabilities.drafters)}); use method 'ngram'")
+        check_against_model(self.speculative_config, model_config.model_type, capabilities.drafters,
+                            capabilities.dspark_block_size)
         max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
         if max_model_len > model_config.max_position_embeddings:
             raise ConfigError(

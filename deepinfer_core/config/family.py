@@ -42,13 +42,16 @@ class ModelCapabilities:
     swa_replay_default: SwaReplay
     """How a prefix-cache hit rebuilds the sliding windows unless asked otherwise (`EngineConfig.swa_replay`)."""
     drafters: tuple[str, ...]
-    """The speculative drafters the checkpoint carries (`SpeculativeConfig.method`): "mtp" for V4's MTP layer."""
+    """The speculative drafters the checkpoint carries (`SpeculativeConfig.method`): "mtp" for V4's MTP layer,
+    "dspark" for V4.1's DSpark stages."""
     has_engram: bool
     """Has Engram tables (`EngineConfig.engram_placement`)."""
     can_trim_decoder: bool
     """Has decoder-side trimming (`EngineConfig.decoder_trimming`)."""
     has_checkpoint_loader: bool
     """The model class reads its own checkpoint layout (`load_checkpoint`) instead of the shared loader."""
+    dspark_block_size: int = 0
+    """Drafts one DSpark block proposes (the most `num_speculative_tokens` "dspark" takes); 0 without DSpark."""
 
     def check_parallel(self, model_type: str, kind: str, size: int) -> None:
         """`NotImplementedError` when `size` ranks of parallelism `kind` ("tensor", "context" or "expert")

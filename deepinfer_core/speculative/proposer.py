@@ -39,13 +39,26 @@ class NgramDrafter:
     max_n: int
     has_confidences = False
     """It proposes no confidences: the request's estimates stand for them (`Speculator.is_gated`)."""
+    is_pausable = True
+    """It drafts on the host only when asked: a request gated off costs nothing (`Speculator.is_gated`)."""
 
     def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
         return propose_ngram(seq.token_ids, max_drafts, self.min_n, self.max_n), None
 
 
+@dataclass
 class StoredDrafter:
-    """Drafts the model side proposed with the last step's result (MTP), kept on the sequence."""
+    """Drafts the model side proposed with the last step's result (MTP, DSpark), kept on the sequence."""
+
+    has_confidences: bool = True
+    """It proposes confidences of its own (MTP: its probability of each draft; DSpark: its confidence head's)."""
+    has_raw_confidences: bool = False
+    """Its confidences are raw scores, not probabilities (DSpark's head returns its projection with no
+    sigmoid, as DeepSeek's reference does): the `Speculator` calibrates them (`calibration.py`)."""
+    is_pausable: bool = False
+    """The runner proposes only after steps whose plan asks for drafts (`StepPlan.propose_drafts`), so
+    under the confidence policy a request whose drafts do not pay costs no drafter pass and no wait
+    (DSpark); False: it drafts after every step (MTP)."""
 
     def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
         drafts, confidences = seq.draft_token_ids, seq.draft_confidences
@@ -75,6 +88,8 @@ class Speculator:
     def from_config(cls, config: SpeculativeConfig) -> Speculator:
         if config.method == "ngram":
             return cls(config, NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max))
+        if config.method == "dspark":
+            return cls(config, StoredDrafter(has_raw_confidences=True, is_pausable=True))
         return cls(config, StoredDrafter())
 
     def track(self, seq_id: str, metrics: SpecDecodeMetrics) -> None:

@@ -8,7 +8,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from deepinfer_core.config import EngineConfig
+from deepinfer_core.config import ConfigError, EngineConfig
 from deepinfer_core.config.speculative import SpeculativeConfig
 from deepinfer_core.entrypoints.metrics import ServerMetrics
 from deepinfer_core.entrypoints.serve_cli import add_serve_parser, engine_config_of
@@ -44,3 +44,51 @@ def test_metrics_report_drafts_acceptance_and_its_histogram():
     assert samples['deepinfer_spec_decode_accepted_per_step_bucket{le="2"}'] == "3"
     assert samples["deepinfer_spec_decode_accepted_per_step_sum"] == "4"
     assert "spec_decode" not in ServerMetrics().render({})
+
+
+def v41_config(**text):
+    from deepinfer_core.models.deepseek_v41.config import V41Config
+    from deepinfer_core.models.v41_tiny import tiny_v41_config
+
+    config = tiny_v41_config()
+    return V41Config.from_dict({**config, "text_config": {**config["text_config"], **text}})
+
+
+def resolve(model_config, spec):
+    return EngineConfig(model=str(embedded_tiny_model_dir()), speculative_config=spec).resolve(model_config)
+
+
+def test_dspark_takes_one_draft_per_block_slot_on_v41():
+    config = v41_config()  # dspark_block_size 5: the anchor and 4 noise tokens, each slot drafting one token
+    spec = resolve(config, {"method": "dspark", "num_speculative_tokens": 5}).speculative_config
+    assert spec.method == "dspark" and spec.draft_length_policy == "confidence"
+    with pytest.raises(ConfigError, match="num_speculative_tokens <= 5"):
+        resolve(config, {"method": "dspark", "num_speculative_tokens": 6})
+    with pytest.raises(ConfigError, match=r"mtp\.\*` slot .* holds DSpark.*use method 'dspark'"):
+        resolve(config, {"method": "mtp", "num_speculative_tokens": 1})
+    assert resolve(config, {"method": "ngram", "num_speculative_tokens": 4}).speculative_config.method == "ngram"
+
+
+def test_dspark_needs_a_checkpoint_that_carries_it():
+    from deepinfer_core.config import ModelConfig
+
+    bare = v41_config(num_nextn_predict_layers=0, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 1])
+    with pytest.raises(ConfigError, match="carries no such drafter.*DSpark weights"):
+        resolve(bare, {"method": "dspark", "num_speculative_tokens": 1})
+    v4 = ModelConfig.from_dir(embedded_tiny_model_dir())
+    with pytest.raises(ConfigError, match="deepseek_v4 carries no such drafter"):
+        resolve(v4, {"method": "dspark", "num_speculative_tokens": 1})
+
+
+def test_dspark_reaches_the_engine_through_serve_and_drafts_from_stored_raw_confidences():
+    from deepinfer_core.speculative.proposer import Speculator, StoredDrafter
+
+    parser = argparse.ArgumentParser(prog="deepinfer")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5}'])
+    config = engine_config_of(args, str(embedded_tiny_model_dir()))
+    assert config.speculative_config == SpeculativeConfig(method="dspark", num_speculative_tokens=5)
+    drafter = Speculator.from_config(config.speculative_config).drafter
+    assert isinstance(drafter, StoredDrafter) and drafter.has_raw_confidences and drafter.is_pausable
+    mtp = Speculator.from_config(SpeculativeConfig(method="mtp", num_speculative_tokens=1)).drafter
+    assert not mtp.has_raw_confidences and not mtp.is_pausable

@@ -89,7 +89,7 @@ def test_rejected_drafts_leave_a_v41_cache_token_ids_included_as_a_run_that_neve
     reference = tokens(generate(v41_helpers.make_engine(directory, weights, deterministic=True), prompts,
                                 max_tokens=8, temperature=0))
     plain = v41_helpers.make_engine(directory, weights, deterministic=True)
-    # k = 1: the ratio-2 compressors' tail rings hold two positions
+    # k = 1 here; any k <= 16 fits the ratio-2 tail rings (`TAIL_RING_ROWS`, the k = 2..4 tests below)
     spec = v41_helpers.make_engine(directory, weights, deterministic=True,
                                    speculative_config={"method": "ngram", "num_speculative_tokens": 1,
                                                        "draft_length_policy": "fixed"})
@@ -194,3 +194,56 @@ def test_kept_blocks_returns_only_what_rejected_drafts_took():
     assert kept_blocks(3, 1, 256 + 5, 128) == 3  # the accepted tokens reach the new block
     assert kept_blocks(3, 1, 256, 128) == 2  # only drafts needed it
     assert kept_blocks(3, 0, 10, 128) == 3  # nothing new: nothing to give back
+
+
+class MidBlockDrafter:
+    """Drafts the reference continuation right for the first `j` slots and wrong after them, `j` cycling
+    over 0..k with the request's steps: every acceptance length, rejections mid-block included."""
+
+    def __init__(self, reference: dict[str, list[int]], vocab_size: int) -> None:
+        self.reference, self.vocab_size, self.calls = reference, vocab_size, {}
+
+    def propose(self, seq, max_drafts):
+        ahead = self.reference[seq.request_id][seq.num_output_tokens :][:max_drafts]
+        calls = self.calls[seq.request_id] = self.calls.get(seq.request_id, 0) + 1
+        right = calls % (max_drafts + 1)
+        return [t if i < right else (t + 1) % self.vocab_size for i, t in enumerate(ahead)], None
+
+
+def v41_outputs(outputs) -> dict[str, tuple[list[int], list[float]]]:
+    return {out.request_id: (out.outputs[0].token_ids, [next(iter(p.values())).logprob if len(p) == 1 else
+                                                        p[t].logprob for t, p in zip(out.outputs[0].token_ids,
+                                                                                     out.outputs[0].logprobs)])
+            for out in outputs}
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_v41_drafts_rejected_mid_block_leave_greedy_tokens_and_logprobs_bitwise_equal(tmp_path_factory, k):
+    """V4.1's ratio-2 compressor rings hold a verification step's k + 1 positions (`TAIL_RING_ROWS`), so any
+    k rolls back exactly: under `deterministic` the tokens and logprobs equal those of no speculation bit
+    for bit, whichever slot the first rejected draft sits at (a prompt closing a group and one leaving it open)."""
+    directory, weights = v41_helpers.tiny_checkpoint(tmp_path_factory)
+    prompts = [v41_helpers.random_prompt(n, seed=i) for i, n in enumerate([4, 9])]
+    plain = v41_outputs(v41_helpers.run(v41_helpers.make_engine(directory, weights, deterministic=True), prompts, 12))
+    spec = v41_helpers.make_engine(directory, weights, deterministic=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": k, "draft_length_policy": "fixed"})
+    spec.speculator.drafter = MidBlockDrafter({key: v[0] for key, v in plain.items()}, spec.runner.config.vocab_size)
+    drafted = v41_outputs(v41_helpers.run(spec, prompts, 12))
+    assert drafted == plain
+    histogram = spec.stats()["spec_acceptance_histogram"]
+    assert len(histogram) >= 3 and histogram[0] and histogram[1] and histogram[2]  # rejections mid-block
+
+
+def test_v41_speculation_at_k_4_matches_default_mode_decode_within_1e_5(tmp_path_factory):
+    """Default (non-deterministic) mode: the same greedy tokens, logprobs within 1e-5."""
+    directory, weights = v41_helpers.tiny_checkpoint(tmp_path_factory)
+    prompts = [v41_helpers.random_prompt(n, seed=i) for i, n in enumerate([5, 17])]
+    plain = v41_outputs(v41_helpers.run(v41_helpers.make_engine(directory, weights), prompts, 10))
+    spec = v41_helpers.make_engine(directory, weights, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "draft_length_policy": "fixed"})
+    spec.speculator.drafter = MidBlockDrafter({key: v[0] for key, v in plain.items()}, spec.runner.config.vocab_size)
+    drafted = v41_outputs(v41_helpers.run(spec, prompts, 10))
+    for key, (ids, logprobs) in plain.items():
+        assert drafted[key][0] == ids
+        torch.testing.assert_close(torch.tensor(drafted[key][1]), torch.tensor(logprobs), atol=1e-5, rtol=0)
+    assert spec.stats()["spec_accepted_tokens"] > 0

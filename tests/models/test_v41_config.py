@@ -124,7 +124,12 @@ def test_v41_declares_its_capabilities_and_shares_the_family_fields_with_v4():
     assert capabilities.tensor_parallel and capabilities.expert_parallel  # tests/engine/test_v41_{tp,ep}_engine.py
     assert not capabilities.context_parallel
     assert capabilities.swa_replay_default == "bounded" == V41Config.swa_replay_default
-    assert capabilities.drafters == () and capabilities.has_checkpoint_loader and capabilities.can_trim_decoder
+    assert capabilities.has_checkpoint_loader and capabilities.can_trim_decoder
+    # its `mtp.*` slot holds DSpark: 5 drafts a block at the release; a config without stages carries none
+    assert capabilities.drafters == ("dspark",) and capabilities.dspark_block_size == 5
+    bare = V41Config.from_dict({**RELEASE, "text_config": {**TEXT, "num_nextn_predict_layers": 0,
+                                                           "compress_ratios": TEXT["compress_ratios"][:40]}})
+    assert bare.capabilities.drafters == () and bare.capabilities.dspark_block_size == 0
     assert capabilities.has_engram and config.has_engram
     assert not V41Config.from_dict({**RELEASE, "text_config": {**TEXT, "engram_layer_ids": [],
                                                                "engram_num_embeddings": []}}).has_engram

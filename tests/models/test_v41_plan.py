@@ -34,7 +34,8 @@ def test_the_released_plan_equals_the_spec_table():
     assert [p.index for p in plans if p.uses_candidates] == [24, 28, 32, 36]
     assert [p.index for p in plans if p.has_engram] == [1, 14] and [p.index for p in plans if p.owns_token_ids] == [1]
     assert [p.index for p in plans if p.owns_compressed] == [2, 8, 14, 20]
-    assert [p.tail_rows for p in plans if p.owns_compressed] == [2, 2, 2, 0]  # ratio 1 never has an open group
+    # ratio 1 never has an open group; ratio 2's ring holds any verification step's positions (k <= 16)
+    assert [p.tail_rows for p in plans if p.owns_compressed] == [17, 17, 17, 0]
 
 
 def test_the_compressed_rope_is_yarn_on_160000_and_the_window_rope_is_plain():

@@ -3,7 +3,15 @@
 Compressor (KV-source layers only): ratio 2 pools each non-overlapping pair of tokens with a per-channel
 softmax gate (fp32, no position bias); ratio 1 is the plain projection. A group is emitted only when
 complete; the open half-group's fp32 `(kv, gate)` rows wait in the request's tail ring (row of position
-`p` at `p % ratio`). Group `g` stands for position `g * ratio`.
+`p` at `p % TAIL_RING_ROWS`). Group `g` stands for position `g * ratio`.
+
+The open group needs one row, but the ring keeps `TAIL_RING_ROWS` (one more than the most drafts a
+verification step carries): a step computing a request's last token and k drafts writes k + 1
+consecutive positions, which then never share a row, so the rows of rejected drafts are put back to
+what they held (`speculative/rollback.py`) without clobbering an accepted position's row. Two rows (the
+group's width) would make positions p and p + 2 share one, and a rejected p + 2 would restore the row
+that accepted p needs. The cost is small: at the release size (head_dim 512, three ratio-2 KV sources)
+17 fp32 `(kv, gate)` rows are about 200 KiB a request, against ~5 MiB of sliding windows.
 
 Indexer: `score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j])` over the visible entries `j < (p + 1) //
 ratio`. The candidate source also keeps, per query, the `candidate_topk_blocks` blocks of
@@ -26,6 +34,10 @@ from deepinfer_core.backends import AttentionMetadata
 from deepinfer_core.backends.attention import BLOCK_SIZE
 from deepinfer_core.backends.compressed_entries import closing_entries
 from deepinfer_core.backends.paged import gather_entries, gather_rows, max_seq_len
+from deepinfer_core.config.speculative import MAX_SPECULATIVE_TOKENS
+
+TAIL_RING_ROWS = MAX_SPECULATIVE_TOKENS + 1
+"""Rows of a ratio-2 compressor's tail ring: the k + 1 positions of any verification step (module docstring)."""
 
 
 def closed_groups(kv: torch.Tensor, gate: torch.Tensor | None, ratio: int, meta: AttentionMetadata,

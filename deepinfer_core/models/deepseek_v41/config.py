@@ -228,12 +228,20 @@ class V41Config(FamilyConfig):
     @property
     def capabilities(self) -> ModelCapabilities:
         """DeepSeek-V4.1 shards under tensor parallelism (`tensor_parallel_v41`) and spreads its routed
-        experts under expert parallelism (context parallelism not yet), replays bounded, carries no drafter the engine runs (DSpark is read, not
-        run), reads its own checkpoint layout, and has Engram tables when `engram_layer_ids` names any."""
+        experts under expert parallelism (context parallelism not yet), replays bounded, carries the DSpark
+        drafter in its `mtp.*` slot when the config declares its stages and block (`has_dspark`), reads its
+        own checkpoint layout, and has Engram tables when `engram_layer_ids` names any."""
         return ModelCapabilities(
             tensor_parallel=True, context_parallel=False, expert_parallel=True,
-            swa_replay_default=self.swa_replay_default, drafters=(), has_engram=bool(self.engram_layer_ids),
-            can_trim_decoder=True, has_checkpoint_loader=True)
+            swa_replay_default=self.swa_replay_default, drafters=("dspark",) if self.has_dspark else (),
+            has_engram=bool(self.engram_layer_ids), can_trim_decoder=True, has_checkpoint_loader=True,
+            dspark_block_size=self.dspark_block_size if self.has_dspark else 0)
+
+    @property
+    def has_dspark(self) -> bool:
+        """The config declares DSpark: stages (`num_nextn_predict_layers`) and a block of at least one draft
+        (whether the checkpoint holds their weights is checked when the drafter loads)."""
+        return self.num_nextn_predict_layers > 0 and self.dspark_block_size > 0
 
     def check_decoder_trimming(self) -> None:
         """`ConfigError` unless this layer plan can be trimmed (`EngineConfig.decoder_trimming`)."""

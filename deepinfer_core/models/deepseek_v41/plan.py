@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.backends import AttentionSpec, MoESpec
+from deepinfer_core.models.deepseek_v41.compressor import TAIL_RING_ROWS
 from deepinfer_core.models.layer_plan import LayerPlan
 
 ROLES = ("window", "full", "reindex", "reuse")
@@ -55,8 +56,10 @@ class V41LayerPlan(LayerPlan):
 
     @property
     def tail_rows(self) -> int:
-        """The open group's rows: ratio 2 keeps one pending row; ratio 1 never has an open group."""
-        return self.compress_rate if self.compress_rate > 1 else 0
+        """The tail ring's rows (`compressor.TAIL_RING_ROWS`): ratio 2's open group needs one, the ring keeps
+        enough that a verification step's k + 1 positions never share a row, so rejected drafts roll back
+        exactly (`speculative/rollback.py`); ratio 1 never has an open group."""
+        return max(self.compress_rate, TAIL_RING_ROWS) if self.compress_rate > 1 else 0
 
     @property
     def tail_width(self) -> int:

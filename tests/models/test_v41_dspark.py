@@ -215,3 +215,24 @@ def test_missing_dspark_tensors_are_a_clear_error(checkpoint, tmp_path):
     save_file(tensors, target / "model.safetensors")
     with pytest.raises(CheckpointError, match="no complete DSpark drafter"):
         load_dspark_weights(target, checkpoint[2], torch.float32, "cpu")
+
+
+def test_fp4_experts_are_kept_packed_as_the_targets_and_draft_as_dequantised(checkpoint):
+    """`quantized_weights="native"` keeps the stages' FP4 experts packed, as the target's: the block's
+    outputs equal those of the dequantised experts (FP4 dequantises exactly)."""
+    from deepinfer_core import plugins
+    from deepinfer_core.models.deepseek_v41.dspark_weights import build_dspark
+
+    directory, weights, config = checkpoint
+    engine = make_engine(directory, weights, max_num_seqs=1)
+    outputs = []
+    for fmt in ("fp4", "dense"):
+        module = build_dspark(config, torch.float32, load_dspark_weights(directory, config, torch.float32, "cpu",
+                                                                       keep_fp4=fmt == "fp4"), "cpu", fmt)
+        assert (module.mtp[0].ffn.experts.gate_up_proj.dtype == torch.int8) == (fmt == "fp4")
+        module.bind(engine.runner.model, [plugins.make_moe(module.plans[0].moe, torch.device("cpu"))] * 3)
+        context = [torch.randn(1, module.window, config.head_dim, generator=torch.Generator().manual_seed(1))
+                   for _ in module.mtp]
+        outputs.append(module.block(torch.tensor([5]), torch.tensor([30]), context, torch.ones(1, module.window,
+                                                                                               dtype=torch.bool))[1])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

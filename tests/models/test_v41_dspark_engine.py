@@ -14,7 +14,7 @@ from deepinfer_core.testing.serving import serve
 from tests.models.test_v41_dspark import attach
 from tests.models.v41_helpers import dspark_checkpoint, make_engine, random_prompt
 
-K = 1  # drafts a step: V4.1's ratio-2 tail ring holds the rows of k + 1 <= 2 positions
+K = 3  # drafts a step (at most the block size, 5)
 
 
 def spec(policy: str = "fixed") -> dict:

@@ -7,7 +7,7 @@ per-step `logprobs` and `finish_reason`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 """Why a completion ended: a stop token or EOS, `max_tokens` or a full context, an abort, or an error
@@ -106,6 +106,20 @@ class SpecDecodeMetrics:
     """Steps that verified at least one draft."""
     acceptance_histogram: list[int] = field(default_factory=list)
     """`acceptance_histogram[a]`: verify steps that accepted exactly `a` drafts."""
+    num_verified_per_slot: list[int] = field(default_factory=list)
+    """`[j]`: drafts verified at slot j (the j-th draft of a step, from 0)."""
+    num_accepted_per_slot: list[int] = field(default_factory=list)
+    """`[j]`: drafts accepted at slot j."""
+    confidence_sum_per_slot: list[float] = field(default_factory=list)
+    """`[j]`: the sum of the drafter's own confidence (DSpark: its head's raw output, before any sigmoid or
+    calibration) over the drafts verified at slot j that came with one."""
+    num_confidences_per_slot: list[int] = field(default_factory=list)
+    """`[j]`: drafts verified at slot j that came with a confidence (none for the n-gram drafter)."""
+    calibrated_sum_per_slot: list[float] = field(default_factory=list)
+    """`[j]`: the sum of the calibrated acceptance probability (`speculative/calibration.py`) over the drafts
+    verified at slot j whose raw confidence was calibrated (DSpark)."""
+    num_calibrated_per_slot: list[int] = field(default_factory=list)
+    """`[j]`: drafts verified at slot j with a calibrated probability."""
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -118,17 +132,73 @@ class SpecDecodeMetrics:
         """Accepted / verified drafts (0 before any was verified)."""
         return self.num_accepted_tokens / self.num_verified_tokens if self.num_verified_tokens else 0.0
 
-    def record(self, num_proposed: int, num_verified: int, num_accepted: int | None) -> None:
-        """Count one step: drafts proposed, verified, and accepted (None when none was verified)."""
+    @property
+    def acceptance_rate_per_slot(self) -> list[float]:
+        """`[j]`: accepted / verified drafts at slot j (a draft after a rejected one counts as not accepted)."""
+        return [a / v if v else 0.0 for a, v in zip(self.num_accepted_per_slot, self.num_verified_per_slot)]
+
+    @property
+    def mean_confidence_per_slot(self) -> list[float]:
+        """`[j]`: the mean of the drafter's own confidence (DSpark: raw) over the drafts verified at slot j."""
+        return [c / n if n else 0.0 for c, n in zip(self.confidence_sum_per_slot, self.num_confidences_per_slot)]
+
+    @property
+    def mean_calibrated_confidence_per_slot(self) -> list[float]:
+        """`[j]`: the mean calibrated acceptance probability over the drafts verified at slot j (DSpark)."""
+        return [c / n if n else 0.0 for c, n in zip(self.calibrated_sum_per_slot, self.num_calibrated_per_slot)]
+
+    _STATS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("spec_drafted_tokens", "num_drafted_tokens"), ("spec_verified_tokens", "num_verified_tokens"),
+        ("spec_accepted_tokens", "num_accepted_tokens"), ("spec_verify_steps", "num_verify_steps"),
+        ("spec_acceptance_histogram", "acceptance_histogram"),
+        ("spec_verified_per_slot", "num_verified_per_slot"), ("spec_accepted_per_slot", "num_accepted_per_slot"),
+        ("spec_confidence_sum_per_slot", "confidence_sum_per_slot"),
+        ("spec_confidences_per_slot", "num_confidences_per_slot"),
+        ("spec_calibrated_sum_per_slot", "calibrated_sum_per_slot"),
+        ("spec_calibrated_per_slot", "num_calibrated_per_slot"))
+    RATIO_STATS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("spec_mean_acceptance_length", "mean_acceptance_length"),
+        ("spec_acceptance_rate_per_slot", "acceptance_rate_per_slot"),
+        ("spec_mean_confidence_per_slot", "mean_confidence_per_slot"),
+        ("spec_mean_calibrated_confidence_per_slot", "mean_calibrated_confidence_per_slot"))
+    """`stats()` keys computed from the counters (recomputed, not summed, when engines' counters are)."""
+
+    def to_stats(self) -> dict:
+        """The counters and the figures computed from them under their `stats()` / `/metrics` names."""
+        out = {key: list(v) if isinstance(v := getattr(self, name), list) else v for key, name in self._STATS}
+        return out | {key: getattr(self, name) for key, name in self.RATIO_STATS}
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> SpecDecodeMetrics:
+        """The counters of `stats` (`to_stats`'s keys, e.g. summed over data-parallel ranks)."""
+        return cls(**{name: stats[key] for key, name in cls._STATS if key in stats})
+
+    def record(self, num_proposed: int, num_verified: int, num_accepted: int | None,
+               confidences: list[float] | None = None, calibrated: list[float] | None = None) -> None:
+        """Count one step: drafts proposed, verified, and accepted (None when none was verified), and the
+        verified drafts' confidences as the drafter gave them and as calibrated (None: none)."""
         self.num_drafted_tokens += num_proposed
         self.num_verified_tokens += num_verified
         if num_accepted is None:
             return
         self.num_accepted_tokens += num_accepted
         self.num_verify_steps += 1
-        if len(self.acceptance_histogram) <= num_accepted:
-            self.acceptance_histogram += [0] * (num_accepted + 1 - len(self.acceptance_histogram))
-        self.acceptance_histogram[num_accepted] += 1
+        _add(self.acceptance_histogram, num_accepted, 1)
+        for j in range(num_verified):
+            _add(self.num_verified_per_slot, j, 1)
+            _add(self.num_accepted_per_slot, j, int(j < num_accepted))
+        for values, sums, counts in ((confidences, self.confidence_sum_per_slot, self.num_confidences_per_slot),
+                                     (calibrated, self.calibrated_sum_per_slot, self.num_calibrated_per_slot)):
+            for j, value in enumerate((values or [])[:num_verified]):
+                _add(sums, j, float(value))
+                _add(counts, j, 1)
+
+
+def _add(counts: list, index: int, value) -> None:
+    """`counts[index] += value`, the list grown with zeros to reach `index`."""
+    if len(counts) <= index:
+        counts += [type(value)()] * (index + 1 - len(counts))
+    counts[index] += value
 
 
 @dataclass

@@ -153,6 +153,12 @@ class StepPlan:
     cache_ops: tuple[CacheOp, ...] = ()
     """Prefix-tier transfers, run in order before the step's tokens (a block saved here may be
     rewritten by this step). A plan may hold only cache ops (no requests)."""
+    propose_drafts: bool = True
+    """Speculative decoding with a model-side drafter that can pause (DSpark): whether it proposes drafts
+    after this step. False when no request's next step is expected to verify any (`Speculator.wants_drafts`):
+    the drafter skips its block (keeping its own context caches current) and returns no drafts, so the
+    step costs no drafter pass and may be left in flight (overlapped decode). Drafters that cannot pause
+    (MTP) draft after every step."""
 
     @property
     def num_tokens(self) -> int:

@@ -39,7 +39,7 @@ from deepinfer_core.engine.input import check_prompt, check_sampling_params
 from deepinfer_core.executor.protocol import WorkerError
 from deepinfer_core.executor.torchrun import launched_by_torchrun
 from deepinfer_core.models import registry, tensor_parallel
-from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.outputs import RequestOutput, SpecDecodeMetrics
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.structured_output.manager import StructuredOutputManager
 from deepinfer_core.tokenizer import load_tokenizer
@@ -232,14 +232,13 @@ class DataParallelEngine:
 def merge_stats(per_rank: list[dict]) -> dict:
     """The ranks' counters summed (ratios recomputed from the sums), per-rank lists concatenated, rank
     0's EPLB figures, and each rank's own counters under `data_parallel`."""
-    ratios = ("prefix_cache_hit_rate", "spec_mean_acceptance_length")
+    ratios = ("prefix_cache_hit_rate", *(key for key, _ in SpecDecodeMetrics.RATIO_STATS))
     skip = (*ratios, *_PER_RANK_LISTS, "eplb")
     total = {key: _summed([s[key] for s in per_rank]) for key in per_rank[0] if key not in skip}
     queried = total.get("prefix_cache_queried_tokens", 0)
     total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
-    if "spec_verify_steps" in total:
-        steps = total["spec_verify_steps"]
-        total["spec_mean_acceptance_length"] = (total["spec_accepted_tokens"] + steps) / steps if steps else 0.0
+    if "spec_verify_steps" in total:  # acceptance length and per-slot means from the summed counters
+        total.update(SpecDecodeMetrics.from_stats(total).to_stats())
     for key in _PER_RANK_LISTS:
         if key in per_rank[0]:
             total[key] = [entry for s in per_rank for entry in s.get(key, [])]

@@ -223,14 +223,8 @@ class Engine:
 
 def _spec_stats(speculator: Speculator) -> dict:
     """The engine's speculative decoding counters, for `stats()` and `/metrics`."""
-    totals = speculator.totals
     return {
-        "spec_drafted_tokens": totals.num_drafted_tokens,
-        "spec_verified_tokens": totals.num_verified_tokens,
-        "spec_accepted_tokens": totals.num_accepted_tokens,
-        "spec_verify_steps": totals.num_verify_steps,
-        "spec_mean_acceptance_length": totals.mean_acceptance_length,
-        "spec_acceptance_histogram": list(totals.acceptance_histogram),
+        **speculator.totals.to_stats(),  # drafts, acceptance, per slot: rates, raw and calibrated confidences
         "spec_overlapped_steps": speculator.num_overlapped_steps,
         "spec_probe_steps": speculator.num_probe_steps,
     }

@@ -162,6 +162,8 @@ class InFlightSteps:
         """
         in_flight, self.in_flight = self.in_flight, None
         plan, grammar = self.structured_output.plan_rows(plan)
+        if self.speculator is not None and plan.requests:  # a pausable drafter skips steps no draft follows
+            plan = replace(plan, propose_drafts=self.speculator.wants_drafts(self.scheduler.running))
         self.executor.execute_model(plan)  # in-process the forward is queued: the host fills rows meanwhile
         grammar_rows = None
         if grammar is not None:

@@ -219,6 +219,36 @@ def _spec_decode_lines(stats: dict[str, Any]) -> list[str]:
         lines.append(f'{name}_bucket{{le="{accepted}"}} {total}')
     lines += [f'{name}_bucket{{le="+Inf"}} {total}', f"{name}_count {total}",
               f"{name}_sum {sum(a * c for a, c in enumerate(histogram))}"]
+    return lines + _per_slot_lines(stats)
+
+
+_SPEC_PER_SLOT = (  # (metric, stats key, kind, the count saying whether a slot has a value, help)
+    ("spec_decode_num_verified_per_slot_total", "spec_verified_per_slot", "counter", "spec_verified_per_slot",
+     "Drafts verified at each slot (the j-th draft of a step, from 0)."),
+    ("spec_decode_num_accepted_per_slot_total", "spec_accepted_per_slot", "counter", "spec_verified_per_slot",
+     "Drafts accepted at each slot."),
+    ("spec_decode_acceptance_rate", "spec_acceptance_rate_per_slot", "gauge", "spec_verified_per_slot",
+     "Accepted / verified drafts at each slot."),
+    ("spec_decode_mean_confidence", "spec_mean_confidence_per_slot", "gauge", "spec_confidences_per_slot",
+     ("Mean of the drafter's own confidence (DSpark: its head's raw output, before any sigmoid or "
+      "calibration) over the drafts verified at each slot.")),
+    ("spec_decode_mean_calibrated_confidence", "spec_mean_calibrated_confidence_per_slot", "gauge",
+     "spec_calibrated_per_slot",
+     ("Mean calibrated acceptance probability (the engine's online calibration of the raw confidence) over "
+      "the drafts verified at each slot.")),
+)
+
+
+def _per_slot_lines(stats: dict[str, Any]) -> list[str]:
+    """Speculative decoding's figures per draft slot, labelled `slot` (none before a slot was verified)."""
+    lines = []
+    for name, key, kind, count_key, text in _SPEC_PER_SLOT:
+        counts = stats.get(count_key) or []
+        present = [(slot, value) for slot, (value, count) in enumerate(zip(stats.get(key) or [], counts)) if count]
+        if not present:
+            continue
+        lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}"]
+        lines += [f'{PREFIX}_{name}{{slot="{slot}"}} {value}' for slot, value in present]
     return lines
 
 

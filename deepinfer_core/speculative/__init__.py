@@ -5,7 +5,10 @@
 - `mtp_drafter`: drafting with the checkpoint's MTP layer (`deepinfer_core.models.deepseek_v4.mtp`), on the model side.
 - `policy`: how many drafts each request sends to the target this step (fixed k, or confidence-scheduled).
 - `gate`: per request, online acceptance estimates and when to probe a request that stopped drafting
-  (the confidence policy decides from them, before a step's tokens are read, whether the next drafts).
+  (the confidence policy decides from them, before a step's tokens are read, whether the next drafts,
+  and whether a pausable model drafter such as DSpark runs after a step: `StepPlan.propose_drafts`).
+- `calibration`: per draft slot, a drafter's raw confidence (DSpark's head) -> acceptance probability,
+  learnt online from verification.
 - `proposer`: the engine's side (drafts per sequence for the scheduler, acceptance statistics, metrics).
 - `verify`: the runner's side of a verification step (logits rows, the seeded-draw acceptance rule,
   rejection sampling through the `VerifyBackend`); `runner_side` wires it (and the rollback) into the runner.

@@ -1,10 +1,13 @@
 """Per request, what its drafts have been worth so far, and when to try drafting again.
 
-A drafter without confidences of its own (the n-gram drafter: `has_confidences = False`) reads the
-request's last sampled token, so a step that may draft must wait for the step before it: it cannot
-launch while that step is in flight (overlapped decode, `engine/overlap.py`). Under the confidence
-policy that wait is paid only while drafting is expected to pay for it (`Speculator.allows_overlap`).
-`DraftEstimate` keeps, per request, decayed and Laplace-smoothed counts of two things:
+A drafter that can pause (`is_pausable`) is gated. The n-gram drafter reads the request's last sampled
+token, so a step that may draft must wait for the step before it: it cannot launch while that step is in
+flight (overlapped decode, `engine/overlap.py`). DSpark drafts on the device after every step whose plan
+asks for it (`StepPlan.propose_drafts`), and its drafts come back with the step's result, so that step
+too is read before the next is planned, and the drafter's block costs time. Under the confidence policy
+both are paid only while drafting is expected to pay for them (`Speculator.allows_overlap`,
+`Speculator.wants_drafts`). `DraftEstimate` keeps, per request, decayed and Laplace-smoothed counts of
+two things:
 
 - `confidence`: the chance a verified draft survives given the ones before it did;
 - `proposal_rate`: the chance the drafter proposes anything when asked (prompt lookup often finds no
@@ -92,6 +95,13 @@ class DraftEstimate:
             return []
         c = self.confidence
         return [c * self.proposal_rate] + [c] * (num_drafts - 1)
+
+    def record_expected(self, probability: float) -> None:
+        """Count a first draft the policy declined to verify as `probability` of an accepted one (a
+        calibrated drafter's estimate of it): while a drafter with confidences keeps proposing drafts not
+        worth verifying, the request's estimate falls with them and the gate pauses the drafter."""
+        self.accepted = self.accepted * DECAY + min(max(float(probability), 0.0), 1.0)
+        self.tested = self.tested * DECAY + 1.0
 
     def record(self, num_proposed: int | None, num_verified: int, num_accepted: int | None,
                is_probe: bool = False) -> None:

@@ -4,9 +4,17 @@ online acceptance estimates, `gate.py`, and `SpecDecodeMetrics`).
 
 A drafter is any object with `propose(seq, max_drafts) -> (drafts, confidences)`: `confidences` are
 its per-draft probabilities of surviving (None: it has none, and the request's own acceptance history
-estimates them, and under the confidence policy decide before its last token is read whether the
-request drafts at all: `Speculator.allows_overlap`). The n-gram drafter lives here; the MTP drafter's proposals come back from the runner
-with each step's result and are read from the sequence (`Sequence.draft_token_ids`).
+estimates them), or raw scores the `Speculator` calibrates online per slot against observed acceptance
+(`has_raw_confidences`: DSpark's confidence head, `calibration.py`). The n-gram drafter lives here; the
+MTP and DSpark drafters' proposals come back from the runner with each step's result and are read from
+the sequence (`Sequence.draft_token_ids`).
+
+Never a loss: under the confidence policy a drafter that can pause (`is_pausable`: the n-gram drafter,
+which drafts on the host only when asked, and DSpark, which the runner runs only after steps whose plan
+asks for drafts, `StepPlan.propose_drafts`) is gated: while the requests' estimates say no draft pays,
+it is not run and steps are left in flight as without speculation (`allows_overlap`, `wants_drafts`),
+and requests are probed now and then (`gate.py`). A request's estimates learn from verified drafts and,
+for calibrated drafters, from the calibrated chance of drafts the policy declined to verify.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from deepinfer_core.config.speculative import SpeculativeConfig
 from deepinfer_core.outputs import SpecDecodeMetrics
 from deepinfer_core.plan import PENDING_TOKEN, StepPlan
 from deepinfer_core.sched.sequence import Sequence
+from deepinfer_core.speculative.calibration import ConfidenceCalibration
 from deepinfer_core.speculative.gate import DraftEstimate
 from deepinfer_core.speculative.ngram import propose_ngram
 from deepinfer_core.speculative.policy import confidence_draft_lengths, fixed_draft_lengths
@@ -60,9 +69,18 @@ class StoredDrafter:
     under the confidence policy a request whose drafts do not pay costs no drafter pass and no wait
     (DSpark); False: it drafts after every step (MTP)."""
 
+    always_proposes = True
+    """Asked, it proposes: a sequence without stored drafts was not asked (the runner paused it)."""
+
     def propose(self, seq: Sequence, max_drafts: int) -> tuple[list[int], list[float] | None]:
         drafts, confidences = seq.draft_token_ids, seq.draft_confidences
         return list(drafts[:max_drafts]), list(confidences[:max_drafts]) if confidences else None
+
+    def discard(self, seq: Sequence) -> None:
+        """Forget `seq`'s stored drafts once a step was planned from them: a pausable drafter may skip the
+        next step, and drafts that follow an older token must not be read again."""
+        if self.is_pausable:
+            seq.draft_token_ids, seq.draft_confidences = [], None
 
 
 class Speculator:
@@ -79,10 +97,12 @@ class Speculator:
         """Steps that verified a request's drafts as a probe (`gate.DraftEstimate.is_probe_due`)."""
         self.population = DraftEstimate()
         """Every request's steps in one estimate: where a new request's estimates start (`gate.py`)."""
+        self.calibration = ConfidenceCalibration(config.num_speculative_tokens)
+        """Raw confidence -> acceptance probability per slot, for drafters with raw confidences (DSpark)."""
         self._metrics: dict[str, SpecDecodeMetrics] = {}
         self._estimates: dict[str, DraftEstimate] = {}
-        self._asked: dict[str, tuple[int | None, bool]] = {}
-        """Per sequence scheduled this step: drafts proposed (None: not asked) and whether it probes."""
+        self._asked: dict[str, _Asked] = {}
+        """Per sequence scheduled this step: what its drafter proposed and whether it probes."""
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> Speculator:
@@ -104,9 +124,16 @@ class Speculator:
     @property
     def is_gated(self) -> bool:
         """Whether requests draft only while their estimates say it pays, probed now and then (`gate.py`):
-        the confidence policy over a drafter that needs the last token on the host and has no
-        confidences of its own (`has_confidences = False`)."""
-        return self.config.draft_length_policy == "confidence" and not getattr(self.drafter, "has_confidences", True)
+        the confidence policy over a drafter that can pause (`is_pausable`; a drafter that does not say is
+        pausable when it has no confidences of its own, as a host-side drafter asked per step)."""
+        if self.config.draft_length_policy != "confidence":
+            return False
+        return bool(getattr(self.drafter, "is_pausable", not getattr(self.drafter, "has_confidences", True)))
+
+    @property
+    def calibrates(self) -> bool:
+        """The drafter's confidences are raw scores calibrated here (`calibration.py`)."""
+        return bool(getattr(self.drafter, "has_raw_confidences", False))
 
     def max_drafts(self, seq: Sequence) -> int:
         """Drafts worth verifying for `seq`: none while its sampling reads its history (penalties) or
@@ -134,16 +161,21 @@ class Speculator:
         estimates = [self._estimate(seq) for seq in seqs]
         # a step that probes waits for its tokens: requests half way to their own probe join it
         probing = is_gated and any(limit and e.is_probe_due for limit, e in zip(limits, estimates, strict=True))
+        discard = getattr(self.drafter, "discard", None)
         for seq, limit, estimate in zip(seqs, limits, estimates, strict=True):
-            drafts, confidence = self.drafter.propose(seq, limit) if limit else ([], None)
+            drafts, raw = self.drafter.propose(seq, limit) if limit else ([], None)
+            if discard is not None:
+                discard(seq)
             drafts = list(drafts[:limit])
-            if confidence is None:
-                confidence = [estimate.confidence] * len(drafts)
+            raw = list(raw[: len(drafts)]) if raw is not None else None
+            calibrated = self.calibration.probabilities(raw) if raw is not None and self.calibrates else None
+            confidence = calibrated or raw or [estimate.confidence] * len(drafts)
             is_probe = bool(limit) and probing and estimate.may_join_probe
             proposals.append(drafts)
             confidences.append(list(confidence[: len(drafts)]))
             probes.append(is_probe)
-            self._asked[seq.request_id] = (len(drafts) if limit else None, is_probe)
+            asked = bool(limit) and (bool(drafts) or not getattr(self.drafter, "always_proposes", False))
+            self._asked[seq.request_id] = _Asked(len(drafts) if asked else None, is_probe, raw, calibrated)
         lengths = self._draft_lengths(proposals, confidences, probes, budget)
         return [tuple(p[:n]) for p, n in zip(proposals, lengths, strict=True)]
 
@@ -168,13 +200,23 @@ class Speculator:
         (overlapped decode): only when it would verify no draft whatever the drafter proposed. That is
         known without the tokens only when the requests are gated (`is_gated`): their estimates
         (`DraftEstimate.expected_confidences`) say no draft pays for the wait, and no probe is due."""
-        if not self.is_gated:
-            return False
+        return self.is_gated and self._declines_every_draft(seqs, 0)
+
+    def wants_drafts(self, seqs: list[Sequence]) -> bool:
+        """Whether a pausable model-side drafter should propose after the step now launched
+        (`StepPlan.propose_drafts`): always unless gated; gated, when some request's next step may
+        verify drafts: its estimates say they pay, or its probe falls due by then (one step ahead of
+        `allows_overlap`, since the drafts of the step after next come with this one's result)."""
+        return not self.is_gated or not self._declines_every_draft(seqs, 1)
+
+    def _declines_every_draft(self, seqs: list[Sequence], lookahead: int) -> bool:
+        """Whether, by the requests' estimates, no draft of theirs pays and no probe is due within
+        `lookahead` steps."""
         confidences = []
         for seq in seqs:
             limit = self._draft_limit(seq) if seq.takes_drafts else 0
             estimate = self._estimate(seq)
-            if limit and estimate.is_probe_due:
+            if limit and estimate.num_idle_steps + lookahead >= estimate.probe_interval:
                 return False
             confidences.append(estimate.expected_confidences(limit))
         budget = sum(map(len, confidences))  # the policy's choice only shrinks with a smaller budget
@@ -193,16 +235,33 @@ class Speculator:
             asked = self._asked.pop(request.request_id, None)
             if asked is None:
                 continue
-            proposed, is_probe = asked
+            proposed, is_probe, raw, calibrated = asked.proposed, asked.is_probe, asked.raw, asked.calibrated
             d = request.num_draft_tokens
             accepted = accepted_of.get(request.request_id) if d else None
             estimate = self._estimates.get(request.request_id)
             if estimate is not None:
                 estimate.record(proposed, d, accepted, is_probe)
+                if not d and calibrated:  # declined by the calibrated policy: its chance is the evidence
+                    estimate.record_expected(calibrated[0])
                 self.population.record(proposed, d, accepted)
+            if accepted is not None and raw is not None and self.calibrates:
+                self.calibration.observe(raw[:d], accepted)
             has_probe |= is_probe
             for metrics in (self._metrics.get(request.request_id), self.totals):
                 if metrics is not None:
-                    metrics.record(proposed or 0, d, accepted)
+                    metrics.record(proposed or 0, d, accepted, raw, calibrated)
         self.num_overlapped_steps += is_overlapped
         self.num_probe_steps += has_probe
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What a sequence's drafter gave for this step."""
+
+    proposed: int | None
+    """Drafts proposed (None: not asked: its token was pending, or a pausable drafter skipped it)."""
+    is_probe: bool
+    raw: list[float] | None
+    """The drafter's own confidences of the proposals, as it gave them (DSpark: raw scores)."""
+    calibrated: list[float] | None
+    """Their calibrated acceptance probabilities (raw-score drafters only)."""

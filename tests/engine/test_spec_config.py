@@ -92,3 +92,26 @@ def test_dspark_reaches_the_engine_through_serve_and_drafts_from_stored_raw_conf
     assert isinstance(drafter, StoredDrafter) and drafter.has_raw_confidences and drafter.is_pausable
     mtp = Speculator.from_config(SpeculativeConfig(method="mtp", num_speculative_tokens=1)).drafter
     assert not mtp.has_raw_confidences and not mtp.is_pausable
+
+
+def test_metrics_report_per_slot_rates_and_raw_and_calibrated_confidences_and_dp_ranks_merge_them():
+    from deepinfer_core.engine.data_parallel import merge_stats
+    from deepinfer_core.outputs import SpecDecodeMetrics
+
+    one, two = SpecDecodeMetrics(), SpecDecodeMetrics()
+    one.record(3, 3, 1, [0.5, -1.0, 2.0], [0.6, 0.3, 0.9])
+    two.record(2, 2, 2, [1.5, -3.0])  # no calibrated probabilities
+    stats = merge_stats([one.to_stats(), two.to_stats()])
+    assert stats["spec_acceptance_rate_per_slot"] == [1.0, 0.5, 0.0]
+    assert stats["spec_mean_confidence_per_slot"] == [1.0, -2.0, 2.0]
+    assert stats["spec_mean_calibrated_confidence_per_slot"] == [0.6, 0.3, 0.9]
+    assert stats["spec_mean_acceptance_length"] == (3 + 2) / 2
+    text = ServerMetrics().render(stats)
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples['deepinfer_spec_decode_acceptance_rate{slot="1"}'] == "0.5"
+    assert samples['deepinfer_spec_decode_mean_confidence{slot="1"}'] == "-2.0"
+    assert samples['deepinfer_spec_decode_mean_calibrated_confidence{slot="2"}'] == "0.9"
+    assert samples['deepinfer_spec_decode_num_verified_per_slot_total{slot="2"}'] == "1"
+    ngram = SpecDecodeMetrics()
+    ngram.record(2, 2, 1)  # a drafter without confidences: no confidence lines
+    assert "mean_confidence" not in ServerMetrics().render(ngram.to_stats())

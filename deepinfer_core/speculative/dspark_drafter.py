@@ -76,7 +76,7 @@ class DSparkDrafter:
         final = self._final_rows(plan, result)
         if final["rows"]:
             self._write(states, taps, final)
-        if not final["sampled"] or not getattr(plan, "propose_drafts", True):  # windows written, no drafts asked
+        if not final["sampled"] or not plan.propose_drafts:  # windows written; no drafts asked for (pausable)
             return None
         emitted = result.output.token_ids.to(self.device, torch.long)
         anchors = emitted[to_device([final["emitted"]], self.device)[0]].clamp(min=0)

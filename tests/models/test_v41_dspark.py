@@ -236,3 +236,31 @@ def test_fp4_experts_are_kept_packed_as_the_targets_and_draft_as_dequantised(che
         outputs.append(module.block(torch.tensor([5]), torch.tensor([30]), context, torch.ones(1, module.window,
                                                                                                dtype=torch.bool))[1])
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_drafts_after_steps_that_asked_for_none_equal_the_reference(checkpoint, reference, cold):
+    """Under the confidence policy DSpark's random drafts stop paying, so steps stop asking for drafts
+    (`StepPlan.propose_drafts` False): the windows are still written, and the drafts of a later probe
+    equal the reference's."""
+    engine = make_engine(checkpoint[0], checkpoint[1], max_num_seqs=2,
+                         speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    drafter, recorded, paused = engine.runner.mtp, SimpleNamespace(proposals=[]), []
+    draft, propose = drafter._draft, drafter.propose
+
+    def spy_draft(plan, states, sampled, anchors):
+        proposals = draft(plan, states, sampled, anchors)
+        recorded.proposals += [(r, last, p) for (r, last), p in zip(drafter.last_proposed, proposals, strict=True)]
+        return proposals
+
+    def spy_propose(plan, *args):
+        if not plan.propose_drafts and any(r.is_sampled for r in plan.requests):
+            paused.append(len(recorded.proposals))  # proposals made before this paused step
+        return propose(plan, *args)
+
+    drafter._draft, drafter.propose = spy_draft, spy_propose
+    prompts = [random_prompt(n, seed=n) for n in (6, 11)]
+    outputs = run(engine, prompts, 24)
+    assert paused, "no step stopped asking for drafts"
+    assert len(recorded.proposals) > paused[0], "no probe drafted after a pause"
+    sequences = {str(i): p + o.outputs[0].token_ids for i, (p, o) in enumerate(zip(prompts, outputs))}
+    assert check_against_reference(cold, reference, recorded, sequences, 3) > 0

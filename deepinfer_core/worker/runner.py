@@ -214,7 +214,8 @@ class ModelRunner:
         if saved is not None:
             draft_probs = self.mtp.draft_probs(plan) if self.mtp is not None else None
             result = self.spec.finish(plan, states, rows, logits, tensors, result, saved, draft_probs)
-        if self.mtp is not None and result.output is not None:
+        # DSpark writes its windows at every step's final positions, a prefill chunk that samples nothing too
+        if self.mtp is not None and (result.output is not None or getattr(self.mtp, "reads_every_step", False)):
             result.drafts = self.mtp.propose(plan, states, input_ids, self.model.final_streams, result)
         return result
 

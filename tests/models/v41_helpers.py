@@ -52,3 +52,18 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int | list[int], *
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     return serve(engine, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **params)
                                    for n in counts])
+
+
+@functools.lru_cache(maxsize=1)
+def _dspark_checkpoint(root: str) -> tuple[Path, dict]:
+    from deepinfer_core.models.v41_tiny import tiny_v41_dspark_config
+
+    config = tiny_v41_dspark_config()
+    directory = write_v41_checkpoint(Path(root) / "tiny-v41-dspark", config, seed=5)
+    return directory, load_v41_checkpoint(directory, V41Config.from_dict(config), torch.float32, "cpu")
+
+
+def dspark_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
+    """(directory, target weights) of the session's tiny V4.1 model with the release's three DSpark stages
+    (its target weights are `tiny_checkpoint`'s)."""
+    return _dspark_checkpoint(str(tmp_path_factory.getbasetemp()))

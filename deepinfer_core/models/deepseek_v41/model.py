@@ -85,7 +85,8 @@ HOST_ENGRAM_TABLES = _HostEngramTables()
 
 class DeepseekV41ForCausalLM(nn.Module):
     """The whole model (a `deepinfer_core.models.interface.CausalLM`) with its vision tower when the config
-    has one (`encode_image`); DSpark is not run."""
+    has one (`encode_image`); DSpark is run by its drafter (`models.deepseek_v41.dspark`) from the taps this
+    model records when asked."""
 
     engram_placement = "device"
     """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
@@ -98,9 +99,11 @@ class DeepseekV41ForCausalLM(nn.Module):
     """Decoder-side trimming: the layer after whose compressor a step whose `ForwardContext.keep_from` is
     set runs only its kept rows (`v41_trim.trim_layer`; the runner sets it); None: never trimmed."""
     final_streams: torch.Tensor | None = None
-    """Always None: no drafter reads V4.1's residual streams (DSpark is not run)."""
+    """With `keeps_final_streams`: the last step's DSpark taps `[T, taps * hidden]`, per row the attention
+    input of each `dspark_target_layer_ids` layer (after Engram) averaged over the mHC streams, what the
+    DSpark drafter reads (`speculative.dspark_drafter`); else None."""
     keeps_final_streams = False
-    """Never set: V4.1 carries no drafter the engine runs (`ModelCapabilities.drafters`)."""
+    """Record the DSpark taps (set when a DSpark drafter is attached; nothing is recorded otherwise)."""
 
     @classmethod
     def layer_plan(cls, config, dtype: torch.dtype) -> list[V41LayerPlan]:
@@ -257,6 +260,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         mixing, shared = self.ops, {}  # the single-pass mHC boundaries (`SinglePassMixing`)
         pending = None  # the last FFN's (output, post, comb), folded in at the next boundary
         trim = None  # the kept rows, once past the trim point (decoder-side trimming)
+        taps = [] if self.keeps_final_streams else None
         for i, (block, plan) in enumerate(zip(self.layers, self.plans)):
             if pending is not None and not plan.has_engram:
                 streams, pre_a, post_a, comb_a, x = mixing.hc_post_mix(streams, *pending, self.hc[i][0],
@@ -267,6 +271,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 if plan.has_engram:
                     streams = self.engram(i, streams, engram, image_mask)
                 pre_a, post_a, comb_a, x = mixing.hc_mix(streams, self.hc[i][0], block.attn_norm.weight, pre)
+            if taps is not None and i in self.config.dspark_target_layer_ids:  # DSpark reads the attention input
+                taps.append(streams.mean(dim=1))
             is_trim_point = i == self.trim_layer and ctx.keep_from is not None
             if is_trim_point:  # every row's compressed entries and index keys, then only the kept rows
                 self.compress(i, x, ctx, caches[i])
@@ -284,6 +290,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             streams, pre, post_f, comb_f, x = mixing.hc_post_mix(streams, out, post_a, comb_a, self.hc[i][1],
                                                                 block.ffn_norm.weight, pre_a)
             pending = (tensor_parallel.all_reduce(self.moe(i, x, ctx, image_mask), self.parallel.tp), post_f, comb_f)
+        if taps is not None:
+            self.final_streams = torch.cat(taps, dim=-1)
         if trim is not None:
             logits_indices = trim.logits_rows(logits_indices)
         rows = [t[logits_indices] for t in (streams, *pending, pre)]

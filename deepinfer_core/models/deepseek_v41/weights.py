@@ -2,7 +2,7 @@
 
 Every tensor on disk is checked against `v41_release.released_tensors(config)` (name, dtype, shape)
 before any is read; missing, unexpected, misshaped and mistyped tensors raise one `CheckpointError`
-naming all of them. DSpark (`mtp.*`) tensors are skipped and reported (DSpark is not run); the vision
+naming all of them. DSpark (`mtp.*`) tensors are skipped and reported (the text model does not run them; the DSpark drafter reads `mtp.*` itself, `dspark_weights`); the vision
 tower's (`vision.*`, `aligner.*`, `image_{start,newline,end}`, all BF16) are read in their stored dtype
 when the config has a tower (`vision.VisionConfig.of`; then they are required), else skipped and
 reported. They are replicated under tensor and expert parallelism (`vision.py`). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
@@ -89,7 +89,8 @@ def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path, ha
     skipped = sorted(n for n in on_disk if is_skipped(n, has_vision))
     if skipped:
         vision = sum(is_vision(n) for n in skipped)
-        logger.info("%s: skipping %d DSpark (mtp.*) tensors%s: the model does not run them", model_dir,
+        logger.info("%s: skipping %d DSpark (mtp.*) tensors%s: the text model does not run them "
+                    "(speculative_config method 'dspark' reads mtp.*)", model_dir,
                     len(skipped) - vision, f" and {vision} vision tensors (its config has no vision tower)" if vision else "")
     missing = sorted(n for n in expected if n not in on_disk and not is_skipped(n, has_vision))
     unexpected = sorted(n for n in on_disk if n not in expected and not is_skipped(n, has_vision))
@@ -123,10 +124,11 @@ def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torc
 
 
 def _experts(reader, config, layer: int, experts, dtype, device, keep_fp4: bool,
-             shards: dict[str, Shard]) -> dict[str, torch.Tensor]:
+             shards: dict[str, Shard], block: str = "layers") -> dict[str, torch.Tensor]:
     """One layer's routed `experts` stacked as `ffn.experts.gate_up_proj` / `down_proj` (+ `_scale`
-    packed); a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part)."""
-    prefix, out = f"layers.{layer}.ffn.experts.", {}
+    packed); a rank's `shards` cut each expert's w1 and w3 rows and w2 columns (each source is one part).
+    `block` "mtp": DSpark stage `layer`'s experts."""
+    prefix, out = f"{block}.{layer}.ffn.experts.", {}
     for target, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
         shard = shards.get(prefix + target)
         source_shard = shard.source_shard("stack_pairs") if shard is not None else None

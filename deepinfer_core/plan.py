@@ -29,6 +29,26 @@ the engine appends it to the sequence, the plan carries it as an input id, and t
 it substitutes the real id from its device copy."""
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, laid into its span of positions (`deepinfer_core.multimodal`): positions
+    `[offset, offset + length)` take the vision encoder's rows instead of token embeddings."""
+
+    offset: int
+    """The span's first position in the prompt."""
+    length: int
+    """Positions of the span (start, grid rows with their newlines, end)."""
+    content_hash: bytes
+    """SHA-256 of the processed pixels and their size: the prefix cache's block keys and the encoder
+    cache's key."""
+    pixel_values: Any = None
+    """`[3, height, width]` bf16 pixels, the vision encoder's input."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """A request the runner has no state for: just admitted, or readmitted after a preemption."""
@@ -47,6 +67,9 @@ class NewRequest:
     """Every token so far (prompt, then generated), only for a request whose sampling reads its history
     (penalties, bad words of several tokens: `needs_token_history`); the runner then extends it from
     each step's `token_ids`. Empty otherwise."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, in order (none for a text prompt): the runner encodes each once and lays its
+    rows into the positions of its span that a step computes."""
 
 
 @dataclass(frozen=True)

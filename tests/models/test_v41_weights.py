@@ -1,8 +1,9 @@
-"""Loading V4.1's official layout: FP8 32x32 UE8M0 and FP4 dequantised, errors naming tensors, DSpark and
-vision skipped and reported, differences from the release reported."""
+"""Loading V4.1's official layout: FP8 32x32 UE8M0 and FP4 dequantised, errors naming tensors, DSpark
+skipped and reported, the vision tower loaded when the config has one, differences from the release reported."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -74,12 +75,36 @@ def test_missing_unexpected_misshaped_and_mistyped_tensors_are_named(checkpoint,
     assert "layers.0.ffn.gate.bias is stored as BF16, expected F32" in message
 
 
-def test_dspark_and_vision_tensors_are_skipped_and_reported(checkpoint, caplog):
+def test_dspark_tensors_are_skipped_and_vision_tensors_loaded_in_their_stored_dtype(checkpoint, caplog):
     directory, _ = checkpoint
     with caplog.at_level(logging.INFO):
         weights = load_v41_checkpoint(directory, V41Config.from_dir(directory), torch.float32, "cpu")
-    assert not any(name.startswith(("mtp.", "vision.", "aligner.")) for name in weights)
-    assert "skipping 61 DSpark (mtp.*) and 18 vision tensors" in caplog.text
+    assert not any(name.startswith("mtp.") for name in weights)
+    vision = [n for n in weights if n.startswith(("vision.", "aligner.", "image_"))]
+    assert len(vision) == 18 and all(weights[n].dtype == torch.bfloat16 for n in vision)
+    raw = load_file(directory / "model.safetensors")
+    assert torch.equal(weights["vision.blocks.0.attn.wqkv.weight"], raw["vision.blocks.0.attn.wqkv.weight"])
+    assert "skipping 61 DSpark (mtp.*) tensors: the model" in caplog.text
+
+
+def test_vision_tensors_without_a_vision_config_are_skipped_and_reported(checkpoint, tmp_path, caplog):
+    directory, _ = checkpoint
+    shutil.copytree(directory, tmp_path / "text")
+    document = json.loads((tmp_path / "text" / "config.json").read_text())
+    del document["vision_config"]
+    (tmp_path / "text" / "config.json").write_text(json.dumps(document))
+    with caplog.at_level(logging.INFO):
+        weights = load_v41_checkpoint(tmp_path / "text", V41Config.from_dir(tmp_path / "text"), torch.float32, "cpu")
+    assert not any(name.startswith(("mtp.", "vision.", "aligner.", "image_")) for name in weights)
+    assert "skipping 61 DSpark (mtp.*) tensors and 18 vision tensors (its config has no vision tower)" in caplog.text
+
+
+def test_a_vision_config_without_vision_tensors_names_them_missing(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    copy_with(directory, tmp_path / "novision",
+              lambda tensors: [tensors.pop(n) for n in list(tensors) if n.startswith(("vision.", "aligner.", "image_"))])
+    with pytest.raises(CheckpointError, match=r"missing tensors: \['aligner.w1.bias'"):
+        load_v41_checkpoint(tmp_path / "novision", V41Config.from_dir(directory), torch.float32, "cpu")
 
 
 def test_differences_from_the_release_are_listed(checkpoint, tmp_path):

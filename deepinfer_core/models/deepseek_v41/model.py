@@ -8,7 +8,10 @@ What differs from V4 (research-v41.md §1, §4; DeepSeek's `inference/model.py` 
   (inside the candidate source's blocks), reuse layers attend the source's entries at the latest index
   source's picks, unchanged; no per-head query norm; every compressed layer uses the YaRN rope;
 - Engram before the attention of its layers (`models/engram.py`); MoE with `bias` (and `bias_vl` at
-  image positions) selecting the experts.
+  image positions) selecting the experts;
+- images (`vision.py`, `vision_tower.py`): `encode_image` gives an image span's embeddings, which
+  `forward(..., image_mask, image_embeds)` lays over the span's token embeddings; at every span position
+  the router selects with `bias_vl`, Engram's gate is 0 and its n-grams break.
 The attention, the indexer of layers that use no candidates, the MoE, the norms/ropes and the single-pass
 mixing (`SinglePassMixing`, part of `LayerOps`) run in the bound backends, and so does the two-level
 indexer's scoring when the backend hands out scores (`IndexScorer`); the V4.1 compressor close and the two-level selection are plain PyTorch here. Every
@@ -64,6 +67,8 @@ from deepinfer_core.models.deepseek_v41.engram_prefetch import (
 )
 from deepinfer_core.models.deepseek_v41.modules import Block
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan, build_v41_plan
+from deepinfer_core.models.deepseek_v41.vision import VisionConfig
+from deepinfer_core.models.deepseek_v41.vision_tower import Aligner, VisionTower, encode_span
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 
 
@@ -79,7 +84,8 @@ HOST_ENGRAM_TABLES = _HostEngramTables()
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    """The whole text model (a `deepinfer_core.models.interface.CausalLM`); DSpark and vision not run."""
+    """The whole model (a `deepinfer_core.models.interface.CausalLM`) with its vision tower when the config
+    has one (`encode_image`); DSpark is not run."""
 
     engram_placement = "device"
     """Where the Engram tables live: "device" or "host" (pinned host memory; set before `bind_backends`)."""
@@ -139,6 +145,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)  # fp32 math
         if config.engram_layer_ids:
             self.register_buffer("engram_token_map", torch.zeros(config.vocab_size, dtype=torch.long))
+        self.vision_config = VisionConfig.of(config)
+        """The tower's configuration; None: this model takes no images."""
+        self.vision = None
+        if self.vision_config is not None:  # replicated on every rank (vision.py says why)
+            self.vision = VisionTower(self.vision_config, dtype)
+            self.aligner = Aligner(self.vision_config, dtype)
+            self.image_start, self.image_newline, self.image_end = (
+                nn.Parameter(torch.zeros(config.hidden_size, dtype=dtype)) for _ in range(3))
         self.ops: LayerOps | None = None
         self.moe_weights: list[MoEWeights] = []
 
@@ -202,24 +216,43 @@ class DeepseekV41ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ the forward pass
 
     @torch.inference_mode()
+    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The embeddings `[span length, hidden]` of the whole prompt span of one image (`vision.image_span`
+        of its size), in the model's dtype: image_start, the aligner's rows with an image_newline after
+        each row, image_end. `pixel_values` `[3, H, W]`: the image processor's normalised pixels, H and W
+        multiples of the patch size."""
+        if self.vision is None:
+            raise ValueError("this DeepSeek-V4.1 checkpoint has no vision tower (its config.json has no "
+                             "vision_config): it cannot take images")
+        return encode_span(self.vision, self.aligner, (self.image_start, self.image_newline, self.image_end),
+                           pixel_values)
+
+    @torch.inference_mode()
     def forward(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor,
-                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+                image_mask: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the step's tokens; fp32 logits `[len(logits_indices), vocab]`. `image_mask`
-        `[T]` marks image-span positions (none without a vision input)."""
+        `[T]` marks image-span positions (none without a vision input): `bias_vl` routes them, Engram
+        skips them; `image_embeds` `[image_mask.sum(), hidden]` (rows of `encode_image`, in order) replace
+        their token embeddings."""
+        if image_embeds is not None:
+            _check_image_embeds(image_mask, image_embeds, self.config.hidden_size)
         engram = self.engram_hashes(ctx, caches, image_mask) if self.hasher is not None else None
         if engram is not None and self.prefetcher is not None:  # every Engram layer's rows, from now on
             engram = self.prefetcher.start(engram)
         try:
-            return self.run_layers(ctx, caches, logits_indices, image_mask, engram)
+            return self.run_layers(ctx, caches, logits_indices, image_mask, engram, image_embeds)
         finally:
             if isinstance(engram, PendingEngram):  # a step that failed part-way leaves nothing in flight
                 engram.drain()
 
     def run_layers(self, ctx: ForwardContext, caches: list[LayerCache], logits_indices: torch.Tensor,
-                   image_mask: torch.Tensor | None, engram: torch.Tensor | PendingEngram | None) -> torch.Tensor:
+                   image_mask: torch.Tensor | None, engram: torch.Tensor | PendingEngram | None,
+                   image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The layers and the head; `engram`: the hash ids `[T, engram layers, cols]`, or their lookups
         in flight (host tables with prefetch)."""
         x = self.embed(ctx.input_ids)
+        if image_embeds is not None:  # the reference overwrites the span's embeddings (placeholder id's rows)
+            x[image_mask] = image_embeds.to(x.dtype)
         streams = x.unsqueeze(1).repeat(1, self.hc_mult, 1)
         pre = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0
@@ -369,13 +402,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         if image_mask is None:
             routed = backend.forward(x, ctx.input_ids, weights)
         elif self.parallel.ep.size > 1:  # a rank's dispatches must pair with every other rank's
-            # internal: no request carries images yet (the vision tower is not built)
-            raise NotImplementedError("image positions (bias_vl routing) under expert parallelism")
+            raise NotImplementedError("images under expert parallelism: their bias_vl routing would be a second "
+                                      "MoE dispatch every rank must pair; serve images without "
+                                      "enable_expert_parallel")
         else:  # image positions select with bias_vl
             routed = torch.empty_like(x)
             for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):
                 routed[mask] = backend.forward(x[mask], ctx.input_ids[mask], chosen)
         return (routed.float() + self.ops.map_rows(lambda t: ffn.shared_experts(t, limit), x).float()).to(x.dtype)
+
+
+def _check_image_embeds(image_mask: torch.Tensor | None, image_embeds: torch.Tensor, hidden: int) -> None:
+    """A clear error unless `image_embeds` has one row of width `hidden` per position `image_mask` marks."""
+    if image_mask is None:
+        raise ValueError("image_embeds were given without the image_mask saying which positions they replace")
+    marked = int(image_mask.sum())
+    if image_embeds.dim() != 2 or image_embeds.shape != (marked, hidden):
+        raise ValueError(f"image_embeds must be [{marked}, {hidden}] (one row per image position), "
+                         f"got {list(image_embeds.shape)}")
 
 
 def _moe_weights(ffn) -> MoEWeights:

@@ -228,9 +228,18 @@ def _vision(config) -> list[ReleasedTensor]:
     return out
 
 
-def is_skipped(name: str) -> bool:
-    """Tensors the text model does not run: DSpark (`mtp.*`) and the vision tower."""
-    return name.startswith(("mtp.", "vision.", "aligner.", "image_start", "image_newline", "image_end"))
+VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "image_end")
+"""How the vision tower's tensor names begin (the ViT, the aligner, the span's delimiter embeddings)."""
+
+
+def is_vision(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES)
+
+
+def is_skipped(name: str, has_vision: bool = False) -> bool:
+    """Tensors the model does not run: DSpark (`mtp.*`), and the vision tower's unless `has_vision`
+    (its config has a tower: `vision.VisionConfig.of`)."""
+    return name.startswith("mtp.") or (not has_vision and is_vision(name))
 
 
 # ---------------------------------------------------------------------- differences from the release

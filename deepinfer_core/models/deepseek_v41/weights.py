@@ -2,8 +2,10 @@
 
 Every tensor on disk is checked against `v41_release.released_tensors(config)` (name, dtype, shape)
 before any is read; missing, unexpected, misshaped and mistyped tensors raise one `CheckpointError`
-naming all of them. DSpark (`mtp.*`) and vision tensors are skipped and reported (the text model does
-not run them). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
+naming all of them. DSpark (`mtp.*`) tensors are skipped and reported (DSpark is not run); the vision
+tower's (`vision.*`, `aligner.*`, `image_{start,newline,end}`, all BF16) are read in their stored dtype
+when the config has a tower (`vision.VisionConfig.of`; then they are required), else skipped and
+reported. They are replicated under tensor and expert parallelism (`vision.py`). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
 dequantised to the compute dtype; FP4 experts are dequantised too, or kept packed (`keep_fp4`); the
 Engram tables stay in their FP8 bytes. The Engram token map is built from the checkpoint's own
 `tokenizer.json`. A config or tokenizer that differs from the release is reported (logged) at load.
@@ -27,7 +29,13 @@ from deepinfer_core.backends import quant
 from deepinfer_core.config import CheckpointError
 from deepinfer_core.models import tensor_parallel
 from deepinfer_core.models.deepseek_v41.engram import ENGRAM_TABLE_SUFFIXES
-from deepinfer_core.models.deepseek_v41.release import is_skipped, release_differences, released_tensors
+from deepinfer_core.models.deepseek_v41.release import (
+    is_skipped,
+    is_vision,
+    release_differences,
+    released_tensors,
+)
+from deepinfer_core.models.deepseek_v41.vision import VisionConfig
 from deepinfer_core.models.loading.checkpoint_files import SafetensorsReader, checkpoint_files
 from deepinfer_core.models.loading.weights import to_host
 from deepinfer_core.models.tensor_parallel import Shard
@@ -55,13 +63,14 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
                        "level of %s)", model_dir, len(differences), differences[0].strip(), __name__)
         logger.debug("%s differs from the DeepSeek-V4.1-Flash release:\n%s", model_dir, "\n".join(differences))
     expected = {t.name: t for t in released_tensors(config)}
+    has_vision = VisionConfig.of(config) is not None
     with ExitStack() as stack:
         reader = SafetensorsReader(checkpoint_files(model_dir), stack, digest)
-        check_tensors(reader, expected, model_dir)
+        check_tensors(reader, expected, model_dir, has_vision)
         weights = {}
         for name, tensor in expected.items():
             is_scale = name.endswith(".scale") and not name.endswith(ENGRAM_TABLE_SUFFIXES)
-            if is_skipped(name) or is_scale or ".experts." in name:
+            if is_skipped(name, has_vision) or is_scale or ".experts." in name:
                 continue
             value = _read(reader, name, tensor.dtype, config, dtype, shards.get(name))
             weights[name] = to_host(value) if name in host else value.to(device)
@@ -73,17 +82,17 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
     return weights
 
 
-def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path) -> None:
+def check_tensors(reader: SafetensorsReader, expected: dict, model_dir: Path, has_vision: bool = False) -> None:
     """Raise one `CheckpointError` for every missing, unexpected, misshaped or mistyped tensor; log
-    the skipped DSpark and vision tensors."""
+    the skipped DSpark tensors, and the vision tensors unless `has_vision` (then they are loaded)."""
     on_disk = reader.names
-    skipped = sorted(n for n in on_disk if is_skipped(n))
+    skipped = sorted(n for n in on_disk if is_skipped(n, has_vision))
     if skipped:
-        mtp = sum(n.startswith("mtp.") for n in skipped)
-        logger.info("%s: skipping %d DSpark (mtp.*) and %d vision tensors: the text model does not run them",
-                    model_dir, mtp, len(skipped) - mtp)
-    missing = sorted(n for n in expected if n not in on_disk and not is_skipped(n))
-    unexpected = sorted(n for n in on_disk if n not in expected and not is_skipped(n))
+        vision = sum(is_vision(n) for n in skipped)
+        logger.info("%s: skipping %d DSpark (mtp.*) tensors%s: the model does not run them", model_dir,
+                    len(skipped) - vision, f" and {vision} vision tensors (its config has no vision tower)" if vision else "")
+    missing = sorted(n for n in expected if n not in on_disk and not is_skipped(n, has_vision))
+    unexpected = sorted(n for n in on_disk if n not in expected and not is_skipped(n, has_vision))
     wrong = []
     for name in sorted(set(expected) & on_disk):
         want, shape, stored = expected[name], reader.shape(name), reader.dtype(name)

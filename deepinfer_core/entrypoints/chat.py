@@ -234,7 +234,8 @@ def chat(
     encoding = chat_encoding_of(llm)
     conversations = [messages] if is_single_conversation(messages) else messages
     prepared = prepare_conversations(encoding, conversations, tools, thinking, engine.config.max_model_len, options)
-    prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in prepared]
+    prompts = [{"prompt_token_ids": request.prompt_token_ids, "multi_modal_data": {"image": list(request.images)}}
+               if request.images else {"prompt_token_ids": request.prompt_token_ids} for request in prepared]
     params = [sampling_params_for(request, sampling_params) for request in prepared]
     decode_sequence, llm.decode_sequence = getattr(llm, "decode_sequence", False), False
     try:  # chat parses RequestOutputs; DeepInfer 0.1's text-only return is for generate

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from deepinfer_core.models.deepseek_v41.vision import image_span
 from deepinfer_core.multimodal.decode import DEFAULT_LIMITS, ImageError, ImageLimits, decode_image
-from deepinfer_core.multimodal.processor import VisionGeometry, process_image, span_length
+from deepinfer_core.multimodal.processor import VisionGeometry, process_image
 from deepinfer_core.plan import ImageInput
 
 
@@ -46,7 +47,7 @@ def lay_images(prompt_token_ids: Sequence[int], images: Sequence[Any], model_con
             ids.append(token)
             continue
         image = next(processed)
-        length = span_length(image.grid)
-        laid.append(ImageInput(len(ids), length, image.content_hash, image.pixel_values))
-        ids.extend([image_id] * length)
+        span = image_span(model_config, *image.size)  # the model's own layout of the span
+        laid.append(ImageInput(len(ids), span.length, image.content_hash, image.pixel_values))
+        ids.extend(span.token_ids)
     return ids, tuple(laid)

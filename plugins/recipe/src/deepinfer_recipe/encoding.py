@@ -9,6 +9,7 @@ from typing import Any
 import deepseek_recipe as dr
 
 from deepinfer_core.chat_contract import Api, ApiError, PreparedRequest, error_body
+from deepinfer_core.multimodal.decode import ImageError, image_bytes_from_url
 from deepinfer_core.sampling_params import StructuredOutputsParams
 from deepinfer_recipe.stream import PROTOCOLS, RecipeOutputStream
 from deepinfer_recipe.tokenizer import V41_MODEL_TYPE, DeepseekTokenizer
@@ -58,6 +59,9 @@ class RecipeChatEncoding:
         self.model_version = dr.ModelVersion.DeepseekV41Flash if is_v41 else dr.ModelVersion.DeepseekV4Pro
         encoding_cls = dr.DeepseekV41Encoding if is_v41 else dr.DeepseekV4Encoding
         self.encoding = encoding_cls().with_tokenizer(tokenizer.recipe)
+        image_spelling = tokenizer.hf.id_to_token(dr.IMAGE_SPECIAL_TOKEN_ID) if is_v41 else None
+        if image_spelling is not None:  # V4.1's tokenizer renamed the image token (`<｜deepseek_image｜>`)
+            self.encoding = self.encoding.with_special_tokens(dr.SpecialTokens(image=image_spelling))
         self.model_names = _with_lower_case(list(model_names or []) + DEFAULT_MODEL_NAMES[model_type])
         self.options = dr.ConversionOptions().with_model_versions_by_name(
             {name: self.model_version for name in self.model_names}
@@ -84,7 +88,7 @@ class RecipeChatEncoding:
             model = request.model
             state = self._read_state(api, request)
             conversation_request = request.convert(self.options)
-            self._reject_unsupported(conversation_request.conversation, api)
+            images = self._images(conversation_request.conversation, api)
             if not isinstance(body, (bytes, str)) or len(body) > PRECOUNT_CHARS_PER_TOKEN * context_limit:
                 self._reject_too_long(conversation_request.conversation, context_limit, api)
             prompt_token_ids = self.encode(conversation_request.conversation)
@@ -107,6 +111,7 @@ class RecipeChatEncoding:
             seed=options.seed,
             logprobs=(options.top_logprobs or 0) if options.logprobs else None,
             structured_outputs=structured_outputs,
+            images=images,
             state=state,
         )
 
@@ -137,10 +142,26 @@ class RecipeChatEncoding:
                 400, f"This model's maximum context length is {context_limit} tokens; the prompt has more "
                 f"than {context_limit - 1} (one position is left for the answer). Shorten the conversation.", api)
 
-    @staticmethod
-    def _reject_unsupported(conversation: dr.Conversation, api: Api) -> None:
-        if any(message.image_sources for message in conversation.messages):
-            raise ApiError.from_message(400, "Image inputs are not supported by this server yet.", api)
+    def _images(self, conversation: dr.Conversation, api: Api) -> tuple[bytes, ...]:
+        """The conversation's images, encoded, in the order of their placeholders in the prompt (OpenAI
+        `image_url` parts, Anthropic `image` blocks, Responses `input_image` items). Only inline images
+        are taken (data: URLs, base64): nothing is fetched. DeepSeek-V4 takes no images."""
+        if not any(message.image_sources for message in conversation.messages):
+            return ()
+        if self.model_type != V41_MODEL_TYPE:
+            raise ApiError.from_message(400, f"this model ({self.model_type}) takes text only, not images", api)
+        return tuple(_image_bytes(source, api) for source in self.encoding.render_conversation(conversation).image_sources)
+
+
+def _image_bytes(source: dr.ImageSource, api: Api) -> bytes:
+    """One image source's encoded bytes; a URL to fetch or a malformed data URL is a 400."""
+    where = f" ({source.path.lstrip('.')})" if source.path else ""
+    try:
+        if source.kind == "bytes" and source.data is not None:
+            return bytes(source.data)
+        return image_bytes_from_url(source.data_url if source.kind == "data_url" else source.url)
+    except ImageError as err:
+        raise ApiError.from_message(400, f"{err}{where}", api) from err
 
 
 def _structured_outputs(constraint: dr.OutputConstraint | None) -> StructuredOutputsParams | None:

@@ -4,11 +4,15 @@ and a prefix hit; the cache keys cover the image; the encoder runs once per imag
 
 from __future__ import annotations
 
+import base64
+import io
+
 import pytest
 
 pytest.importorskip("PIL.Image")
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.entrypoints.chat import chat_encoding_of, chat_request_body
 from deepinfer_core.multimodal import ImageError
 from deepinfer_core.testing.serving import serve
 from tests.multimodal.vision_helpers import (
@@ -75,6 +79,19 @@ def test_llm_generate_with_multi_modal_data_follows_the_whole_forward(checkpoint
     assert_follows_the_forward(checkpoint, output, ids, images)
     stats = llm.engine.stats()
     assert stats["encoder_images_encoded"] == 1 and stats["encoder_seconds"] > 0
+    # LLM.chat: an OpenAI image_url part (a data: URL) through the recipe's V4.1 encoding
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    answer = llm.chat(messages, SamplingParams(max_tokens=2, **GREEDY), thinking=False)[0]
+    prepared = chat_encoding_of(llm).prepare("chat", chat_request_body(chat_encoding_of(llm), messages, None, False),
+                                             1 << 20)
+    ids, images = llm.engine.prepare_images(prepared.prompt_token_ids, list(prepared.images))
+    assert answer.prompt_token_ids == ids and answer.usage["prompt_tokens"] == len(ids)
+    assert_follows_the_forward(checkpoint, answer, ids, images)
+    assert llm.engine.stats()["encoder_images_encoded"] == 1  # the same pixels: the encoder cache had them
 
 
 def test_chunked_prefill_through_the_image_and_preemption_follow_the_forward(checkpoint):

@@ -59,13 +59,15 @@ class RecipeChatEncoding:
         self.model_version = dr.ModelVersion.DeepseekV41Flash if is_v41 else dr.ModelVersion.DeepseekV4Pro
         encoding_cls = dr.DeepseekV41Encoding if is_v41 else dr.DeepseekV4Encoding
         self.encoding = encoding_cls().with_tokenizer(tokenizer.recipe)
-        image_spelling = tokenizer.hf.id_to_token(dr.IMAGE_SPECIAL_TOKEN_ID) if is_v41 else None
-        if image_spelling is not None:  # V4.1's tokenizer renamed the image token (`<｜deepseek_image｜>`)
-            self.encoding = self.encoding.with_special_tokens(dr.SpecialTokens(image=image_spelling))
         self.model_names = _with_lower_case(list(model_names or []) + DEFAULT_MODEL_NAMES[model_type])
         self.options = dr.ConversionOptions().with_model_versions_by_name(
             {name: self.model_version for name in self.model_names}
         )
+        image_spelling = tokenizer.hf.id_to_token(dr.IMAGE_SPECIAL_TOKEN_ID) if is_v41 else None
+        if image_spelling is not None:  # V4.1's tokenizer renamed the image token (`<｜deepseek_image｜>`)
+            special_tokens = dr.SpecialTokens(image=image_spelling)  # placed by conversion, read by encoding
+            self.encoding = self.encoding.with_special_tokens(special_tokens)
+            self.options = self.options.with_special_tokens(special_tokens)
 
     def with_model_names(self, model_names: list[str]) -> RecipeChatEncoding:
         """The same encoding, serving under `model_names[0]` and accepting every name in `model_names`."""
@@ -84,6 +86,8 @@ class RecipeChatEncoding:
             raise ValueError(f"unknown API {api!r}; expected one of {sorted(PROTOCOLS)}")
         request_cls = PROTOCOLS[api][0]
         try:
+            if self.model_type != V41_MODEL_TYPE and _has_image_parts(body):
+                raise ApiError.from_message(400, f"this model ({self.model_type}) takes text only, not images", api)
             request = request_cls(body)
             model = request.model
             state = self._read_state(api, request)
@@ -148,9 +152,30 @@ class RecipeChatEncoding:
         are taken (data: URLs, base64): nothing is fetched. DeepSeek-V4 takes no images."""
         if not any(message.image_sources for message in conversation.messages):
             return ()
-        if self.model_type != V41_MODEL_TYPE:
-            raise ApiError.from_message(400, f"this model ({self.model_type}) takes text only, not images", api)
         return tuple(_image_bytes(source, api) for source in self.encoding.render_conversation(conversation).image_sources)
+
+
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+"""The content-part types that carry an image: OpenAI Chat, Anthropic Messages, Responses."""
+
+
+def _has_image_parts(body: bytes | str | dict[str, Any]) -> bool:
+    """Whether a request body holds an image part anywhere (recipe renders V4's as placeholder text)."""
+    if isinstance(body, (bytes, str)):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return False  # recipe answers the malformed body with its own 400
+    stack: list[Any] = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if item.get("type") in IMAGE_PART_TYPES:
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _image_bytes(source: dr.ImageSource, api: Api) -> bytes:

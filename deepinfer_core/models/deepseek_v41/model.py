@@ -67,7 +67,7 @@ from deepinfer_core.models.deepseek_v41.engram_prefetch import (
 )
 from deepinfer_core.models.deepseek_v41.modules import Block
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan, build_v41_plan
-from deepinfer_core.models.deepseek_v41.vision import VisionConfig
+from deepinfer_core.models.deepseek_v41.vision import VisionConfig, check_image_input
 from deepinfer_core.models.deepseek_v41.vision_tower import Aligner, VisionTower, encode_span
 from deepinfer_core.models.interface import ForwardContext, LayerCache
 
@@ -221,9 +221,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         of its size), in the model's dtype: image_start, the aligner's rows with an image_newline after
         each row, image_end. `pixel_values` `[3, H, W]`: the image processor's normalised pixels, H and W
         multiples of the patch size."""
-        if self.vision is None:
-            raise ValueError("this DeepSeek-V4.1 checkpoint has no vision tower (its config.json has no "
-                             "vision_config): it cannot take images")
+        check_image_input(self.config, self.parallel.ep.size > 1)
         return encode_span(self.vision, self.aligner, (self.image_start, self.image_newline, self.image_end),
                            pixel_values)
 
@@ -402,9 +400,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if image_mask is None:
             routed = backend.forward(x, ctx.input_ids, weights)
         elif self.parallel.ep.size > 1:  # a rank's dispatches must pair with every other rank's
-            raise NotImplementedError("images under expert parallelism: their bias_vl routing would be a second "
-                                      "MoE dispatch every rank must pair; serve images without "
-                                      "enable_expert_parallel")
+            check_image_input(self.config, expert_parallel=True)  # raises: images under expert parallelism
         else:  # image positions select with bias_vl
             routed = torch.empty_like(x)
             for mask, chosen in ((~image_mask, weights), (image_mask, replace(weights, score_bias=ffn.gate.bias_vl))):

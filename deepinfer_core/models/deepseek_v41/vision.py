@@ -131,6 +131,16 @@ def vision_config(config) -> VisionConfig:
     return found
 
 
+def check_image_input(config, expert_parallel: bool = False) -> None:
+    """Raise unless a model of `config` (a `V41Config`) can take images: a `ValueError` without a tower, a
+    `NotImplementedError` under expert parallelism. Check it when a request with images is admitted: a
+    refusal in the middle of a step would leave the other expert-parallel ranks waiting on its dispatch."""
+    vision_config(config)
+    if expert_parallel:
+        raise NotImplementedError("images under expert parallelism: their bias_vl routing would be a second MoE "
+                                  "dispatch every rank must pair; serve images without enable_expert_parallel")
+
+
 def image_span(config, height: int, width: int) -> ImageSpan:
     """The span an image of processed size `height x width` pixels takes (`config`: a `VisionConfig` or
     a `V41Config`); both must be positive multiples of the patch size, as the image processor makes them."""

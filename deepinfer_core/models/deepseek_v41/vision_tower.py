@@ -40,18 +40,32 @@ class VisionRMSNorm(nn.Module):
         return (self.weight * (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
+class VisionLinear(nn.Module):
+    """A projection with BF16 weights as shipped (`weight` `[out, in]`, optional `bias`). Not an `nn.Linear`,
+    so the loader's FP8 handling (`loading/weight_formats.py`, for the text model's FP8 projections) and
+    the FP8 linear specs never count it."""
+
+    def __init__(self, inputs: int, outputs: int, dtype: torch.dtype, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(outputs, inputs, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(outputs, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, vc: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.proj = nn.Linear(3 * vc.patch_size**2, vc.dim, dtype=dtype)
+        self.proj = VisionLinear(3 * vc.patch_size**2, vc.dim, dtype)
 
 
 class VisionAttention(nn.Module):
     def __init__(self, vc: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = vc.num_heads
-        self.wqkv = nn.Linear(vc.dim, 3 * vc.dim, dtype=dtype)
-        self.wo = nn.Linear(vc.dim, vc.dim, dtype=dtype)
+        self.wqkv = VisionLinear(vc.dim, 3 * vc.dim, dtype)
+        self.wo = VisionLinear(vc.dim, vc.dim, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -65,8 +79,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, vc: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.w1 = nn.Linear(vc.dim, 2 * vc.intermediate_size, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(vc.intermediate_size, vc.dim, bias=False, dtype=dtype)
+        self.w1 = VisionLinear(vc.dim, 2 * vc.intermediate_size, dtype, bias=False)
+        self.w2 = VisionLinear(vc.intermediate_size, vc.dim, dtype, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x).chunk(2, dim=-1)
@@ -109,8 +123,8 @@ class Aligner(nn.Module):
     def __init__(self, vc: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.ratio = vc.downsample_ratio
-        self.w1 = nn.Linear(vc.unfolded_dim, vc.text_hidden_size, dtype=dtype)
-        self.w2 = nn.Linear(vc.text_hidden_size, vc.text_hidden_size, dtype=dtype)
+        self.w1 = VisionLinear(vc.unfolded_dim, vc.text_hidden_size, dtype)
+        self.w2 = VisionLinear(vc.text_hidden_size, vc.text_hidden_size, dtype)
 
     def forward(self, rows: torch.Tensor, n_h: int, n_w: int) -> torch.Tensor:
         r = self.ratio

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_core import plugins
@@ -243,6 +243,9 @@ def chat(
     finally:
         llm.decode_sequence = decode_sequence
     stop_token_ids = list(getattr(engine, "eos_token_ids", None) or [engine.tokenizer.eos_token_id])
+    # an image's placeholder became its span: usage counts the prompt the model saw
+    prepared = [replace(request, prompt_token_ids=list(output.prompt_token_ids)) if request.images else request
+                for request, output in zip(prepared, outputs)]
     return [parse_output(encoding, request, output, stop_token_ids) for request, output in zip(prepared, outputs)]
 
 

@@ -109,16 +109,16 @@ def plan_grid(width: int, height: int, g: VisionGeometry) -> tuple[tuple[int, in
 
 def process_image(image, g: VisionGeometry) -> ProcessedImage:
     """An RGB `PIL.Image` (`decode.decode_image`'s) to the ViT's pixels."""
-    Image = pil_image_module()
-    from PIL import ImageOps  # with Image: the same optional dependency
+    pil_image_module()  # Pillow present, or the install hint
+    from PIL import ImageOps
 
+    if image.mode != "RGB":
+        raise ValueError(f"the processor takes RGB images (decode_image converts them), got mode {image.mode!r}")
     grid, (pixel_h, pixel_w) = plan_grid(image.width, image.height, g)
     if g.max_wh_ratio is not None and image.width >= g.max_wh_ratio * image.height:
         fitted = image.resize((pixel_w, pixel_h))
     else:
         fitted = ImageOps.pad(image, (pixel_w, pixel_h), color=GREY)
-    if fitted.mode != "RGB" or not isinstance(fitted, Image.Image):
-        raise ValueError(f"the processor takes RGB images, got mode {fitted.mode!r}")
     data = torch.frombuffer(bytearray(fitted.tobytes()), dtype=torch.uint8).view(pixel_h, pixel_w, 3)
     pixels = ((data.permute(2, 0, 1).float() / 255 - 0.5) / 0.5).to(torch.bfloat16).contiguous()
     return ProcessedImage(pixels, grid, pixel_hash(pixels))

@@ -70,3 +70,13 @@ def test_data_urls_decode_and_other_urls_are_refused():
         image_bytes_from_url("data:image/png,rawbytes")
     with pytest.raises(ImageError, match="base64 data is invalid"):
         image_bytes_from_url("data:image/png;base64,@@@")
+
+
+def test_a_missing_pillow_says_what_to_install(monkeypatch):
+    import sys
+
+    from deepinfer_core.multimodal.decode import pil_image_module
+
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL now fails as if it were not installed
+    with pytest.raises(ImportError, match=r"deepinfer\[vision\]"):
+        pil_image_module()

@@ -71,6 +71,10 @@ def test_openai_image_url_parts_are_laid_into_the_prompt(server):
     assert status == 200, answer
     assert answer["usage"]["prompt_tokens"] == laid_prompt_length(engine, "chat", body)
     assert answer["usage"]["completion_tokens"] == 2
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=60) as response:
+        metrics = response.read().decode()
+    encoded = next(line for line in metrics.splitlines() if line.startswith("deepinfer_encoder_images_encoded_total "))
+    assert float(encoded.split()[1]) >= 1 and "deepinfer_encoder_seconds_total " in metrics
 
 
 def test_anthropic_image_blocks_and_responses_input_images(server):

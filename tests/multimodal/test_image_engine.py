@@ -92,6 +92,12 @@ def test_llm_generate_with_multi_modal_data_follows_the_whole_forward(checkpoint
     assert answer.prompt_token_ids == ids and answer.usage["prompt_tokens"] == len(ids)
     assert_follows_the_forward(checkpoint, answer, ids, images)
     assert llm.engine.stats()["encoder_images_encoded"] == 1  # the same pixels: the encoder cache had them
+    # a text prompt spells the placeholder; a list of images, one per placeholder
+    texts = llm.generate({"prompt": "A <｜deepseek_image｜> and a <｜deepseek_image｜>.",
+                          "multi_modal_data": {"image": [image, picture(60, 90, seed=4)]}},
+                         SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)[0]
+    spans = llm.engine.prepare_images([IMAGE_ID, IMAGE_ID], [image, picture(60, 90, seed=4)])[1]
+    assert texts.prompt_token_ids.count(IMAGE_ID) == sum(span.length for span in spans)
 
 
 def test_chunked_prefill_through_the_image_and_preemption_follow_the_forward(checkpoint):

@@ -72,6 +72,9 @@ class PreparedRequest:
     """Number of top alternatives to return per token, or `None` for no logprobs."""
     structured_outputs: Any = None
     """The `StructuredOutputsParams` the answer must follow (`response_format`), or `None`."""
+    images: tuple[bytes, ...] = ()
+    """The conversation's images, encoded (PNG, JPEG, ...), one per `image_token_id` in
+    `prompt_token_ids`, in order; the engine decodes them and lays each into its span."""
     state: Any = field(default=None, repr=False)
     """The encoding's own conversion result; opaque to the core."""
 

@@ -27,6 +27,26 @@ from deepinfer_core.sampling_params import SamplingParams
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
 
 
+def prompt_images(prompts: Any, count: int) -> list[list]:
+    """Per prompt, the images of its vLLM `multi_modal_data` (empty when it has none)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if prompts is None:
+        return [[] for _ in range(count)]
+    found = []
+    for prompt in prompts:
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            found.append([])
+            continue
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            others = sorted(set(data) - {"image"}) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"multi_modal_data takes only 'image' (a PIL.Image, bytes, or a list of them); got {others}")
+        images = data.get("image")
+        found.append(list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images])
+    return found
+
+
 class LLM:
     """A DeepSeek-V4 model ready to generate.
 
@@ -91,7 +111,9 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         :param prompts: a string, a `{"prompt": "..."}` or `{"prompt_token_ids": [...]}` dict (vLLM's
-            TextPrompt and TokensPrompt), or a list of these.
+            TextPrompt and TokensPrompt), or a list of these. A dict may carry vLLM's
+            `"multi_modal_data": {"image": image or [images]}` (`PIL.Image`s or encoded bytes), one
+            `image_token_id` in the prompt where each image goes (DeepSeek-V4.1 with a vision tower).
         :param sampling_params: one `SamplingParams` for all prompts, or one per prompt; None: defaults.
         :param prompt_token_ids: DeepInfer 0.1 spelling: a list of token-id lists.
         :param use_tqdm: show a progress bar over requests.
@@ -100,16 +122,19 @@ class LLM:
         params = self._normalise_params(sampling_params, len(requests))
         requests = [(text, self._truncate(ids, p)) for (text, ids), p in zip(requests, params)]
         engine = self.engine
+        images = [engine.prepare_images(ids, found) if found else (ids, ())
+                  for (_, ids), found in zip(requests, prompt_images(prompts, len(requests)))]
+        requests = [(text, ids) for (text, _), (ids, _) in zip(requests, images)]
         for (text, ids), p in zip(requests, params):  # validate everything before any work starts
             engine.validate_prompt(ids)
             check_sampling_params(p, engine.model_config.vocab_size, engine.tokenizer, engine.eos_token_ids,
                                   token_history=True)
         engine.structured_output.wait_all([p.structured_outputs for p in params])  # bad grammars: ValueError
         ids_in_order = []
-        for (text, ids), p in zip(requests, params):
+        for (text, ids), p, (_, laid) in zip(requests, params, images):
             request_id = str(self._counter)
             self._counter += 1
-            self.engine.add_request(request_id, ids, p, prompt=text)
+            self.engine.add_request(request_id, ids, p, prompt=text, images=laid)
             ids_in_order.append(request_id)
         finished = self._run(len(requests), use_tqdm)
         outputs = [apply_final_text(finished[i], p, engine.tokenizer) for i, p in zip(ids_in_order, params)]

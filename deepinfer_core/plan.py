@@ -29,6 +29,26 @@ the engine appends it to the sequence, the plan carries it as an input id, and t
 it substitutes the real id from its device copy."""
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, laid into its span of positions (`deepinfer_core.multimodal`): positions
+    `[offset, offset + length)` take the vision encoder's rows instead of token embeddings."""
+
+    offset: int
+    """The span's first position in the prompt."""
+    length: int
+    """Positions of the span (start, grid rows with their newlines, end)."""
+    content_hash: bytes
+    """SHA-256 of the processed pixels and their size: the prefix cache's block keys and the encoder
+    cache's key."""
+    pixel_values: Any = None
+    """`[3, height, width]` bf16 pixels, the vision encoder's input."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """A request the runner has no state for: just admitted, or readmitted after a preemption."""
@@ -47,6 +67,9 @@ class NewRequest:
     """Every token so far (prompt, then generated), only for a request whose sampling reads its history
     (penalties, bad words of several tokens: `needs_token_history`); the runner then extends it from
     each step's `token_ids`. Empty otherwise."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, in order (none for a text prompt): the runner encodes each once and lays its
+    rows into the positions of its span that a step computes."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +194,27 @@ class StepPlan:
 
 
 @dataclass
+class EncoderStats:
+    """The vision encoder's work in one step (or since the engine started, summed)."""
+
+    num_encoded: int = 0
+    """Images run through the encoder."""
+    num_cache_hits: int = 0
+    """Images whose rows the encoder cache held (not encoded again)."""
+    seconds: float = 0.0
+    """Wall time of the encoder's runs (the device synchronised around each)."""
+
+    @property
+    def num_images(self) -> int:
+        return self.num_encoded + self.num_cache_hits
+
+    def add(self, other: EncoderStats) -> None:
+        self.num_encoded += other.num_encoded
+        self.num_cache_hits += other.num_cache_hits
+        self.seconds += other.seconds
+
+
+@dataclass
 class StepResult:
     """What one step produced, as the runner of rank 0 returns it."""
 
@@ -188,3 +232,5 @@ class StepResult:
     host (`kv_blocks.PendingCopy`: `[n, block_bytes]` uint8 blocks, or a request's state)."""
     drafts: list[tuple[list[int], list[float]]] | None = None
     """Per sampled request, the model-side drafter's next drafts and their confidences (MTP; else None)."""
+    encoder: EncoderStats | None = None
+    """The vision encoder's work in this step (None: no image rows)."""

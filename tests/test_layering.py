@@ -22,7 +22,7 @@ ROWS: tuple[tuple[str, ...], ...] = (
     ("kv", "distributed"),
     ("worker", "sched", "speculative", "structured_output"),
     ("executor",),
-    ("engine",),
+    ("engine", "multimodal"),  # multimodal: image input, decoded and processed before a request is queued
     ("llm", "entrypoints", "cli", "testing", "__init__"),  # user-facing; testing may import anything
 )
 """Lowest first. Units of one row may import each other, as long as no loop joins them."""

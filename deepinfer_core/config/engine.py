@@ -150,6 +150,16 @@ class EngineConfig(BaseModel):
         "later ones run only on each request's last sliding_window (128) prompt rows and what follows them; "
         "requests asking for prompt logprobs are never trimmed. Faster prefill, not exact (those rows lose "
         "receptive field in the later layers; models/v41_trim.py). Any other model is an error.")
+    max_image_bytes: PositiveInt = Field(
+        20 * 1024 * 1024, description="Largest encoded image a request may carry, in bytes (a larger one is "
+        "refused: HTTP 400).")
+    max_image_pixels: PositiveInt = Field(
+        32 * 1024 * 1024, description="Most pixels (width x height) of one image, read from its header before "
+        "anything is decoded (a decompression bomb is refused: HTTP 400).")
+    max_images_per_prompt: int = Field(8, ge=0, description="Most images in one prompt (0: images refused).")
+    encoder_cache_mib: float = Field(
+        256.0, ge=0, description="MiB of device memory keeping vision encoder outputs by image content hash "
+        "(least recently used dropped first), so an image sent again is not encoded again; 0: off.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

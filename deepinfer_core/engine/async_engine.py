@@ -56,6 +56,7 @@ class _Add:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stream: _Stream
+    images: tuple = ()
 
 
 @dataclass
@@ -94,9 +95,10 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stop.is_set()
 
     async def generate(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str, images: tuple = ()
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its `RequestOutput`s as the engine produces them (token ids cumulative).
+        `images`: the prompt's images, laid into the ids (`Engine.prepare_images`, safe from any thread).
 
         Leaving the iteration early (break, cancellation, a closed client) aborts the request.
 
@@ -105,7 +107,7 @@ class AsyncEngine:
         """
         self._check_alive()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(_Add(request_id, list(prompt_token_ids), sampling_params, stream))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), sampling_params, stream, tuple(images)))
         finished = False
         try:
             while True:
@@ -179,7 +181,8 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling_params)
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling_params,
+                                        images=command.images)
             except (ValueError, NotImplementedError) as err:
                 command.stream.deliver(err)
                 return

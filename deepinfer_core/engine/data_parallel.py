@@ -35,7 +35,7 @@ from deepinfer_core.engine import dp_protocol as proto
 from deepinfer_core.engine import dp_torchrun
 from deepinfer_core.engine import engine as engine_module
 from deepinfer_core.engine.dp_client import CoreClient
-from deepinfer_core.engine.input import check_prompt, check_sampling_params
+from deepinfer_core.engine.input import check_image_layout, check_prompt, check_sampling_params
 from deepinfer_core.executor.protocol import WorkerError
 from deepinfer_core.executor.torchrun import launched_by_torchrun
 from deepinfer_core.models import registry, tensor_parallel
@@ -106,8 +106,13 @@ class DataParallelEngine:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
 
+    def prepare_images(self, prompt_token_ids: list[int], images: list):
+        """Image input is not carried to the DP ranks yet: `NotImplementedError` (`check_image_layout`)."""
+        check_image_layout(self.config)  # names the whole layout
+        raise NotImplementedError("image input with parallelism: data_parallel_size > 1")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, images: tuple = ()) -> None:
         """Queue a request on the least loaded DP rank (see the module docstring); raises `ValueError`
         on bad input here, before it is sent."""
         if request_id in self._owner:

@@ -15,7 +15,7 @@ import torch
 
 from deepinfer_core import plugins
 from deepinfer_core.config import EngineConfig, ModelConfig
-from deepinfer_core.engine.input import InputProcessor
+from deepinfer_core.engine.input import InputProcessor, check_image_layout
 from deepinfer_core.engine.output import OutputProcessor
 from deepinfer_core.engine.overlap import InFlightSteps
 from deepinfer_core.engine.requests import RequestRegistry
@@ -26,8 +26,9 @@ from deepinfer_core.kv.connector import KvConnector
 from deepinfer_core.kv.nixl_transfer import first_token_output
 from deepinfer_core.kv.tiers import make_prefix_tiers
 from deepinfer_core.models import registry
+from deepinfer_core.multimodal import ImageLimits, lay_images
 from deepinfer_core.outputs import RequestOutput
-from deepinfer_core.plan import StepPlan
+from deepinfer_core.plan import ImageInput, StepPlan
 from deepinfer_core.sampling_params import SamplingParams
 from deepinfer_core.sched.block_pool import BlockPool
 from deepinfer_core.sched.scheduler import Scheduler, SchedulerConfig
@@ -104,13 +105,17 @@ class Engine:
         self.validate_prompt, self.decode, self.make_output = self.input.validate_prompt, self.output.decode, self.output.make_output
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    prompt: str | None = None) -> None:
-        """Queue a request; raises `ValueError` on bad input before anything is queued."""
+                    prompt: str | None = None, images: tuple[ImageInput, ...] = ()) -> None:
+        """Queue a request; raises `ValueError` on bad input before anything is queued.
+
+        `images`: the prompt's images, already laid into `prompt_token_ids` (`prepare_images`)."""
         if request_id in self.requests.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         first, grammar = self.input.process(prompt_token_ids, sampling_params)
+        if images:
+            self.input.check_images(prompt_token_ids, images, sampling_params)
         request = self.requests.create(request_id, prompt, prompt_token_ids, sampling_params,
-                                       defers_grammar_mask=self.steps.defers_grammar_masks)
+                                       defers_grammar_mask=self.steps.defers_grammar_masks, images=tuple(images))
         for completion in request.completions:  # all or nothing
             self.scheduler.add(completion.seq)
         self.requests.register(request, grammar)
@@ -118,6 +123,16 @@ class Engine:
             self.output.append_tokens([request.completions[0].seq], first_token_output(first), touched := {})
             if request.finished:  # else it is reported with the next token, once the prompt's cache is in
                 self.requests.touched.update(touched)
+
+    def prepare_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Decode and process a prompt's images (encoded bytes or `PIL.Image`s, one per `image_token_id`
+        in the ids) under this engine's limits, and lay them into the ids (`multimodal.lay_images`).
+
+        :raises ImageError: (a `ValueError`) a model without vision, a bad or too large image, a count
+            that does not match the placeholders.
+        :raises NotImplementedError: image input under a parallel layout that does not carry it yet."""
+        check_image_layout(self.config)
+        return lay_images(prompt_token_ids, images, self.model_config, ImageLimits.from_config(self.config))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free everything it holds; unknown ids are ignored."""
@@ -217,6 +232,9 @@ class Engine:
             **{f"prefix_cache_hit_tokens_{tier}": n for tier, n in self.kv_connector.hit_tokens.items()},
             **(self.prefix_tiers.stats() if self.prefix_tiers is not None else {}),
             **(_spec_stats(self.speculator) if self.speculator is not None else {}),
+            "encoder_images_encoded": self.steps.encoder.num_encoded,
+            "encoder_cache_hits": self.steps.encoder.num_cache_hits,
+            "encoder_seconds": self.steps.encoder.seconds,
             **parallel_stats(self.executor),
         }
 

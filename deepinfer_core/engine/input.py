@@ -35,6 +35,18 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
         )
 
 
+def check_image_layout(config) -> None:
+    """Image input runs on one rank so far: refuse it under tensor, data, context or expert parallelism."""
+    layout = {"tensor_parallel_size": config.tensor_parallel_size, "data_parallel_size": config.data_parallel_size,
+              "context_parallel_size": config.context_parallel_size}
+    named = [f"{k}={v}" for k, v in layout.items() if v > 1]
+    if config.enable_expert_parallel:
+        named.append("enable_expert_parallel=True")
+    if named:
+        raise NotImplementedError(f"image input with parallelism: {', '.join(named)} (images run on a single "
+                                  "rank so far)")
+
+
 class InputProcessor:
     """Checks a request against the model before anything is queued.
 
@@ -56,6 +68,19 @@ class InputProcessor:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise `ValueError` for an empty prompt, ids outside the vocabulary or one too long."""
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+
+    def check_images(self, prompt_token_ids: list[int], images, params: SamplingParams) -> None:
+        """Raise `ValueError` for images whose spans do not lie, in order and apart, inside the prompt, and
+        `NotImplementedError` for a prefill/decode transfer of an image prompt (not carried yet)."""
+        end = 0
+        for image in images:
+            if image.offset < end or image.length < 1 or image.end > len(prompt_token_ids):
+                raise ValueError(f"image spans must lie in order inside the prompt's {len(prompt_token_ids)} "
+                                 f"tokens; got one at [{image.offset}, {image.end})")
+            end = image.end
+        if getattr(params, "kv_transfer_params", None) is not None:
+            raise NotImplementedError("image input with prefill/decode disaggregation: send image prompts to an "
+                                      "instance without --role")
 
     def process(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[int | None, Future | None]:
         """Check the prompt and `params` (resolving `bad_words`), then submit the request's grammar.

@@ -43,7 +43,7 @@ import torch
 from deepinfer_core.backends import SamplerOutput
 from deepinfer_core.engine.output import OutputProcessor, ends_by_length
 from deepinfer_core.engine.requests import Request
-from deepinfer_core.plan import NONFINITE_TOKEN, PENDING_TOKEN, StepPlan, StepResult
+from deepinfer_core.plan import NONFINITE_TOKEN, PENDING_TOKEN, EncoderStats, StepPlan, StepResult
 from deepinfer_core.sched.scheduler import Scheduler
 from deepinfer_core.sched.sequence import Sequence
 
@@ -123,6 +123,8 @@ class InFlightSteps:
         self.in_flight: InFlightStep | None = None
         self.launched: tuple[StepPlan, list[Sequence], Callable[[], StepResult]] | None = None
         """A verification step launched and not read: (plan, its sequences, completion)."""
+        self.encoder = EncoderStats()
+        """The vision encoder's work, summed over the steps read (`Engine.stats`)."""
 
     @property
     def is_empty(self) -> bool:
@@ -202,6 +204,8 @@ class InFlightSteps:
         """Record that `plan` ran and take in what it produced: prompt logprobs, sampled tokens (stop rules
         applied), the MTP drafter's next drafts and the accepted drafts."""
         self.scheduler.postprocess(plan)
+        if result.encoder is not None:
+            self.encoder.add(result.encoder)
         for i, (first, logits) in result.prompt_logits.items():
             if not seqs[i].is_finished:  # aborted while its step was launched (read late): it has no owner now
                 self.output.record_prompt_logprobs(seqs[i], first, logits)

@@ -72,8 +72,9 @@ class RequestRegistry:
         self._structured_output, self._speculator = structured_output, speculator
 
     def create(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               defers_grammar_mask: bool) -> Request:
-        """A new request with its `params.n` sequences (seeded), not yet registered."""
+               defers_grammar_mask: bool, images: tuple = ()) -> Request:
+        """A new request with its `params.n` sequences (seeded), not yet registered; `images`: the
+        prompt's `ImageInput`s, laid into `prompt_token_ids` (`multimodal.lay_images`)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
@@ -86,7 +87,7 @@ class RequestRegistry:
             seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = (base_seed + index) % 2**64
             seq = Sequence(seq_id, prompt_token_ids, params, prompt=prompt, seed=seed,
-                           defers_grammar_mask=defers_grammar_mask)
+                           defers_grammar_mask=defers_grammar_mask, images=images)
             request.completions.append(Completion(seq, request, [] if params.logprobs is not None else None))
             request.seq_ids.append(seq_id)
         return request

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_core import plugins
@@ -234,7 +234,8 @@ def chat(
     encoding = chat_encoding_of(llm)
     conversations = [messages] if is_single_conversation(messages) else messages
     prepared = prepare_conversations(encoding, conversations, tools, thinking, engine.config.max_model_len, options)
-    prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in prepared]
+    prompts = [{"prompt_token_ids": request.prompt_token_ids, "multi_modal_data": {"image": list(request.images)}}
+               if request.images else {"prompt_token_ids": request.prompt_token_ids} for request in prepared]
     params = [sampling_params_for(request, sampling_params) for request in prepared]
     decode_sequence, llm.decode_sequence = getattr(llm, "decode_sequence", False), False
     try:  # chat parses RequestOutputs; DeepInfer 0.1's text-only return is for generate
@@ -242,6 +243,9 @@ def chat(
     finally:
         llm.decode_sequence = decode_sequence
     stop_token_ids = list(getattr(engine, "eos_token_ids", None) or [engine.tokenizer.eos_token_id])
+    # an image's placeholder became its span: usage counts the prompt the model saw
+    prepared = [replace(request, prompt_token_ids=list(output.prompt_token_ids)) if request.images else request
+                for request, output in zip(prepared, outputs)]
     return [parse_output(encoding, request, output, stop_token_ids) for request, output in zip(prepared, outputs)]
 
 

@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -56,6 +57,7 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
     try:
         body = await read_body(request, state.limits, api)
         prepared, fields = await run_in_threadpool(prepare_request, state, api, body)
+        prepared, images = await run_in_threadpool(lay_images_of, state, api, prepared)
         params = sampling_params_of(prepared, api, traffic_class_of(request), kv_transfer_of(request), fields)
         if params.structured_outputs is not None:
             await compile_grammar(state, params, api)
@@ -67,7 +69,7 @@ async def handle_generation(state: ServerState, api: Api, request: Request) -> R
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     response_id = RESPONSE_ID_PREFIXES[api] + uuid.uuid4().hex
     stream = state.encoding.open_stream(prepared, response_id, state.stop_token_ids)
-    run = _Generation(state, api, prepared, params, stream, response_id, arrival)
+    run = _Generation(state, api, prepared, params, stream, response_id, arrival, images)
     if not prepared.stream:
         return await run.whole(request)
     frames = run.frames()
@@ -115,6 +117,24 @@ def prepare_request(state: ServerState, api: Api, raw: bytes) -> tuple[PreparedR
     fields = read_request_fields(body, api)
     encoded = raw if fields.max_completion_tokens is None else with_max_completion_tokens(body, fields)
     return state.encoding.prepare(api, encoded, state.context_limit), fields
+
+
+def lay_images_of(state: ServerState, api: Api, prepared: PreparedRequest) -> tuple[PreparedRequest, tuple]:
+    """The request with its images decoded, processed and laid into its ids (`Engine.prepare_images`),
+    and the laid images; a text request as it is. Runs beside the engine loop (it reads only the config).
+
+    :raises ApiError: 400 for an image the engine refuses (a limit, a bad file, a text-only model), 501
+        for image input the engine's layout does not carry yet.
+    """
+    if not prepared.images:
+        return prepared, ()
+    try:
+        ids, images = state.engine.engine.prepare_images(prepared.prompt_token_ids, list(prepared.images))
+    except ValueError as err:
+        raise ApiError.from_message(400, str(err), api) from err
+    except NotImplementedError as err:
+        raise ApiError.from_message(501, str(err), api) from err
+    return replace(prepared, prompt_token_ids=ids), images
 
 
 def sampling_params_of(prepared: PreparedRequest, api: Api, traffic_class: str | None = None,
@@ -177,15 +197,16 @@ class _Generation:
     """One request's run through the engine, as SSE frames or as one accumulated body."""
 
     def __init__(self, state: ServerState, api: Api, prepared: PreparedRequest, params: SamplingParams,
-                 stream: OutputStream, request_id: str, arrival: float) -> None:
-        self.state, self.api, self.prepared, self.params = state, api, prepared, params
+                 stream: OutputStream, request_id: str, arrival: float, images: tuple = ()) -> None:
+        self.state, self.api, self.prepared, self.params, self.images = state, api, prepared, params, images
         self.stream, self.request_id, self.arrival = stream, request_id, arrival
         self.first_token_at: float | None = None
         self.last_output: Any = None
 
     async def frames(self) -> AsyncIterator[str]:
         """Engine outputs -> this API's SSE frames; stops (and aborts the engine) once the response ends."""
-        outputs = self.state.engine.generate(self.prepared.prompt_token_ids, self.params, self.request_id)
+        outputs = self.state.engine.generate(self.prepared.prompt_token_ids, self.params, self.request_id,
+                                             self.images)
         outcome = "aborted"
         try:
             async for output in outputs:

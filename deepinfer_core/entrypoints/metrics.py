@@ -103,6 +103,10 @@ class ServerMetrics:
             lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"]
         lines += prefix_tier_lines(engine_stats)
         lines += _spec_decode_lines(engine_stats)
+        for name, key, text in _ENCODER_COUNTERS:
+            if key in engine_stats:
+                lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} counter",
+                          f"{PREFIX}_{name} {engine_stats[key]}"]
         for name, histogram, text in (
             ("time_to_first_token_seconds", self.time_to_first_token, "Seconds from arrival to the first token."),
             ("e2e_request_latency_seconds", self.e2e_latency, "Seconds from arrival to the last token."),
@@ -185,6 +189,12 @@ def prefix_tier_lines(stats: dict[str, Any]) -> list[str]:
                   for labels, value in present]
     return lines
 
+
+_ENCODER_COUNTERS = (
+    ("encoder_images_encoded_total", "encoder_images_encoded", "Images run through the vision encoder."),
+    ("encoder_cache_hits_total", "encoder_cache_hits", "Images whose encoder rows came from the encoder cache."),
+    ("encoder_seconds_total", "encoder_seconds", "Seconds the vision encoder ran."),
+)
 
 _SPEC_COUNTERS = (
     ("spec_decode_num_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens proposed by the drafter."),

@@ -67,7 +67,7 @@ class PoolView(Protocol):
     reclaim: Any
 
     def match_prefix(self, seq, lower=None): ...
-    def block_refs(self, token_ids: TokenIds[int]) -> list[BlockRef]: ...
+    def block_refs(self, token_ids: TokenIds[int], images=()) -> list[BlockRef]: ...
     def is_cached(self, key: bytes) -> bool: ...
     def has_free(self, num_blocks: int) -> bool: ...
     def take_block(self) -> int: ...
@@ -170,14 +170,17 @@ class KvConnector:
             return True
         params = getattr(seq.sampling_params, "kv_transfer_params", None)
         source = params if params is not None and params.source else None  # a handle to read, not an export
-        is_ready = self.tiers.is_ready(seq.request_id, lambda: self.block_refs(seq.token_ids), self.pool.is_cached,
+        is_ready = self.tiers.is_ready(seq.request_id, lambda: self.block_refs(seq.token_ids, seq.images),
+                                       self.pool.is_cached,
                                        source)
         seq.is_loading = not is_ready
         return is_ready
 
-    def block_refs(self, token_ids: TokenIds[int]) -> list[BlockRef]:
-        """The key chain of the full blocks a prefix match of `token_ids` can hit (the pool's hashing)."""
-        return self.pool.block_refs(token_ids)
+    def block_refs(self, token_ids: TokenIds[int], images=()) -> list[BlockRef]:
+        """The key chain of the full blocks a prefix match of `token_ids` (with the prompt's `images`,
+        whose content every block they overlap is keyed by) can hit: the pool's hashing, which every
+        tier (host, store, PD transfers) is looked up with."""
+        return self.pool.block_refs(token_ids, images)
 
     # -- saving and release ---------------------------------------------------------------------
 

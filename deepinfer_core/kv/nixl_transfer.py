@@ -229,11 +229,13 @@ def _fetch_handle(source: KvTransferParams, client: HandleClient | None, num_blo
     return read_handle(source, client, num_blocks)
 
 
-def export_prompt(engine, prompt_token_ids: list[int], request_id: str, first_token: int | None) -> dict:
+def export_prompt(engine, prompt_token_ids: list[int], request_id: str, first_token: int | None,
+                  images=()) -> dict:
     """On the engine's thread, after the prompt of `request_id` ran: export its full blocks (from the host
     tier) and its state, and return the handle (`KvExporter.export`); `first_token`: the token it
     sampled, sent on for the decode instance to continue from (None: the decode instance computes the
-    prompt's last token itself, so the state is not sent)."""
+    prompt's last token itself, so the state is not sent); `images`: the prompt's images (`ImageInput`s),
+    whose content the blocks' keys cover."""
     tiers = engine.prefix_tiers
     if tiers is None or tiers.exporter is None or tiers.host is None:
         raise KvTransferError("this engine exports no blocks: start it with kv_transfer_role='prefill' (--role prefill)")
@@ -241,7 +243,7 @@ def export_prompt(engine, prompt_token_ids: list[int], request_id: str, first_to
     state = tiers.pop_state(request_id)
     blocks = []
     # the blocks below the first token: every full block of the prompt
-    for ref in engine.kv_connector.block_refs([*prompt_token_ids, 0]):
+    for ref in engine.kv_connector.block_refs([*prompt_token_ids, 0], images):
         row = tiers.host.get(ref.key, ref.parent, ref.tokens)
         if row is None:
             state = None  # the decode instance can use the state only on top of every block

@@ -45,6 +45,7 @@ from deepinfer_core.kv.blocks import blocks_for
 from deepinfer_core.kv.cache import NULL_BLOCK
 from deepinfer_core.kv.tiers import HIT_TIERS, BlockRef
 from deepinfer_core.models.layer_plan import BLOCK_SIZE
+from deepinfer_core.plan import ImageInput
 from deepinfer_core.sched.sequence import Sequence
 
 _ROOT_REGISTRATION = 0
@@ -55,14 +56,25 @@ class NoFreeBlocksError(RuntimeError):
     """`allocate` was called without a successful `can_allocate` (a scheduler bug, not user input)."""
 
 
-def block_key(parent_key: bytes, token_ids: TokenIds[int]) -> bytes:
-    """Chained content key of one full block: SHA-256 over the parent's key and the block's token ids
-    (int64, little-endian). The first block's parent is the cache fingerprint. Stable across processes
-    and machines; a collision is harmless (hits are verified token by token)."""
+def block_key(parent_key: bytes, token_ids: TokenIds[int], image_salt: bytes = b"") -> bytes:
+    """Chained content key of one full block: SHA-256 over the parent's key, the block's token ids
+    (int64, little-endian) and `image_salt` (`image_salt`: what the images overlapping the block add).
+    The first block's parent is the cache fingerprint. Stable across processes and machines; a
+    collision is harmless (hits are verified token by token)."""
     tokens = array("q", token_ids)
     if sys.byteorder == "big":  # pragma: no cover - keys are little-endian everywhere
         tokens.byteswap()
-    return hashlib.sha256(parent_key + tokens.tobytes()).digest()
+    return hashlib.sha256(parent_key + tokens.tobytes() + image_salt).digest()
+
+
+def image_salt(images: TokenIds[ImageInput], start: int, end: int) -> bytes:
+    """What the images overlapping positions `[start, end)` add to that block's key: each one's content
+    hash and span. An image's positions all carry the same placeholder id, so without this two prompts
+    with different images would share blocks; every block an image touches is keyed by it, and the
+    chain carries it to every block after."""
+    parts = [image.content_hash + array("q", (image.offset, image.length)).tobytes()
+             for image in images if image.offset < end and image.end > start]
+    return b"".join(parts)
 
 
 @dataclass
@@ -284,6 +296,10 @@ class BlockPool:
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
+    def _block_key(self, parent_key: bytes, tokens: tuple[int, ...], images, index: int) -> bytes:
+        salt = image_salt(images, index * self.block_size, (index + 1) * self.block_size) if images else b""
+        return block_key(parent_key, tokens, salt) if salt else block_key(parent_key, tokens)
+
     def match_prefix(self, seq: Sequence, lower: LowerTiers | None = None) -> PrefixMatch:
         """Reference the longest run of cached full blocks that equals `seq`'s leading tokens.
 
@@ -304,7 +320,7 @@ class BlockPool:
         parent_hash = self.cache_fingerprint
         for index in range((seq.num_tokens - 1) // self.block_size):
             tokens = self._block_tokens(seq, index)
-            ref = BlockRef(block_key(parent_hash, tokens), parent_hash, tokens)
+            ref = BlockRef(self._block_key(parent_hash, tokens, seq.images, index), parent_hash, tokens)
             parent = chain.registrations[-1] if chain.registrations else _ROOT_REGISTRATION
             block, tier = self._lookup(ref.key, parent, tokens), "device"
             if block is None and lower is not None:
@@ -334,12 +350,13 @@ class BlockPool:
         lower.place(block.block_id, ref, found)
         return block, found[0]
 
-    def block_refs(self, token_ids: TokenIds[int]) -> list[BlockRef]:
-        """The key chain of the full blocks a prefix match of `token_ids` can hit (not the last token's)."""
+    def block_refs(self, token_ids: TokenIds[int], images: TokenIds[ImageInput] = ()) -> list[BlockRef]:
+        """The key chain of the full blocks a prefix match of `token_ids` (with its `images`) can hit (not
+        the last token's)."""
         refs, parent = [], self.cache_fingerprint
         for index in range((len(token_ids) - 1) // self.block_size):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            key = block_key(parent, tokens)
+            key = self._block_key(parent, tokens, images, index)
             refs.append(BlockRef(key, parent, tokens))
             parent = key
         return refs
@@ -364,7 +381,7 @@ class BlockPool:
             tokens = self._block_tokens(seq, index)
             parent_hash = chain.hashes[-1] if chain.hashes else self.cache_fingerprint
             parent = chain.registrations[-1] if chain.registrations else _ROOT_REGISTRATION
-            block_hash = block_key(parent_hash, tokens)
+            block_hash = self._block_key(parent_hash, tokens, seq.images, index)
             existing = self._lookup(block_hash, parent, tokens)
             if existing is None and not self._release_hash(block_hash):
                 chain.is_broken = True

@@ -242,7 +242,7 @@ class Scheduler:
                 self._planned.add(seq.request_id)
                 history = tuple(seq.token_ids) if seq.needs_token_history else ()
                 new_requests.append(NewRequest(seq.request_id, seq.slot, tuple(table), seq.num_prompt_tokens,
-                                               seq.sampling_params, seq.seed, history))
+                                               seq.sampling_params, seq.seed, history, seq.images))
                 new_blocks = ()
             else:
                 new_blocks = tuple(table[seq.num_planned_blocks :])

@@ -13,7 +13,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from deepinfer_core.plan import PENDING_TOKEN, ReplayRange
+from deepinfer_core.plan import PENDING_TOKEN, ImageInput, ReplayRange
 from deepinfer_core.sampling_params import needs_token_history
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class Sequence:
     :param defers_grammar_mask: its grammar's mask may be filled after its step's forward is queued
         (overlapped decode, any executor: `StructuredOutputManager.plan_rows`), so a grammar alone does
         not make it wait for its last token on the host.
+    :param images: the prompt's images, each laid into its span of `prompt_token_ids`.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class Sequence:
         seed: int | None = None,
         arrival_time: float | None = None,
         defers_grammar_mask: bool = False,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -82,6 +84,8 @@ class Sequence:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
+        self.images = tuple(images)
+        """The prompt's images (their spans, pixels and content hashes); the prefix cache keys cover them."""
         self.sampling_params = sampling_params
         self.needs_token_history = needs_token_history(sampling_params)
         """Its sampling reads its own ids (penalties): the runner is sent them."""

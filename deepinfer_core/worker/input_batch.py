@@ -21,7 +21,7 @@ from deepinfer_core.backends.parallel import ParallelGroups
 from deepinfer_core.backends.sampling_tensors import host_tensor, to_device
 from deepinfer_core.config import ModelConfig
 from deepinfer_core.models.interface import CausalLM, ForwardContext
-from deepinfer_core.plan import PENDING_TOKEN, StepPlan
+from deepinfer_core.plan import PENDING_TOKEN, ImageInput, StepPlan
 from deepinfer_core.sampling_params import SamplingParams
 
 
@@ -37,6 +37,8 @@ class RequestState:
     seed: int
     token_ids: list[int] | None = None
     """Prompt and generated ids, kept only for requests whose sampling reads them (penalties)."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images (`NewRequest.images`): their spans take the vision encoder's rows."""
 
 
 @dataclass
@@ -90,7 +92,8 @@ class InputBatch:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(new.slot, list(new.block_ids), new.num_prompt_tokens,
                                                          new.sampling_params, new.seed,
-                                                         list(new.token_ids) if new.token_ids else None)
+                                                         list(new.token_ids) if new.token_ids else None,
+                                                         new.images)
         states = []
         for request in plan.requests:
             state = self.requests.get(request.request_id)

@@ -33,6 +33,7 @@ from deepinfer_core.speculative import verify as spec_verify
 from deepinfer_core.speculative.rollback import SavedRows
 from deepinfer_core.speculative.runner_side import SpecVerifier
 from deepinfer_core.structured_output.manager import apply_bitmask
+from deepinfer_core.worker.images import ImageRows
 from deepinfer_core.worker.input_batch import CarriedTokens, InputBatch, RequestState
 from deepinfer_core.worker.model_loader import capture_graphs, load_model, make_kv_cache, make_mtp_drafter
 
@@ -109,6 +110,8 @@ class ModelRunner:
         """The MTP drafter (None unless `speculative_config.method == "mtp"`)."""
         self.graphs = capture_graphs(loaded, self.kv_cache, self.inputs, self.mtp)
         """The captured decode graphs (None: decode runs eagerly)."""
+        self.images = ImageRows(self.model, device, int(engine_config.encoder_cache_mib * 2**20))
+        """Each step's image rows and the vision encoder's cache (used only by prompts with images)."""
 
     # the input batch's steps, as methods of the runner: its readers (tests, benches) call or wrap them here
     def update_states(self, plan: StepPlan) -> list[RequestState]:
@@ -147,14 +150,17 @@ class ModelRunner:
             self._step.cache_saved = saved
             return
         states = self.update_states(plan)
-        if self._graph_width(plan):  # decode, or verification with the same number of drafts everywhere
+        image_inputs = self.images.prepare(plan.requests, states) if any(s.images for s in states) else None
+        if image_inputs is None and self._graph_width(plan):  # decode, or verification with the same number of drafts everywhere
             rows = spec_verify.logits_row_requests(plan, list(range(len(states))))
             tensors = self._sampling_tensors(plan, states, rows)  # before the launch: no wait on copies
             saved = self.spec.capture(plan, states) if self.spec is not None else None
             logits = self.graphs.run(plan.requests, states, self._carried)
             self._step = _Step(plan, states, rows, logits, tensors, {}, saved, self.graphs.input_ids[: plan.num_tokens])
             return
-        layout = self.context_parallel.layout(plan, states) if self.context_parallel is not None else None
+        layout = None
+        if self.context_parallel is not None and image_inputs is None:  # (images refuse cp at input)
+            layout = self.context_parallel.layout(plan, states)
         if layout is not None:  # a prefill step split over the cp ranks
             logits, sampled, prompt_spans = self.context_parallel.forward(layout, self._carried)
             prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
@@ -169,7 +175,7 @@ class ModelRunner:
         rows = spec_verify.logits_row_requests(plan, sampled)  # d + 1 rows for a request with d drafts
         tensors = self._sampling_tensors(plan, states, rows)
         saved = self.spec.capture(plan, states) if self.spec is not None else None
-        logits = self.model(ctx, self.kv_cache.layers, logits_indices)
+        logits = self.model(ctx, self.kv_cache.layers, logits_indices, **(image_inputs or {}))
         prompt_logits = {i: (first, logits[row : row + count]) for i, (first, row, count) in prompt_spans.items()}
         self._step = _Step(plan, states, rows, logits[: len(rows)], tensors, prompt_logits, saved, ctx.input_ids)
 
@@ -197,6 +203,7 @@ class ModelRunner:
             grammar_bitmask = torch.from_numpy(grammar_bitmask)
         plan = step.plan
         result = self._sample(plan, step.rows, step.logits, step.tensors, step.prompt_logits, grammar_bitmask)
+        result.encoder = self.images.take_stats()
         if not step.completes:
             return lambda: result
         complete = functools.partial(self._complete, plan, step.states, step.rows, step.logits, step.tensors,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -81,14 +82,47 @@ def test_max_tokens_is_resolved_against_the_context(encoding: RecipeChatEncoding
     assert err.value.status_code == 400 and "maximum context length" in err.value.body
 
 
-def test_images_are_refused_by_v41(v41_checkpoint: Path) -> None:
-    # V4 renders images as "[Unsupported Image]" text; V4.1 has image placeholders we cannot fill yet.
-    encoding = RecipeChatEncoding(load_tokenizer(v41_checkpoint, {"model_type": "deepseek_v41"}), "deepseek_v41")
-    content = [{"type": "text", "text": "what is this"},
-               {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+@pytest.fixture(scope="module")
+def v41_release_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> DeepseekTokenizer:
+    """V4.1's own tokenizer.json (the nine renamed added tokens, `<｜deepseek_image｜>` at 129264)."""
+    from deepinfer_core.models.v41_tiny import v41_tokenizer_json
+
+    directory = tmp_path_factory.mktemp("v41-release")
+    (directory / "tokenizer.json").write_text(v41_tokenizer_json(), encoding="utf-8")
+    return load_tokenizer(directory, {"model_type": "deepseek_v41"})
+
+
+def test_v41_takes_inline_images_in_placeholder_order(v41_release_tokenizer: DeepseekTokenizer) -> None:
+    encoding = RecipeChatEncoding(v41_release_tokenizer, "deepseek_v41")
+    first, second = b"\x89PNG first", b"\x89PNG second"
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(first).decode()}},
+               {"type": "text", "text": "and"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(second).decode()}}]
     body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": content}]}
-    with pytest.raises(ApiError, match="Image inputs") as err:
+    prepared = encoding.prepare("chat", body, 4096)
+    assert prepared.images == (first, second)  # the engine decodes them (and refuses what is not an image)
+    assert prepared.prompt_token_ids.count(dr.IMAGE_SPECIAL_TOKEN_ID) == 2
+
+
+@pytest.mark.parametrize("url", ["https://example.com/cat.png", "data:image/png,notbase64"])
+def test_v41_refuses_images_it_would_have_to_fetch_or_cannot_read(v41_release_tokenizer: DeepseekTokenizer,
+                                                                  url: str) -> None:
+    encoding = RecipeChatEncoding(v41_release_tokenizer, "deepseek_v41")
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    with pytest.raises(ApiError) as err:
         encoding.prepare("chat", body, 4096)
+    message = json.loads(err.value.body)["error"]["message"]
+    assert err.value.status_code == 400 and ("not fetched" in message or "image_url format" in message)
+
+
+def test_v4_refuses_images_instead_of_rendering_a_placeholder(encoding: RecipeChatEncoding) -> None:
+    # recipe renders V4's image parts as "[Unsupported Image]" text; the model would answer blind
+    body = {"model": "tiny-v4", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}
+    with pytest.raises(ApiError, match="takes text only") as err:
+        encoding.prepare("chat", json.dumps(body).encode(), 4096)
     assert err.value.status_code == 400
 
 

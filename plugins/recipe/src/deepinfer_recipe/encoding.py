@@ -9,6 +9,7 @@ from typing import Any
 import deepseek_recipe as dr
 
 from deepinfer_core.chat_contract import Api, ApiError, PreparedRequest, error_body
+from deepinfer_core.multimodal.decode import ImageError, image_bytes_from_url
 from deepinfer_core.sampling_params import StructuredOutputsParams
 from deepinfer_recipe.stream import PROTOCOLS, RecipeOutputStream
 from deepinfer_recipe.tokenizer import V41_MODEL_TYPE, DeepseekTokenizer
@@ -62,6 +63,11 @@ class RecipeChatEncoding:
         self.options = dr.ConversionOptions().with_model_versions_by_name(
             {name: self.model_version for name in self.model_names}
         )
+        image_spelling = tokenizer.hf.id_to_token(dr.IMAGE_SPECIAL_TOKEN_ID) if is_v41 else None
+        if image_spelling is not None:  # V4.1's tokenizer renamed the image token (`<｜deepseek_image｜>`)
+            special_tokens = dr.SpecialTokens(image=image_spelling)  # placed by conversion, read by encoding
+            self.encoding = self.encoding.with_special_tokens(special_tokens)
+            self.options = self.options.with_special_tokens(special_tokens)
 
     def with_model_names(self, model_names: list[str]) -> RecipeChatEncoding:
         """The same encoding, serving under `model_names[0]` and accepting every name in `model_names`."""
@@ -80,11 +86,13 @@ class RecipeChatEncoding:
             raise ValueError(f"unknown API {api!r}; expected one of {sorted(PROTOCOLS)}")
         request_cls = PROTOCOLS[api][0]
         try:
+            if self.model_type != V41_MODEL_TYPE and _has_image_parts(body):
+                raise ApiError.from_message(400, f"this model ({self.model_type}) takes text only, not images", api)
             request = request_cls(body)
             model = request.model
             state = self._read_state(api, request)
             conversation_request = request.convert(self.options)
-            self._reject_unsupported(conversation_request.conversation, api)
+            images = self._images(conversation_request.conversation, api)
             if not isinstance(body, (bytes, str)) or len(body) > PRECOUNT_CHARS_PER_TOKEN * context_limit:
                 self._reject_too_long(conversation_request.conversation, context_limit, api)
             prompt_token_ids = self.encode(conversation_request.conversation)
@@ -107,6 +115,7 @@ class RecipeChatEncoding:
             seed=options.seed,
             logprobs=(options.top_logprobs or 0) if options.logprobs else None,
             structured_outputs=structured_outputs,
+            images=images,
             state=state,
         )
 
@@ -137,10 +146,47 @@ class RecipeChatEncoding:
                 400, f"This model's maximum context length is {context_limit} tokens; the prompt has more "
                 f"than {context_limit - 1} (one position is left for the answer). Shorten the conversation.", api)
 
-    @staticmethod
-    def _reject_unsupported(conversation: dr.Conversation, api: Api) -> None:
-        if any(message.image_sources for message in conversation.messages):
-            raise ApiError.from_message(400, "Image inputs are not supported by this server yet.", api)
+    def _images(self, conversation: dr.Conversation, api: Api) -> tuple[bytes, ...]:
+        """The conversation's images, encoded, in the order of their placeholders in the prompt (OpenAI
+        `image_url` parts, Anthropic `image` blocks, Responses `input_image` items). Only inline images
+        are taken (data: URLs, base64): nothing is fetched. DeepSeek-V4 takes no images."""
+        if not any(message.image_sources for message in conversation.messages):
+            return ()
+        return tuple(_image_bytes(source, api) for source in self.encoding.render_conversation(conversation).image_sources)
+
+
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+"""The content-part types that carry an image: OpenAI Chat, Anthropic Messages, Responses."""
+
+
+def _has_image_parts(body: bytes | str | dict[str, Any]) -> bool:
+    """Whether a request body holds an image part anywhere (recipe renders V4's as placeholder text)."""
+    if isinstance(body, (bytes, str)):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return False  # recipe answers the malformed body with its own 400
+    stack: list[Any] = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if item.get("type") in IMAGE_PART_TYPES:
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _image_bytes(source: dr.ImageSource, api: Api) -> bytes:
+    """One image source's encoded bytes; a URL to fetch or a malformed data URL is a 400."""
+    where = f" ({source.path.lstrip('.')})" if source.path else ""
+    try:
+        if source.kind == "bytes" and source.data is not None:
+            return bytes(source.data)
+        return image_bytes_from_url(source.data_url if source.kind == "data_url" else source.url)
+    except ImageError as err:
+        raise ApiError.from_message(400, f"{err}{where}", api) from err
 
 
 def _structured_outputs(constraint: dr.OutputConstraint | None) -> StructuredOutputsParams | None:

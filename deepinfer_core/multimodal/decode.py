@@ -61,7 +61,9 @@ def pil_image_module():
     try:
         from PIL import Image
     except ImportError as err:
-        raise ImportError("image input needs Pillow: pip install 'deepinfer[vision]'") from err
+        from deepinfer_core.plugins import install_hint
+
+        raise ImportError(f"image input needs Pillow: {install_hint('vision')}") from err
     return Image
 
 

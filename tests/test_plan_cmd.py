@@ -207,3 +207,25 @@ def test_bad_input_is_one_plain_sentence(v4_dir, tmp_path, capsys):
     assert "is neither a checkpoint directory nor a config.json file" in capsys.readouterr().err
     assert main(["plan", str(v4_dir), "--tensor-parallel-size", "8"]) == 1  # 4 heads do not split over 8
     assert "tensor_parallel_size=8 does not fit the model" in capsys.readouterr().err
+
+
+def test_the_dspark_drafter_counts_what_it_loads(tmp_path):
+    """V4.1's `--mtp` counts the DSpark stages as the drafter holds them (FP8 dequantised, FP4 packed), and
+    refuses the layouts the drafter does not run under."""
+    from deepinfer_core.models.v41_tiny import tiny_v41_dspark_config
+
+    model_dir = write_v41_checkpoint(tmp_path / "dspark", tiny_v41_dspark_config(), seed=5)
+    config = registry.load_model_config(model_dir)
+    engine_config = EngineConfig(model=str(model_dir), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=8,
+                                 quantized_weights="native",
+                                 speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    module = ModelRunner(config, engine_config.resolve(config), torch.device("cpu")).mtp.module
+    # its own weights; `module.target` is the target model, shared
+    loaded = sum(t.numel() * t.element_size() for n, t in module.state_dict().items() if n.startswith("mtp."))
+    plan = plan_deployment(model_dir, Layout(data_parallel_size=2), Budget(1.0, 512, mtp=True), dtype=torch.bfloat16)
+    assert loaded and plan.ranks[0].device_bytes["mtp"] == loaded
+    without = plan_deployment(model_dir, Layout(), Budget(1.0, 512), dtype=torch.bfloat16)
+    assert without.ranks[0].device_bytes["mtp"] == 0 and any("--mtp" in note for note in without.notes)
+    with pytest.raises(ValueError, match="data parallelism only"):
+        plan_deployment(model_dir, Layout(data_parallel_size=2, enable_expert_parallel=True),
+                        Budget(1.0, 512, mtp=True), dtype=torch.bfloat16)

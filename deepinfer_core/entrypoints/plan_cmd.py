@@ -37,7 +37,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="where V4.1's Engram tables live (default device)")
     parser.add_argument("--quantized-weights", choices=("native", "dequantize"), default="native",
                         help="native: FP4 experts and FP8 projections stay packed (default); dequantize: all bf16")
-    parser.add_argument("--mtp", action="store_true", help="count the MTP drafter's layer (speculative decoding)")
+    parser.add_argument("--mtp", action="store_true", help="count the checkpoint's drafter: V4's MTP layer, V4.1's DSpark stages (speculative decoding)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(handler=run_plan)
 

@@ -123,7 +123,7 @@ def weight_kind(name: str) -> str:
     """The kind (`KINDS`) of a model tensor, by its name in either family's model."""
     if name.startswith("mtp."):
         return "mtp"
-    if name.startswith("vision."):
+    if name.startswith(("vision.", "aligner.", "image_start", "image_newline", "image_end")):
         return "vision"
     if ".engram." in name or name == "engram_token_map":
         return "engram"
@@ -305,7 +305,9 @@ def rank_weights(config, layout: Layout, budget: Budget, dtype, runnable: bool, 
                               "expert-parallel ranks")
         routed = bytes_by_kind(whole.state_dict().items())["routed_expert"]
         device["routed_expert"] = routed // layout.ep_size
-    if budget.mtp:
+    if budget.mtp and "dspark" in config.capabilities.drafters:
+        device["mtp"] = _dspark_held_bytes(config, layout, dtype, budget.quantized_weights == "native")
+    elif budget.mtp:
         device["mtp"] = _mtp_bytes(config, layout, dtype, fp8, budget.quantized_weights == "native")
     return device, host, plans
 
@@ -378,11 +380,30 @@ def plan_deployment(model: str | Path, layout: Layout, budget: Budget, dtype=Non
         notes.append("no checkpoint beside the config: FP8 projections assumed as DeepSeek's release stores them")
     if not budget.mtp and "mtp" in config.capabilities.drafters and config.num_nextn_predict_layers:
         notes.append("the MTP layer is not counted (it loads only with speculative decoding; add --mtp)")
-    if config.model_type == "deepseek_v41" and config.num_nextn_predict_layers:
-        notes.append(f"DSpark ({_dspark_bytes(config) / 2**30:.1f} GiB in the checkpoint) is not run by this build")
+    if not budget.mtp and "dspark" in config.capabilities.drafters:
+        notes.append(f"the DSpark drafter ({_dspark_bytes(config) / 2**30:.1f} GiB in the checkpoint) is not counted "
+                     "(it loads only with speculative_config method 'dspark'; add --mtp)")
     if any(host.values()):
         notes.append(f"{sum(host.values()) / 2**30:.1f} GiB of Engram tables per rank in pinned host memory")
     return DeploymentPlan(config.model_type, layout, budget, ranks, not refused, refused, notes)
+
+
+def _dspark_held_bytes(config, layout: Layout, dtype, native: bool) -> int:
+    """The DSpark drafter's `mtp.*` weights on one rank as it holds them (its module built on the meta
+    device): whole on every rank (it runs under data parallelism only), FP8 projections dequantised as the
+    target's, FP4 experts packed (`native`) or dequantised."""
+    import torch
+
+    from deepinfer_core.config import ConfigError
+    from deepinfer_core.models.deepseek_v41.dspark import DSparkModule
+
+    if layout.tensor_parallel_size > 1 or layout.enable_expert_parallel:
+        raise ConfigError("the DSpark drafter runs under data parallelism only (not under tensor or expert "
+                          "parallelism); drop --mtp or the layout")
+    fmt = "fp4" if native and config.expert_dtype == "fp4" else "dense"
+    with torch.device("meta"):
+        module = DSparkModule(config, dtype, fmt)
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
 def _dspark_bytes(config) -> int:

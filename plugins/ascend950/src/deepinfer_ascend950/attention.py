@@ -118,13 +118,13 @@ def prepare_window_kv(kv: torch.Tensor, window: torch.Tensor, metadata: Attentio
 
 
 def prepare_compressed(compressed: torch.Tensor, block_tables: torch.Tensor, entries_per_block: int,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       keep_block_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`cmp_kv` `[blocks, epb, 1, D]` (a view of the pool) and its int32 block table, the padding (-1, or
     the engine's null block 0; never read: beyond `seqused_cmp_kv`) replaced by block 1 so that every
-    value is positive."""
+    value is positive. `keep_block_zero`: send 0 as it is (the doctor's probe of whether the op takes it)."""
     usable = compressed.shape[0] // entries_per_block
     view = compressed[: usable * entries_per_block].view(usable, entries_per_block, 1, compressed.shape[1])
-    return view, torch.where(block_tables <= NULL_BLOCK, 1, block_tables).to(torch.int32)
+    return view, torch.where(block_tables < 0 if keep_block_zero else block_tables <= NULL_BLOCK, 1, block_tables).to(torch.int32)
 
 
 @dataclass
@@ -154,6 +154,8 @@ class AscendAttention:
         self.path_counts = {"sparse_flash_mla": 0, "fallback (block id 0)": 0}
         self._step: StepGeometry | None = None
         self._block_zero: tuple[AttentionMetadata, bool] | None = None
+        self.sends_block_zero = False
+        """Send block id 0 to the op as a real block (set only by the doctor's probe, `check.py`)."""
 
     def indexer_topk(self, q, weights, index_keys, metadata: AttentionMetadata, num_entries):
         """PyTorch scoring and top-k on the NPU (see the module docstring for why not the CANN op)."""
@@ -185,7 +187,7 @@ class AscendAttention:
                    "ori_block_table": step.window.block_table}
         if has_cmp:
             tensors["cmp_kv"], tensors["cmp_block_table"] = prepare_compressed(
-                compressed, metadata.block_tables, spec.entries_per_block)
+                compressed, metadata.block_tables, spec.entries_per_block, self.sends_block_zero)
             if spec.is_sparse:
                 tensors["cmp_sparse_indices"] = topk_indices.to(torch.int32).unsqueeze(1)
         out, _ = self.ops.sparse_flash_mla(q, **tensors, **step.op_args, sinks=sinks, metadata=step.op_metadata,

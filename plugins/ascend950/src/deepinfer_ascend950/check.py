@@ -104,6 +104,7 @@ def check_block_zero_accepted(backend, device: torch.device) -> str:
     case.compressed[: spec.entries_per_block] = torch.randn(spec.entries_per_block, spec.head_dim)
     c, r = case.to(device, spec.dtype), conformance._rounded_case(case, spec.dtype)
     backend.needs_fallback = lambda metadata, has_cmp: False  # this instance only
+    backend.sends_block_zero = True
     got = backend.forward(c.q, c.kv, c.window, c.compressed, c.sinks, c.metadata, None, c.num_entries)
     from deepinfer_core.reference.attention import ReferenceAttention
 

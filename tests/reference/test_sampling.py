@@ -303,3 +303,24 @@ def test_adjusted_draws_do_not_depend_on_batch_order(sampler):
     again = sampler.sample(logits[order], reordered).token_ids
     assert again.tolist() == tokens[order].tolist()
     assert tokens[2].item() in (0, 5, 6)
+
+
+def test_rows_cut_to_a_few_tokens_draw_as_the_whole_vocabulary_would():
+    """A row a grammar or filter cut to a few finite logits draws noise for those only (the sparse path);
+    its token is the one the full-vocabulary draw gives, ties going to the lowest id either way."""
+    from deepinfer_core.reference.sampling import _dense_gumbel_argmax, _gumbel_argmax
+
+    width = 4096
+    scaled = torch.full((6, width), float("-inf"))
+    generator = torch.Generator().manual_seed(3)
+    for row, allowed in enumerate([[7], [0, width - 1], list(range(100, 400)), [5, 9, 11]]):
+        scaled[row, allowed] = torch.randn(len(allowed), generator=generator)
+    scaled[3, [5, 9, 11]] = float("inf")  # a tie: the lowest id wins, as argmax's
+    scaled[4] = torch.randn(width, generator=generator)  # dense: drawn over the whole vocabulary
+    # row 5: no finite logit at all (argmax's answer, id 0)
+    seeds, steps = torch.arange(6) * 7919 - 2**62, torch.arange(6) + 3
+    for trial in range(20):
+        got = _gumbel_argmax(scaled, seeds + trial, steps)
+        assert torch.equal(got, _dense_gumbel_argmax(scaled, seeds + trial, steps))
+    assert got[3] == 5 and got[5] == 0
+    assert len({int(_gumbel_argmax(scaled[2:3], seeds[2:3] + t, steps[2:3])) for t in range(20)}) > 1

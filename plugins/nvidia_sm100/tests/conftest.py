@@ -12,6 +12,10 @@ wherever it sits, and the batch-invariance tests rest on that, so under the inte
 The interpreter re-patches `triton.language` on every call of a `@triton.jit` helper inside a kernel,
 though the kernel's launch has patched it already, and that took about a quarter of the kernel tests'
 time; `_patch_lang_once_a_launch` keeps the launch's patches for the helpers it calls.
+
+Every interpreted op also maps its Triton type to a NumPy dtype by building a dict of 20 types and checks
+each block shape it makes (powers of two, the numel cap), about a tenth of the kernel tests' time; both
+are pure functions of the type's name and the shape, so `_cache_type_checks` keeps their answers.
 """
 
 from __future__ import annotations
@@ -80,9 +84,41 @@ def _patch_lang_once_a_launch() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def _cache_type_checks() -> None:
+    """Remember the interpreter's NumPy dtype of each Triton type (by name, which spells the element type
+    and shape) and each block shape's validated numel (see the module's docstring)."""
+    try:
+        from triton.language import core
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    np_dtype, validate = interpreter._get_np_dtype, core.validate_block_shape
+    np_dtypes: dict[str, np.dtype] = {}
+    numels: dict[tuple, int] = {}
+
+    def get_np_dtype(tt_dtype):
+        name = getattr(tt_dtype, "name", None)
+        if name is None:
+            return np_dtype(tt_dtype)
+        if name not in np_dtypes:
+            np_dtypes[name] = np_dtype(tt_dtype)
+        return np_dtypes[name]
+
+    def validate_block_shape(shape):
+        if type(shape) is not tuple or not all(type(d) is int for d in shape):
+            return validate(shape)  # errors (and lists) as before
+        if shape not in numels:
+            numels[shape] = validate(shape)
+        return numels[shape]
+
+    interpreter._get_np_dtype = get_np_dtype
+    core.validate_block_shape = validate_block_shape
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _row_by_row_dot()
     _patch_lang_once_a_launch()
+    _cache_type_checks()
 
 
 @pytest.fixture

@@ -20,16 +20,16 @@ from tests.models.v41_helpers import random_prompt, tiny_checkpoint
 from tests.oracle import FakeSeq, all_position_logprobs
 
 
-def build(directory, device):
-    """A deterministic runner (the reference's invariant MoE) whose attention and layer ops are the plugin's."""
+def build(directory, device, weights):
+    """A deterministic runner (the reference's invariant MoE) whose attention and layer ops are the plugin's,
+    on `weights` (`load_v41_checkpoint`'s, loaded once for every runner)."""
     from deepinfer_nvidia_sm100.invariant_attention import InvariantTritonAttention
     from deepinfer_nvidia_sm100.invariant_layer_ops import InvariantTritonLayerOps
 
     config = V41Config.from_dir(directory)
-    weights = load_v41_checkpoint(directory, config, torch.float32, "cpu")
     engine_config = EngineConfig(model=str(directory), dtype="float32", max_num_seqs=3, num_kv_blocks=24,
                                  deterministic=True, enforce_eager=True)
-    runner = ModelRunner(config, engine_config.resolve(config), device, weights=weights)
+    runner = ModelRunner(config, engine_config.resolve(config), device, weights=dict(weights))
     model = runner.model
     ops = InvariantTritonLayerOps(runner.model.ops.spec, device)
     model.bind_backends([InvariantTritonAttention(plan.attention) for plan in model.plans],
@@ -51,15 +51,19 @@ def run_steps(runner, prompts: list[list[int]], steps: list[list[int]]) -> list[
 
 
 def test_v41_logprobs_are_the_same_alone_beside_others_and_chunked(kernel_device, tmp_path):
-    # 3 Sinkhorn iterations (the release's 20 were a third of the interpreter's time) still run the loop
-    config = tiny_v41_config(hidden_size=32, moe_intermediate_size=32, hc_sinkhorn_iters=3)
+    # 3 Sinkhorn iterations (the release's 20 were a third of the interpreter's time) still run the loop; 2
+    # heads, not 4 (deterministic RoPE runs a program per head row, half the interpreter's time), still more
+    # than one head in a token's rows
+    config = tiny_v41_config(hidden_size=32, moe_intermediate_size=32, hc_sinkhorn_iters=3, num_attention_heads=2)
     directory = write_v41_checkpoint(tmp_path / "tiny", config, seed=1)
+    weights = load_v41_checkpoint(directory, V41Config.from_dict(config), torch.float32, "cpu")
     target, other = random_prompt(12, seed=1), random_prompt(4, seed=2)
-    alone = run_steps(build(directory, kernel_device), [target], [[12]])[0]
-    beside = run_steps(build(directory, kernel_device), [other, target], [[4, 12]])[1]
+    alone = run_steps(build(directory, kernel_device, weights), [target], [[12]])[0]
+    beside = run_steps(build(directory, kernel_device, weights), [other, target], [[4, 12]])[1]
     # chunked prefill beside a prefill, then beside a decode step (one token), one token beside one token,
     # and one token alone
-    split = run_steps(build(directory, kernel_device), [target, other], [[5, 2], [5, 1], [1, 1], [1, 0]])[0]
+    split = run_steps(build(directory, kernel_device, weights), [target, other],
+                      [[5, 2], [5, 1], [1, 1], [1, 0]])[0]
     assert torch.equal(beside, alone)
     assert torch.equal(split, alone)
 

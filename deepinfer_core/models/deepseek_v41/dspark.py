@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer_core.backends import AttentionSpec, MoESpec, MoEWeights
+from deepinfer_core.backends import AttentionSpec, MoESpec
 from deepinfer_core.backends.layer_ops import HyperWeights, collapse, hyper_residual
 from deepinfer_core.models.deepseek_v4.layers import FP32, RMSNorm
-from deepinfer_core.models.deepseek_v41.modules import Block
+from deepinfer_core.models.deepseek_v41.modules import Block, moe_weights
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan
 
 
@@ -105,7 +105,7 @@ class DSparkModule(nn.Module):
         and one MoE backend per stage."""
         self.target, self.ops, self.rotary = target, target.ops, target.rotary["main"]
         self.moe_backends = list(moe_backends)
-        self.moe_weights = [_stage_moe_weights(stage.ffn) for stage in self.mtp]
+        self.moe_weights = [moe_weights(stage.ffn) for stage in self.mtp]
         self.hc = [(HyperWeights(s.hc_attn_fn, s.hc_attn_base, s.hc_attn_scale),
                     HyperWeights(s.hc_ffn_fn, s.hc_ffn_base, s.hc_ffn_scale)) for s in self.mtp]
 
@@ -206,10 +206,3 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, s
     probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("bmhk,bkd->bmhd", probs.to(keys.dtype), keys).to(q.dtype)
 
-
-def _stage_moe_weights(ffn) -> MoEWeights:
-    experts = ffn.experts
-    return MoEWeights(router=ffn.gate.weight, gate_up=experts.gate_up_proj, down=experts.down_proj,
-                      score_bias=ffn.gate.bias, tid2eid=None,
-                      gate_up_scale=getattr(experts, "gate_up_proj_scale", None),
-                      down_scale=getattr(experts, "down_proj_scale", None))

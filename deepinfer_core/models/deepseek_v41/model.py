@@ -65,7 +65,7 @@ from deepinfer_core.models.deepseek_v41.engram_prefetch import (
     EngramPrefetcher,
     PendingEngram,
 )
-from deepinfer_core.models.deepseek_v41.modules import Block
+from deepinfer_core.models.deepseek_v41.modules import Block, moe_weights
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan, build_v41_plan
 from deepinfer_core.models.deepseek_v41.vision import VisionConfig, check_image_input
 from deepinfer_core.models.deepseek_v41.vision_tower import Aligner, VisionTower, encode_span
@@ -170,7 +170,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.attention_backends, self.moe_backends, self.ops = list(attention), list(moe), ops
         self.index_scorers = [b if isinstance(b, IndexScorer) else None for b in self.attention_backends]
         """Per layer, its attention backend when it hands out indexer scores (`IndexScorer`), else None."""
-        self.moe_weights = [_moe_weights(layer.ffn) for layer in self.layers]
+        self.moe_weights = [moe_weights(layer.ffn) for layer in self.layers]
         self.hc = [(HyperWeights(b.hc_attn_fn, b.hc_attn_base, b.hc_attn_scale),
                     HyperWeights(b.hc_ffn_fn, b.hc_ffn_base, b.hc_ffn_scale)) for b in self.layers]
         self.mix_spec = LayerOpsSpec(self.config.hidden_size, self.hc_mult, self.config.hc_sinkhorn_iters,
@@ -435,10 +435,3 @@ def _check_image_embeds(image_mask: torch.Tensor | None, image_embeds: torch.Ten
         raise ValueError(f"image_embeds must be [{marked}, {hidden}] (one row per image position), "
                          f"got {list(image_embeds.shape)}")
 
-
-def _moe_weights(ffn) -> MoEWeights:
-    experts = ffn.experts
-    return MoEWeights(router=ffn.gate.weight, gate_up=experts.gate_up_proj, down=experts.down_proj,
-                      score_bias=ffn.gate.bias, tid2eid=None,
-                      gate_up_scale=getattr(experts, "gate_up_proj_scale", None),
-                      down_scale=getattr(experts, "down_proj_scale", None))

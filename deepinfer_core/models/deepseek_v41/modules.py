@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_core.backends import MoEWeights
 from deepinfer_core.models.deepseek_v4.layers import FP32, FP4Experts, GroupedLinear, RMSNorm
 from deepinfer_core.models.deepseek_v4.model import Experts
 from deepinfer_core.models.deepseek_v41.plan import V41LayerPlan
@@ -130,3 +131,13 @@ class Block(nn.Module):
         self.ffn = FFNWeights(config, plan, dtype)
         if plan.has_engram:
             self.engram = EngramWeights(config, plan.index, dtype)
+
+
+def moe_weights(ffn) -> MoEWeights:
+    """What a MoE backend reads of a V4.1 block's (or a DSpark stage's) MoE: the router with its `bias`,
+    the routed experts (packed FP4 with their scales, or dense)."""
+    experts = ffn.experts
+    return MoEWeights(router=ffn.gate.weight, gate_up=experts.gate_up_proj, down=experts.down_proj,
+                      score_bias=ffn.gate.bias, tid2eid=None,
+                      gate_up_scale=getattr(experts, "gate_up_proj_scale", None),
+                      down_scale=getattr(experts, "down_proj_scale", None))

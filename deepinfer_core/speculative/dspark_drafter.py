@@ -29,8 +29,6 @@ from dataclasses import replace
 import torch
 
 from deepinfer_core.backends.sampling_tensors import (
-    holds_at_later_positions,
-    prepare_sampling_tensors,
     to_device,
 )
 from deepinfer_core.plan import StepPlan, StepResult
@@ -120,32 +118,19 @@ class DSparkDrafter:
         visible = context_visibility(last_d, first_d, w)[1]
         context = [ring[slots_d] for ring in self.rings]
         hidden, logits = module.block(anchors, last_d, context, visible)
-        tensors = self._tensors(states, [(i, p + 2) for i, p in sampled])
+        tensors = self.target.draft_tensors(states, [(i, p + 2) for i, p in sampled])
         prev, drafts, confidences = anchors, [], []
         for slot in range(self.num_drafts):
             bias, code = module.markov(prev)
             confidences.append(module.confidence(hidden[:, slot], code))
             if slot:
-                tensors = self._deeper(tensors, states, [(i, p + 2 + slot) for i, p in sampled])
+                tensors = self.target.next_draft_tensors(tensors, states, [(i, p + 2 + slot) for i, p in sampled])
             prev = self.target.sampler.sample(logits[:, slot] + bias, tensors).token_ids.to(torch.long)
             drafts.append(prev)
         k = self.num_drafts
         # one copy to the host for both (float64 holds every token id exactly)
         host = torch.cat((torch.stack(drafts, dim=1).double(), torch.stack(confidences, dim=1).double()), dim=1).tolist()
         return [([int(t) for t in row[:k]], row[k:]) for row in host]
-
-    def _tensors(self, states, drafted):
-        """Sampling tensors of the drafts at `drafted` (state index, position of the drafted token)."""
-        return prepare_sampling_tensors(
-            [states[i].sampling_params for i, _ in drafted], [states[i].seed for i, _ in drafted],
-            [p - states[i].num_prompt_tokens for i, p in drafted], self.target.config.eos_token_ids, self.device,
-            self.target.config.vocab_size)
-
-    def _deeper(self, tensors, states, drafted):
-        """The next slot's tensors: `steps` moved on, unless some row's bans follow its history (rebuilt)."""
-        if holds_at_later_positions(tensors, [states[i].sampling_params for i, _ in drafted]):
-            return replace(tensors, steps=tensors.steps + 1)
-        return self._tensors(states, drafted)
 
 
 def context_visibility(last: torch.Tensor, first: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,20 @@ class DraftTarget:
     dtype: torch.dtype
     device: torch.device
 
+    def draft_tensors(self, states, drafted):
+        """The sampling tensors of the drafts at `drafted` (state index, position of the drafted token)."""
+        return prepare_sampling_tensors(
+            [states[i].sampling_params for i, _ in drafted], [states[i].seed for i, _ in drafted],
+            [p - states[i].num_prompt_tokens for i, p in drafted], self.config.eos_token_ids, self.device,
+            self.config.vocab_size)
+
+    def next_draft_tensors(self, tensors, states, drafted):
+        """The next draft's sampling tensors: the same rows one position on, so only `steps` moves (on the
+        device), unless a row's banned ids follow its position (`min_tokens`, bad words): then rebuilt."""
+        if holds_at_later_positions(tensors, [states[i].sampling_params for i, _ in drafted]):
+            return replace(tensors, steps=tensors.steps + 1)
+        return self.draft_tensors(states, drafted)
+
 
 class MTPDrafter:
     """Runs the MTP module over each step's final positions; one per runner."""
@@ -124,7 +138,7 @@ class MTPDrafter:
         else:
             ctx = self._context(rows["requests"], rows["positions"], ids)
             logits, out_streams = self.module(0, ctx, self.cache[0], prev, ids, heads)
-        tensors = self._tensors(states, sampled)
+        tensors = self.target.draft_tensors(states, sampled)
         temperature = host_tensor([states[i].sampling_params.temperature or 1.0 for i, _ in sampled],
                                   torch.float32).to(self.device, non_blocking=True)
         drafts, confidences, probs = [self.target.sampler.sample(logits, tensors).token_ids], [], []
@@ -141,7 +155,7 @@ class MTPDrafter:
                 every = torch.arange(len(sampled), device=self.device)
                 logits, prev = self.module(depth, ctx, self.cache[0], prev, drafts[-1], every)
             # each draft as the request's own sampler draws it at that position (seeded noise included)
-            tensors = self._deeper(tensors, states, [(i, p + depth) for i, p in sampled])
+            tensors = self.target.next_draft_tensors(tensors, states, [(i, p + depth) for i, p in sampled])
             drafts.append(self.target.sampler.sample(logits, tensors).token_ids)
             self._confidence(logits, temperature, drafts[-1], confidences, probs)
         DraftRollback.restore(saved)  # every row: the drafter's cache keeps only computed tokens
@@ -242,20 +256,6 @@ class MTPDrafter:
             start_positions_host=starts, max_seq_len=max(ends),
             window_start_positions_host=windows, window_starts=windows_d,
         )
-
-    def _tensors(self, states, sampled):
-        """The sampling tensors of the drafts at `sampled` (state index, position of the drafted token)."""
-        return prepare_sampling_tensors(
-            [states[i].sampling_params for i, _ in sampled], [states[i].seed for i, _ in sampled],
-            [p - states[i].num_prompt_tokens for i, p in sampled], self.target.config.eos_token_ids, self.device,
-            self.target.config.vocab_size)
-
-    def _deeper(self, tensors, states, sampled):
-        """The next depth's sampling tensors: the same rows one position on, so only `steps` moves (on the
-        device), unless a row's banned ids follow its position (`min_tokens`, bad words): then rebuilt."""
-        if holds_at_later_positions(tensors, [states[i].sampling_params for i, _ in sampled]):
-            return replace(tensors, steps=tensors.steps + 1)
-        return self._tensors(states, sampled)
 
     def _confidence(self, logits, temperature, tokens, confidences: list, probs: list) -> None:
         """Append the drafted tokens' probabilities to `confidences` and (when kept) the distributions

@@ -197,11 +197,10 @@ def test_deeper_drafts_sampling_tensors_equal_a_rebuild_at_their_positions():
     from types import SimpleNamespace
 
     from deepinfer_core import SamplingParams
-    from deepinfer_core.speculative.mtp_drafter import MTPDrafter
+    from deepinfer_core.speculative.mtp_drafter import DraftTarget
 
-    drafter = MTPDrafter.__new__(MTPDrafter)
-    drafter.device = torch.device("cpu")
-    drafter.target = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[1], vocab_size=64))
+    target = DraftTarget(SimpleNamespace(eos_token_ids=[1], vocab_size=64), make_context=None, sampler=None,
+                         num_slots=2, dtype=torch.float32, device=torch.device("cpu"))
 
     def state(**params):
         return SimpleNamespace(sampling_params=SamplingParams(**params), seed=7, num_prompt_tokens=10)
@@ -209,13 +208,13 @@ def test_deeper_drafts_sampling_tensors_equal_a_rebuild_at_their_positions():
     for states, moved in (([state(temperature=0.8, top_k=5), state(temperature=0)], True),
                           ([state(temperature=0.8, min_tokens=4), state(temperature=0)], False)):
         sampled = [(0, 12), (1, 15)]  # drafting positions 12 and 15: 2 and 5 tokens generated
-        tensors = drafter._tensors(states, sampled)
+        tensors = target.draft_tensors(states, sampled)
         for depth in (1, 2):
             shifted = [(i, p + depth) for i, p in sampled]
-            deeper, fresh = drafter._deeper(tensors, states, shifted), drafter._tensors(states, shifted)
+            deeper, fresh = target.next_draft_tensors(tensors, states, shifted), target.draft_tensors(states, shifted)
             assert torch.equal(deeper.steps, fresh.steps) and deeper.banned_token_ids == fresh.banned_token_ids
             assert (deeper.temperature is tensors.temperature) == moved  # moved on, or rebuilt
             tensors = deeper
         if not moved:  # min_tokens 4: EOS banned while 2 and 3 are generated, lifted at 4
-            assert drafter._tensors(states, sampled).banned_token_ids[0] == [1]
+            assert target.draft_tensors(states, sampled).banned_token_ids[0] == [1]
             assert tensors.banned_token_ids is None

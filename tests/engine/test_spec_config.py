@@ -15,11 +15,16 @@ from deepinfer_core.entrypoints.serve_cli import add_serve_parser, engine_config
 from deepinfer_core.models.tiny import embedded_tiny_model_dir
 
 
-def test_serve_flag_reaches_the_engine_config():
+def served_config(speculative_config: str):
+    """The EngineConfig `deepinfer serve --speculative-config SPECULATIVE_CONFIG` builds."""
     parser = argparse.ArgumentParser(prog="deepinfer")
     add_serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
-    config = engine_config_of(args, str(embedded_tiny_model_dir()))
+    args = parser.parse_args(["serve", "--speculative-config", speculative_config])
+    return engine_config_of(args, str(embedded_tiny_model_dir()))
+
+
+def test_serve_flag_reaches_the_engine_config():
+    config = served_config('{"method": "ngram", "num_speculative_tokens": 3}')
     assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
 
 
@@ -83,10 +88,7 @@ def test_dspark_needs_a_checkpoint_that_carries_it():
 def test_dspark_reaches_the_engine_through_serve_and_drafts_from_stored_raw_confidences():
     from deepinfer_core.speculative.proposer import Speculator, StoredDrafter
 
-    parser = argparse.ArgumentParser(prog="deepinfer")
-    add_serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5}'])
-    config = engine_config_of(args, str(embedded_tiny_model_dir()))
+    config = served_config('{"method": "dspark", "num_speculative_tokens": 5}')
     assert config.speculative_config == SpeculativeConfig(method="dspark", num_speculative_tokens=5)
     drafter = Speculator.from_config(config.speculative_config).drafter
     assert isinstance(drafter, StoredDrafter) and drafter.has_raw_confidences and drafter.is_pausable

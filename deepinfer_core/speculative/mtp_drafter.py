@@ -70,6 +70,10 @@ class DraftTarget:
 class MTPDrafter:
     """Runs the MTP module over each step's final positions; one per runner."""
 
+    reads_every_step = False
+    """Called only after steps that sampled (the DSpark drafter, which writes its windows at every step's
+    final positions, says True)."""
+
     def __init__(self, module, target: DraftTarget, num_drafts: int, keeps_probs: bool = False) -> None:
         """`target`: the target's side the drafter reads; `keeps_probs`: keep each rejection-eligible
         request's draft distributions for the next step's rejection sampling (`acceptance="rejection"`)."""

@@ -222,7 +222,7 @@ class ModelRunner:
             draft_probs = self.mtp.draft_probs(plan) if self.mtp is not None else None
             result = self.spec.finish(plan, states, rows, logits, tensors, result, saved, draft_probs)
         # DSpark writes its windows at every step's final positions, a prefill chunk that samples nothing too
-        if self.mtp is not None and (result.output is not None or getattr(self.mtp, "reads_every_step", False)):
+        if self.mtp is not None and (result.output is not None or self.mtp.reads_every_step):
             result.drafts = self.mtp.propose(plan, states, input_ids, self.model.final_streams, result)
         return result
 

@@ -51,7 +51,7 @@ class Sizes:
     experts: int = 256
     top_k: int = 6
     moe_tokens: tuple[int, ...] = (2048, 8192)
-    fp4_tokens: tuple[int, ...] = (1, 16, 64, 2048)
+    fp4_tokens: tuple[int, ...] = (1, 16, 64, 256, 2048, 8192)
     num_variants: int | None = None
     """Candidates per sweep (None: all)."""
 
@@ -84,8 +84,14 @@ MOE_TILES = [((64, 256, 64, 8, 3, True), None), ((64, 64, 64, 4, 4, True), None)
 `None`: the same as gate_up."""
 
 
+POINTS: list[dict] = []
+"""The timed candidates of this run, recorded at its end (`bench_results.record`)."""
+
+
 def report(**row) -> None:
     print(json.dumps(row), flush=True)
+    if "ms" in row:
+        POINTS.append({**row, "variant": str(row["variant"])})
 
 
 def time_variants(label: str, variants, run, sizes: Sizes, **fields) -> None:
@@ -199,12 +205,15 @@ def sweep_moe(device: torch.device, sizes: Sizes) -> None:
 
 
 FP4_VARIANTS = {
-    "decode": [("gemv", (16, 32, 256, 4, 2)), ("gemv", (16, 32, 256, 2, 2)), ("gemv", (16, 32, 256, 8, 2)),
-               ("gemv", (16, 32, 128, 4, 2)), ("gemv", (16, 32, 128, 2, 3)), ("gemv", (16, 16, 512, 4, 2)),
-               ("gemv", (16, 32, 256, 4, 1)), ("gemv", (16, 32, 256, 4, 4)), ("gemv", (16, 64, 256, 8, 2)),
-               ("tile", (16, 64, 128, 4, 3))],
-    "prefill": [("tile", (64, 64, 64, 4, 4, True)), ("tile", (128, 128, 64, 8, 3, True)),
-                ("dequant", (64, 64, 64, 4, 4, True)), ("dequant", (128, 128, 64, 8, 3, True))],
+    "decode": [("gemv", (16, 32, 256, 4, 2)), ("mma", (16, 64, 128, 4, 3)), ("mma", (16, 64, 256, 4, 3)),
+               ("mma", (16, 128, 128, 4, 3)), ("mma", (16, 128, 128, 8, 3)), ("mma", (16, 128, 256, 8, 3)),
+               ("mma", (16, 64, 512, 4, 2)), ("mma", (16, 64, 128, 4, 4, True)), ("mma", (16, 64, 256, 4, 4)),
+               ("mma_halves", (16, 64, 128, 4, 3)), ("tile", (16, 64, 128, 4, 3))],
+    "prefill": [("dequant", (64, 64, 64, 4, 4, True)), ("mma", (64, 128, 128, 8, 3, True)),
+                ("mma", (64, 64, 128, 4, 3, True)), ("mma", (64, 128, 64, 4, 4, True)),
+                ("mma", (128, 128, 128, 8, 3, True)), ("mma", (128, 128, 64, 8, 4, True)),
+                ("mma", (32, 128, 128, 4, 3, True)), ("mma", (64, 128, 256, 8, 2, True)),
+                ("mma_halves", (64, 128, 64, 8, 3, True)), ("tile", (64, 64, 64, 4, 4, True))],
 }
 """FP4 `GemmConfig` kernels and tiles (block_m, block_n, block_k, num_warps, num_stages[, n_fastest]) at
 decode sizes (at most 16 rows an expert) and beyond."""
@@ -271,6 +280,10 @@ def main() -> None:
         if name not in sweeps:
             sys.exit(f"--only: unknown sweep {name!r}; choose from {', '.join(sweeps)}")
         sweeps[name](device, sizes)
+    if device.type == "cuda":
+        from bench_results import record
+
+        record("prefill_tiles", POINTS, torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import time
 
 import gpu_decode as base
 import torch
+from bench_results import record
 
 from deepinfer_core.backends import quant
 from deepinfer_core.models.deepseek_v4.layers import FP8Linear
@@ -209,6 +210,9 @@ def main() -> None:
             print(json.dumps({"side": row["side"], "batch": batch, "step_floor_bytes": row["step_floor_bytes"]}))
             rows.append(row)
     base.print_table(rows)
+    if device == "cuda":
+        record("quant_decode", [{"workload": f"v4flash-{args.layers}x{args.experts}", "fp8": not args.no_fp8, **row}
+                                for row in rows], torch.cuda.get_device_name(), args.commit)
 
 
 if __name__ == "__main__":

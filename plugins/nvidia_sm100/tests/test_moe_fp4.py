@@ -132,9 +132,9 @@ def test_fp4_dequantised_experts_equal_the_reference_dequantisation(kernel_devic
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_dequant_kernel_gives_the_tile_result(kernel_device: torch.device, dtype: torch.dtype) -> None:
-    """Prefill sizes: the experts dequantised, then the dense tiles (the default there), give the FP4
-    tiles' result."""
-    from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE, pick_config
+    """Prefill sizes: the experts dequantised, then the dense tiles (the default there with fp32
+    activations; bf16 ones take the MMA kernels), give the FP4 tiles' result."""
+    from deepinfer_nvidia_sm100.moe import FP4_MMA_PREFILL, GemmConfig, TritonMoE, pick_config
 
     spec = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=4, dtype=dtype)
     x, input_ids, weights = random_moe_case(spec, 64, seed=9)
@@ -143,8 +143,88 @@ def test_fp4_dequant_kernel_gives_the_tile_result(kernel_device: torch.device, d
     x = x.to(kernel_device, dtype)
     ids, topk_weights = moe.route(x, input_ids.to(kernel_device), packed)
     tiles = (64, 64, 64, 4, 4, True)
-    assert pick_config(64 * spec.top_k, spec.num_experts, x.element_size(), fp4=True) == GemmConfig(*tiles, kernel="dequant")
+    picked = pick_config(64 * spec.top_k, spec.num_experts, x.element_size(), fp4=True)
+    assert picked == (GemmConfig(*tiles, kernel="dequant") if dtype == torch.float32 else FP4_MMA_PREFILL[0])
     want = moe.experts(x, ids, topk_weights, packed, GemmConfig(*tiles)).float()
     got = moe.experts(x, ids, topk_weights, packed, GemmConfig(*tiles, kernel="dequant")).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
     torch.testing.assert_close(got, want, atol=tolerance, rtol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def _fp32_experts(x, ids, topk_weights, packed, spec) -> torch.Tensor:
+    """The routed experts in fp32 on the dequantised weights, expert by expert (only the touched ones),
+    with the SwiGLU activation rounded to the activations' dtype as the kernels store it."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter, limit = spec.intermediate_size, spec.swiglu_limit
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        gate_up = quant.dequantize_fp4(packed.gate_up[expert], packed.gate_up_scale[expert]).float()
+        down = quant.dequantize_fp4(packed.down[expert], packed.down_scale[expert]).float()
+        h = x[token].float() @ gate_up.T
+        gate, up = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(-limit, limit)
+        act = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+        out.index_add_(0, token, topk_weights[token, slot, None] * (act @ down.T))
+    return out
+
+
+def _check_mma(spec, num_tokens: int, device: torch.device, config=None, seed: int = 11) -> None:
+    """The FP4 experts with bf16 activations (`config`, default the plugin's pick) against `_fp32_experts`
+    within bf16's rounding of the output (2% of its largest value: one bf16 step is 0.4-0.8%)."""
+    from deepinfer_nvidia_sm100.moe import TritonMoE
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden, inter, experts = spec.hidden_size, spec.intermediate_size, spec.num_experts
+
+    def packed(rows: int, cols: int):
+        codes = torch.randint(-128, 128, (experts, rows, cols // 2), dtype=torch.int8, device=device, generator=gen)
+        exponents = torch.randint(-9, -5, (experts, rows, cols // quant.FP4_GROUP_SIZE), device=device, generator=gen)
+        return codes, torch.exp2(exponents.float()).to(quant.FP4_SCALE_DTYPE)
+
+    (gate_up, gate_up_scale), (down, down_scale) = packed(2 * inter, hidden), packed(hidden, inter)
+    from deepinfer_core.backends.moe import MoEWeights
+
+    weights = MoEWeights(router=torch.zeros(experts, hidden, device=device, dtype=torch.bfloat16), gate_up=gate_up,
+                         down=down, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(num_tokens, experts, device=device, generator=gen).topk(spec.top_k).indices.to(torch.int32)
+    topk_weights = torch.rand(num_tokens, spec.top_k, device=device, generator=gen)
+    got = TritonMoE(spec).experts(x, ids, topk_weights, weights, config).float()
+    want = _fp32_experts(x, ids, topk_weights, weights, spec)
+    torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+MMA_SPEC = dataclasses.replace(FP4_SPEC, hidden_size=256, intermediate_size=96, num_experts=8, top_k=2,
+                               dtype=torch.bfloat16)
+"""Partial weight tiles (96 columns in tiles of 64) and blocks of one to a dozen rows."""
+
+
+@pytest.mark.parametrize(("num_tokens", "tiles"), [(3, (16, 64, 128, 4, 3)), (40, (64, 64, 64, 4, 4, True))])
+def test_fp4_mma_gives_the_fp32_result(kernel_device: torch.device, num_tokens: int, tiles: tuple) -> None:
+    """The weights as the MMA's first operand, decoded by `tl.dot_scaled` (the bf16 FP4 path)."""
+    from deepinfer_nvidia_sm100.moe import GemmConfig
+
+    _check_mma(MMA_SPEC, num_tokens, kernel_device, GemmConfig(*tiles, kernel="mma"))
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_fp4_mma_halves_gives_the_fp32_result_on_gpu(cuda_device: torch.device, num_tokens: int) -> None:
+    """The same product decoded by hand (Triton's interpreter multiplies bf16 tiles wrongly: GPU only)."""
+    from deepinfer_nvidia_sm100.moe import GemmConfig
+
+    _check_mma(MMA_SPEC, num_tokens, cuda_device, GemmConfig(16, 64, 128, 4, 3, kernel="mma_halves"))
+
+
+RELEASE_SHAPES = {
+    "v4-flash": dataclasses.replace(FP4_SPEC, hidden_size=4096, intermediate_size=2048, num_experts=256, top_k=6,
+                                    dtype=torch.bfloat16),
+    "v41-flash": dataclasses.replace(FP4_SPEC, hidden_size=5120, intermediate_size=2304, num_experts=384, top_k=6,
+                                     dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256, 2048])
+@pytest.mark.parametrize("shape", sorted(RELEASE_SHAPES))
+def test_fp4_bf16_experts_at_release_shapes_on_gpu(cuda_device: torch.device, shape: str, num_tokens: int) -> None:
+    """The kernels the plugin picks for bf16 activations, at the release configs' expert shapes and the
+    row counts of decode and prefill, against the fp32 computation on the dequantised weights."""
+    _check_mma(RELEASE_SHAPES[shape], num_tokens, cuda_device)

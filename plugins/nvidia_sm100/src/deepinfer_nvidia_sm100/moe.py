@@ -34,7 +34,11 @@ from deepinfer_nvidia_sm100.fp4_gemv_kernels import (
     fp4_gate_up_gemv_kernel,
     gemv_grid,
 )
+from deepinfer_nvidia_sm100.fp4_mma_kernels import fp4_mma_down_kernel, fp4_mma_gate_up_kernel
 from deepinfer_nvidia_sm100.moe_kernels import SCORING_CODES, down_kernel, gate_up_kernel, route_kernel
+
+KERNELS = ("tile", "gemv", "dequant", "mma", "mma_halves")
+"""The grouped GEMMs' kernels (`GemmConfig.kernel`)."""
 
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second dimension."""
@@ -52,9 +56,12 @@ class GemmConfig:
     n_fastest: bool = False
     """Launch every output tile of a row block before the next row block (see `moe_kernels._tile`)."""
     kernel: str = "tile"
-    """FP4 experts: "tile" (tensor-core tiles decoded in registers), "gemv" (CUDA-core products with
-    each real row, `fp4_gemv_kernels`) or "dequant" (the experts dequantised to the activations' dtype,
-    then the dense tiles); dense experts always take "tile"."""
+    """FP4 experts: "mma" (bf16 activations: the weights as the tensor-core MMA's first operand, decoded
+    by `tl.dot_scaled`, `fp4_mma_kernels`; `block_m` is then the token rows a tile, `block_n` the weight
+    rows), "mma_halves" (the same, decoded by hand), "tile" (tensor-core tiles decoded in registers as
+    the second operand), "gemv" (CUDA-core products with each real row, `fp4_gemv_kernels`) or "dequant"
+    (the experts dequantised to the activations' dtype, then the dense tiles); dense experts always take
+    "tile"."""
 
     def grid(self, num_blocks: int, num_cols: int) -> tuple[tuple[int, int], bool]:
         """The launch grid over `num_blocks` row blocks and `num_cols` output columns, and whether it puts
@@ -73,15 +80,31 @@ FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stag
 and 1.04 / 2.33 ms for bf16 experts; wider output tiles (64 or 128 columns) at 4 warps run 6-8x slower."""
 
 
+FP4_MMA_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, kernel="mma")
+"""FP4 experts with bf16 activations at decode sizes (at most 16 rows an expert): 16 token rows by 64
+weight rows a tile, the weights the MMA's first operand (`fp4_mma_kernels`)."""
+
+FP4_MMA_PREFILL = (GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True,
+                              kernel="mma"),
+                   GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True,
+                              kernel="mma"))
+"""The same beyond 16 rows an expert: 64 token rows a tile up to 96 rows an expert, 128 beyond."""
+
+
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: bool = False) -> GemmConfig:
     """Small row blocks when experts see few rows (decode: memory-bound), large ones for prefill. FP4
-    experts take the CUDA-core products at decode sizes (`FP4_GEMV`) and, beyond, the dense tiles on the
-    experts dequantised for the call (`kernel="dequant"`: 2,048 tokens 8.6 ms against 22.6 ms decoding
-    tiles in registers, H200; it holds the layer's experts in the activations' dtype while it runs).
+    experts with bf16 activations (`element_size` 2) take the tensor-core kernels with the weights as the
+    MMA's first operand (`FP4_MMA_DECODE`, `FP4_MMA_PREFILL`); with fp32 activations (the CPU tests'
+    oracle runs) the CUDA-core products at decode sizes (`FP4_GEMV`) and beyond, the dense tiles on the
+    experts dequantised for the call (`kernel="dequant"`).
 
     `element_size` is the activation/weight dtype's: fp32 tiles take twice the shared memory, so fp32
     keeps tiles whose pipelined stages fit a Hopper SM (227 KiB)."""
     rows_per_expert = num_rows / num_experts
+    if fp4 and element_size == 2:
+        if rows_per_expert <= 16:
+            return FP4_MMA_DECODE
+        return FP4_MMA_PREFILL[rows_per_expert > 96]
     if rows_per_expert <= 16:
         if fp4:
             return FP4_GEMV
@@ -105,7 +128,7 @@ with 128x128 down tiles)."""
 def pick_down_config(gate_up: GemmConfig, element_size: int = 2) -> GemmConfig:
     """The down projection's tiles: the same rows a block as `gate_up` (they share the sorted rows); the
     down kernel holds one accumulator where gate_up holds two, so it can afford wider tiles."""
-    if gate_up.block_m == DOWN_WIDE.block_m and element_size == 2:
+    if gate_up.block_m == DOWN_WIDE.block_m and element_size == 2 and gate_up.kernel in ("tile", "dequant"):
         return dataclasses.replace(DOWN_WIDE, kernel=gate_up.kernel)
     return gate_up
 
@@ -244,8 +267,8 @@ class TritonMoE:
         if down_config.block_m != config.block_m:
             raise ValueError(f"the two GEMMs share their sorted rows: block_m {config.block_m} and "
                              f"{down_config.block_m} differ")
-        if {config.kernel, down_config.kernel} - {"tile", "gemv", "dequant"}:
-            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: 'tile', 'gemv' or 'dequant'")
+        if {config.kernel, down_config.kernel} - set(KERNELS):
+            raise ValueError(f"unknown GemmConfig.kernel in {config} / {down_config}: one of {', '.join(KERNELS)}")
         if config.kernel != down_config.kernel or (config.kernel != "tile" and not self._fp4):
             raise ValueError(f"both GEMMs take one kernel, and only FP4 experts another than 'tile': {config} / "
                              f"{down_config}")
@@ -258,6 +281,9 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+        if config.kernel in ("mma", "mma_halves"):
+            return self._mma(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
+                             down_config)
         if config.kernel == "gemv":
             return self._gemv(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
                               down_config)
@@ -345,5 +371,35 @@ class TritonMoE:
             hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
             down_scale.stride(1), out.stride(0), BLOCK_M=down_config.block_m, BLOCK_N=down_config.block_n,
             BLOCK_K=down_config.block_k, num_warps=down_config.num_warps, num_stages=down_config.num_stages,
+        )
+        return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)
+
+    def _mma(self, x, gate_up, gate_up_scale, down, down_scale, act, rows: SortedRows, topk_weights,
+             config: GemmConfig, down_config: GemmConfig) -> torch.Tensor:
+        """The two FP4 GEMMs with the weights as the tensor-core MMA's first operand (`fp4_mma_kernels`)."""
+        spec = self.spec
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the FP4 '{config.kernel}' kernels take bf16 activations, got {x.dtype}")
+        num_tokens, hidden = x.shape
+        num_rows, inter = num_tokens * spec.top_k, spec.intermediate_size
+        num_blocks = rows.block_expert.numel()
+        dot_scaled = config.kernel == "mma"
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)  # `tl.dot_scaled` takes e2m1 as uint8
+        grid, n_fastest = config.grid(num_blocks, inter)
+        fp4_mma_gate_up_kernel[grid](
+            x, gate_up, gate_up_scale, act, rows.sorted_rows, rows.block_expert, num_rows, hidden, inter,
+            float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
+            gate_up_scale.stride(1), act.stride(0), TOP_K=spec.top_k, BLOCK_T=config.block_m,
+            BLOCK_W=config.block_n, BLOCK_K=config.block_k, HAS_LIMIT=spec.swiglu_limit > 0, N_FASTEST=n_fastest,
+            DOT_SCALED=dot_scaled, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
+        grid, n_fastest = down_config.grid(num_blocks, hidden)
+        fp4_mma_down_kernel[grid](
+            act, down, down_scale, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1), num_rows,
+            hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
+            down_scale.stride(1), out.stride(0), BLOCK_T=down_config.block_m, BLOCK_W=down_config.block_n,
+            BLOCK_K=down_config.block_k, N_FASTEST=n_fastest, DOT_SCALED=dot_scaled,
+            num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         )
         return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

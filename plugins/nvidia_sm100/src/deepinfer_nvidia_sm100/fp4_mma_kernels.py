@@ -1,0 +1,170 @@
+"""FP4 routed experts on tensor cores with bf16 activations (W4A16): the weights are the MMA's first operand.
+
+Hopper has no FP4 MMA, so each packed e2m1 weight is widened to bf16 in registers before a bf16 MMA.
+Where the widened tile sits decides the speed: as the MMA's second operand it must go through shared
+memory, and every K step pays a register -> shared -> register round trip on top of the decode (the
+`moe_kernels` FP4 tiles, 3.5x slower than bf16 at 16 tokens). As the *first* operand a Hopper `wgmma`
+reads it from registers. So these kernels compute the transposed product, `out.T[n, t] = W[n, :] @
+x[t, :].T`: weight rows (output features) are the MMA's M side, in tiles of `BLOCK_W` (64 or 128, a
+`wgmma`'s natural height), and the block's token rows are its N side, in tiles of `BLOCK_T` (16 at decode:
+one row in a tile of 16 costs the same weight traffic and decode as sixteen). The activations' tile
+`[BLOCK_K, BLOCK_T]` goes through shared memory as a normal operand.
+
+`DOT_SCALED` (the default) hands the packed bytes and their e8m0 exponents to `tl.dot_scaled`, which
+Triton lowers on Hopper to a register-level e2m1 -> bf16 decode, one multiply by the scale, and a
+`wgmma` whose first operand stays in registers. Without it, the kernels decode with
+`moe_kernels._fp4_halves` (the even and the odd input columns as two dots of half width) and call
+`tl.dot`: the same product, kept as the comparison the bench times.
+
+Every launch is sized from the token count alone (CUDA graphs), both epilogues are those of the other
+MoE kernels: the gate/up pair's clamped SwiGLU written per sorted slot, the down projection's rows scaled
+by their routing weights and written at each row's original place.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, _tile
+
+
+@triton.jit
+def _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K: tl.constexpr, STEP: tl.constexpr,
+                   FIRST: tl.constexpr):
+    """The activations' tile, transposed: `[BLOCK_K // STEP, BLOCK_T]` inputs `k0 + FIRST + STEP * i` of
+    the token rows `rows` (zero where a row or an input is out of range)."""
+    offs_k = k0 + FIRST + STEP * tl.arange(0, BLOCK_K // STEP)
+    ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x + offs_k[:, None]
+    return tl.load(ptrs, mask=row_valid[None, :] & (offs_k < k_size)[:, None], other=0.0)
+
+
+@triton.jit
+def _fp4_dot_t(acc, w_ptrs, s_ptrs, w_valid, x_ptr, rows, row_valid, k0, k_size, stride_x,
+               BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr):
+    """`acc[BLOCK_W, BLOCK_T] += W_tile @ x_tile.T` for one K step: `w_ptrs` over the tile's packed bytes
+    `[BLOCK_W, BLOCK_K // 2]`, `s_ptrs` over its e8m0 exponents `[BLOCK_W, BLOCK_K // 32]`."""
+    offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+    h_mask = w_valid[:, None] & (k0 + 2 * offs_h < k_size)[None, :]
+    s_mask = w_valid[:, None] & (k0 + 32 * offs_s < k_size)[None, :]
+    if DOT_SCALED:
+        codes = tl.load(w_ptrs, mask=h_mask, other=0)
+        exponents = tl.load(s_ptrs, mask=s_mask, other=0)
+        x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 1, 0)
+        return tl.dot_scaled(codes, exponents, "e2m1", x_t, None, "bf16", acc, fast_math=True)
+    even, odd = _fp4_halves(w_ptrs, s_ptrs, h_mask, s_mask, BLOCK_W, BLOCK_K, x_ptr.dtype.element_ty)
+    acc = tl.dot(even, _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 2, 0), acc)
+    return tl.dot(odd, _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 2, 1), acc)
+
+
+@triton.jit
+def fp4_mma_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    act_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    hidden,
+    inter,
+    swiglu_limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_act,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    N_FASTEST: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
+):
+    """`act[slot, n] = silu(min(g, limit)) * clamp(u, -limit, limit)` with `g, u = gate_up[e] @ x[token]`,
+    one program per (row block, `BLOCK_W` gate columns and the matching up columns)."""
+    pid_t, pid_w = _tile(N_FASTEST)
+    expert = tl.load(block_expert_ptr + pid_t)
+    if expert < 0:
+        return
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.load(sorted_rows_ptr + offs_t)
+    row_valid = rows < num_rows
+    tokens = tl.where(row_valid, rows // TOP_K, 0)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    w_valid = offs_w < inter
+    g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
+              + tl.arange(0, BLOCK_K // 2)[None, :])
+    gs_ptrs = (s_ptr + expert.to(tl.int64) * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
+               + tl.arange(0, BLOCK_K // 32)[None, :])
+    u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
+    acc_g = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        acc_g = _fp4_dot_t(acc_g, g_ptrs, gs_ptrs, w_valid, x_ptr, tokens, row_valid, k0, hidden, stride_x,
+                           BLOCK_W, BLOCK_K, DOT_SCALED)
+        acc_u = _fp4_dot_t(acc_u, u_ptrs, us_ptrs, w_valid, x_ptr, tokens, row_valid, k0, hidden, stride_x,
+                           BLOCK_W, BLOCK_K, DOT_SCALED)
+        g_ptrs += BLOCK_K // 2
+        u_ptrs += BLOCK_K // 2
+        gs_ptrs += BLOCK_K // 32
+        us_ptrs += BLOCK_K // 32
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, swiglu_limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act_ptrs = act_ptr + offs_t[None, :].to(tl.int64) * stride_act + offs_w[:, None]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=w_valid[:, None])
+
+
+@triton.jit
+def fp4_mma_down_kernel(
+    act_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    row_weights_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    N_FASTEST: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
+):
+    """`out[row, n] = weight[row] * (down[e] @ act[slot])[n]`, written at the row's original place."""
+    pid_t, pid_w = _tile(N_FASTEST)
+    expert = tl.load(block_expert_ptr + pid_t)
+    if expert < 0:
+        return
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.load(sorted_rows_ptr + offs_t)
+    row_valid = rows < num_rows
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    w_valid = offs_w < hidden
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
+              + tl.arange(0, BLOCK_K // 2)[None, :])
+    s_ptrs = (s_ptr + expert.to(tl.int64) * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
+              + tl.arange(0, BLOCK_K // 32)[None, :])
+    acc = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        acc = _fp4_dot_t(acc, w_ptrs, s_ptrs, w_valid, act_ptr, offs_t, row_valid, k0, inter, stride_act,
+                         BLOCK_W, BLOCK_K, DOT_SCALED)
+        w_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 32
+    weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
+    acc = acc * weights[None, :]
+    safe_rows = tl.where(row_valid, rows, 0).to(tl.int64)
+    out_ptrs = out_ptr + safe_rows[None, :] * stride_out + offs_w[:, None]
+    tl.store(out_ptrs, acc, mask=row_valid[None, :] & w_valid[:, None])

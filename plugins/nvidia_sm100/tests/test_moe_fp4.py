@@ -207,11 +207,13 @@ def test_fp4_mma_gives_the_fp32_result(kernel_device: torch.device, num_tokens: 
 
 
 @pytest.mark.parametrize("num_tokens", [3, 40])
-def test_fp4_mma_halves_gives_the_fp32_result_on_gpu(cuda_device: torch.device, num_tokens: int) -> None:
+@pytest.mark.parametrize("kernel", ["mma_halves", "mma_words"])
+def test_fp4_mma_decoded_by_hand_gives_the_fp32_result_on_gpu(cuda_device: torch.device, kernel: str,
+                                                              num_tokens: int) -> None:
     """The same product decoded by hand (Triton's interpreter multiplies bf16 tiles wrongly: GPU only)."""
     from deepinfer_nvidia_sm100.moe import GemmConfig
 
-    _check_mma(MMA_SPEC, num_tokens, cuda_device, GemmConfig(16, 64, 128, 4, 3, kernel="mma_halves"))
+    _check_mma(MMA_SPEC, num_tokens, cuda_device, GemmConfig(16, 64, 256, 4, 3, kernel=kernel))
 
 
 RELEASE_SHAPES = {

@@ -10,11 +10,13 @@ x[t, :].T`: weight rows (output features) are the MMA's M side, in tiles of `BLO
 one row in a tile of 16 costs the same weight traffic and decode as sixteen). The activations' tile
 `[BLOCK_K, BLOCK_T]` goes through shared memory as a normal operand.
 
-`DOT_SCALED` (the default) hands the packed bytes and their e8m0 exponents to `tl.dot_scaled`, which
-Triton lowers on Hopper to a register-level e2m1 -> bf16 decode, one multiply by the scale, and a
-`wgmma` whose first operand stays in registers. Without it, the kernels decode with
-`moe_kernels._fp4_halves` (the even and the odd input columns as two dots of half width) and call
-`tl.dot`: the same product, kept as the comparison the bench times.
+`DECODE` says how a tile is widened: 0 hands the packed bytes and their e8m0 exponents to
+`tl.dot_scaled`, which Triton lowers on Hopper to a register-level e2m1 -> bf16 decode, one multiply by
+the scale, and a `wgmma` whose first operand stays in registers; 1 decodes bytes with
+`moe_kernels._fp4_halves` (the even and the odd input columns as two dots of half width); 2 reads 32-bit
+words of eight codes and decodes two codes an integer operation (`fp4_gemv_kernels._half_codes`), then
+multiplies eight column sets (inputs `8i + j`) by the activations' matching rows. All compute the same
+product; the bench times them side by side.
 
 Every launch is sized from the token count alone (CUDA graphs), both epilogues are those of the other
 MoE kernels: the gate/up pair's clamped SwiGLU written per sorted slot, the down projection's rows scaled
@@ -26,7 +28,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.fp4_gemv_kernels import _half_codes
 from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, _tile
+
+DECODES = {"mma": 0, "mma_halves": 1, "mma_words": 2}
+"""`GemmConfig.kernel` -> the kernels' `DECODE`: `tl.dot_scaled`; bytes decoded into the even and odd
+input columns (`moe_kernels._fp4_halves`); 32-bit words of eight codes decoded two codes an integer
+operation (`fp4_gemv_kernels._half_codes`) into eight column sets."""
+
+CODES_PER_ELEMENT = {0: 2, 1: 2, 2: 8}
+"""Codes a weight-tensor element holds under each `DECODE` (bytes, bytes, 32-bit words)."""
 
 
 @triton.jit
@@ -41,13 +52,28 @@ def _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K: tl.con
 
 @triton.jit
 def _fp4_dot_t(acc, w_ptrs, s_ptrs, w_valid, x_ptr, rows, row_valid, k0, k_size, stride_x,
-               BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr):
-    """`acc[BLOCK_W, BLOCK_T] += W_tile @ x_tile.T` for one K step: `w_ptrs` over the tile's packed bytes
-    `[BLOCK_W, BLOCK_K // 2]`, `s_ptrs` over its e8m0 exponents `[BLOCK_W, BLOCK_K // 32]`."""
-    offs_h, offs_s = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    h_mask = w_valid[:, None] & (k0 + 2 * offs_h < k_size)[None, :]
+               BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
+    """`acc[BLOCK_W, BLOCK_T] += W_tile @ x_tile.T` for one K step: `w_ptrs` over the tile's packed
+    elements `[BLOCK_W, BLOCK_K // CODES_PER_ELEMENT]`, `s_ptrs` over its e8m0 exponents `[BLOCK_W,
+    BLOCK_K // 32]`."""
+    offs_s = tl.arange(0, BLOCK_K // 32)
     s_mask = w_valid[:, None] & (k0 + 32 * offs_s < k_size)[None, :]
-    if DOT_SCALED:
+    if DECODE == 2:
+        offs_q = tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptrs, mask=w_valid[:, None] & (k0 + 8 * offs_q < k_size)[None, :], other=0)
+        exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
+        factors = ((exponents + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127 + 14), s <= 240
+        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_W, BLOCK_K // 32, 4)), (BLOCK_W, BLOCK_K // 8))
+        for j in tl.static_range(4):  # codes j and j + 4 of each word: input columns 8i + j and 8i + j + 4
+            low, high = _half_codes(words, j)
+            x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j)
+            acc = tl.dot((low * factors).to(x_ptr.dtype.element_ty), x_t, acc)
+            x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j + 4)
+            acc = tl.dot((high * factors).to(x_ptr.dtype.element_ty), x_t, acc)
+        return acc
+    offs_h = tl.arange(0, BLOCK_K // 2)
+    h_mask = w_valid[:, None] & (k0 + 2 * offs_h < k_size)[None, :]
+    if DECODE == 0:
         codes = tl.load(w_ptrs, mask=h_mask, other=0)
         exponents = tl.load(s_ptrs, mask=s_mask, other=0)
         x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 1, 0)
@@ -81,7 +107,8 @@ def fp4_mma_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     N_FASTEST: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
+    DECODE: tl.constexpr,
+    CODES: tl.constexpr,
 ):
     """`act[slot, n] = silu(min(g, limit)) * clamp(u, -limit, limit)` with `g, u = gate_up[e] @ x[token]`,
     one program per (row block, `BLOCK_W` gate columns and the matching up columns)."""
@@ -96,7 +123,7 @@ def fp4_mma_gate_up_kernel(
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     w_valid = offs_w < inter
     g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
-              + tl.arange(0, BLOCK_K // 2)[None, :])
+              + tl.arange(0, BLOCK_K // CODES)[None, :])
     gs_ptrs = (s_ptr + expert.to(tl.int64) * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
                + tl.arange(0, BLOCK_K // 32)[None, :])
     u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
@@ -104,11 +131,11 @@ def fp4_mma_gate_up_kernel(
     acc_u = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         acc_g = _fp4_dot_t(acc_g, g_ptrs, gs_ptrs, w_valid, x_ptr, tokens, row_valid, k0, hidden, stride_x,
-                           BLOCK_W, BLOCK_K, DOT_SCALED)
+                           BLOCK_W, BLOCK_K, DECODE)
         acc_u = _fp4_dot_t(acc_u, u_ptrs, us_ptrs, w_valid, x_ptr, tokens, row_valid, k0, hidden, stride_x,
-                           BLOCK_W, BLOCK_K, DOT_SCALED)
-        g_ptrs += BLOCK_K // 2
-        u_ptrs += BLOCK_K // 2
+                           BLOCK_W, BLOCK_K, DECODE)
+        g_ptrs += BLOCK_K // CODES
+        u_ptrs += BLOCK_K // CODES
         gs_ptrs += BLOCK_K // 32
         us_ptrs += BLOCK_K // 32
     if HAS_LIMIT:
@@ -141,7 +168,8 @@ def fp4_mma_down_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     N_FASTEST: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
+    DECODE: tl.constexpr,
+    CODES: tl.constexpr,
 ):
     """`out[row, n] = weight[row] * (down[e] @ act[slot])[n]`, written at the row's original place."""
     pid_t, pid_w = _tile(N_FASTEST)
@@ -154,14 +182,14 @@ def fp4_mma_down_kernel(
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     w_valid = offs_w < hidden
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
-              + tl.arange(0, BLOCK_K // 2)[None, :])
+              + tl.arange(0, BLOCK_K // CODES)[None, :])
     s_ptrs = (s_ptr + expert.to(tl.int64) * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
               + tl.arange(0, BLOCK_K // 32)[None, :])
     acc = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         acc = _fp4_dot_t(acc, w_ptrs, s_ptrs, w_valid, act_ptr, offs_t, row_valid, k0, inter, stride_act,
-                         BLOCK_W, BLOCK_K, DOT_SCALED)
-        w_ptrs += BLOCK_K // 2
+                         BLOCK_W, BLOCK_K, DECODE)
+        w_ptrs += BLOCK_K // CODES
         s_ptrs += BLOCK_K // 32
     weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)
     acc = acc * weights[None, :]

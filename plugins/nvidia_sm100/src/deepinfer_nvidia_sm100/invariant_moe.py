@@ -4,7 +4,8 @@ depends on the token count fixed.
 - Router logits: fixed `ROW_TILE`-row GEMM tiles (`deepinfer_core.reference.invariant.tile_rows`), so cuBLAS
   runs one shape whatever the batch; the routing kernel is one program a token already.
 - Experts: one tile configuration for every step (`invariant_config`: the default's decode tiles, FP4's
-  matrix-vector kernels included), no split-K: each program reduces its rows over the whole hidden (then
+  kernels included: with bf16 activations the MMA with the weights as first operand, where each token's
+  column is its own product), no split-K: each program reduces its rows over the whole hidden (then
   intermediate) dim in `block_k` steps, so a row's products do not depend on how many rows its expert
   has, nor where in a block it lands.
 - Combine: a token's `top_k` weighted rows are added one after another in slot order (the router's pick
@@ -25,8 +26,8 @@ from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE, pick_config
 
 def invariant_config(spec: MoESpec) -> GemmConfig:
     """The grouped GEMMs' tiles for every step of deterministic mode (gate_up and down alike): the ones
-    default mode picks for decode (few rows an expert; FP4 experts: the CUDA-core products, whose rows are
-    computed one by one)."""
+    default mode picks for decode (few rows an expert; FP4 experts: the weights-first MMA with bf16
+    activations, the CUDA-core products with fp32 ones, both computing each row on its own)."""
     element_size = torch.empty(0, dtype=spec.dtype).element_size()
     return pick_config(0, spec.num_experts, element_size, fp4=spec.expert_format == "fp4")
 

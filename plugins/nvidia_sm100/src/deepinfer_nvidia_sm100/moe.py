@@ -34,10 +34,15 @@ from deepinfer_nvidia_sm100.fp4_gemv_kernels import (
     fp4_gate_up_gemv_kernel,
     gemv_grid,
 )
-from deepinfer_nvidia_sm100.fp4_mma_kernels import fp4_mma_down_kernel, fp4_mma_gate_up_kernel
+from deepinfer_nvidia_sm100.fp4_mma_kernels import (
+    CODES_PER_ELEMENT,
+    DECODES,
+    fp4_mma_down_kernel,
+    fp4_mma_gate_up_kernel,
+)
 from deepinfer_nvidia_sm100.moe_kernels import SCORING_CODES, down_kernel, gate_up_kernel, route_kernel
 
-KERNELS = ("tile", "gemv", "dequant", "mma", "mma_halves")
+KERNELS = ("tile", "gemv", "dequant", *DECODES)
 """The grouped GEMMs' kernels (`GemmConfig.kernel`)."""
 
 MAX_GRID_Y = 65535
@@ -58,7 +63,7 @@ class GemmConfig:
     kernel: str = "tile"
     """FP4 experts: "mma" (bf16 activations: the weights as the tensor-core MMA's first operand, decoded
     by `tl.dot_scaled`, `fp4_mma_kernels`; `block_m` is then the token rows a tile, `block_n` the weight
-    rows), "mma_halves" (the same, decoded by hand), "tile" (tensor-core tiles decoded in registers as
+    rows), "mma_halves" and "mma_words" (the same, decoded by hand: `fp4_mma_kernels.DECODES`), "tile" (tensor-core tiles decoded in registers as
     the second operand), "gemv" (CUDA-core products with each real row, `fp4_gemv_kernels`) or "dequant"
     (the experts dequantised to the activations' dtype, then the dense tiles); dense experts always take
     "tile"."""
@@ -281,7 +286,7 @@ class TritonMoE:
         rows = sort_rows_by_expert(ids, spec.num_experts, config.block_m)
         num_blocks = rows.block_expert.numel()
         act = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-        if config.kernel in ("mma", "mma_halves"):
+        if config.kernel in DECODES:
             return self._mma(x, gate_up, gate_up_scale, down, down_scale, act, rows, topk_weights, config,
                              down_config)
         if config.kernel == "gemv":
@@ -383,15 +388,16 @@ class TritonMoE:
         num_tokens, hidden = x.shape
         num_rows, inter = num_tokens * spec.top_k, spec.intermediate_size
         num_blocks = rows.block_expert.numel()
-        dot_scaled = config.kernel == "mma"
-        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)  # `tl.dot_scaled` takes e2m1 as uint8
+        decode = DECODES[config.kernel]
+        element = torch.int32 if CODES_PER_ELEMENT[decode] == 8 else torch.uint8  # `tl.dot_scaled` takes uint8
+        gate_up, down = gate_up.view(element), down.view(element)
         grid, n_fastest = config.grid(num_blocks, inter)
         fp4_mma_gate_up_kernel[grid](
             x, gate_up, gate_up_scale, act, rows.sorted_rows, rows.block_expert, num_rows, hidden, inter,
             float(spec.swiglu_limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0),
             gate_up_scale.stride(1), act.stride(0), TOP_K=spec.top_k, BLOCK_T=config.block_m,
             BLOCK_W=config.block_n, BLOCK_K=config.block_k, HAS_LIMIT=spec.swiglu_limit > 0, N_FASTEST=n_fastest,
-            DOT_SCALED=dot_scaled, num_warps=config.num_warps, num_stages=config.num_stages,
+            DECODE=decode, CODES=CODES_PER_ELEMENT[decode], num_warps=config.num_warps, num_stages=config.num_stages,
         )
         out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
         grid, n_fastest = down_config.grid(num_blocks, hidden)
@@ -399,7 +405,7 @@ class TritonMoE:
             act, down, down_scale, out, rows.sorted_rows, rows.block_expert, topk_weights.reshape(-1), num_rows,
             hidden, inter, act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
             down_scale.stride(1), out.stride(0), BLOCK_T=down_config.block_m, BLOCK_W=down_config.block_n,
-            BLOCK_K=down_config.block_k, N_FASTEST=n_fastest, DOT_SCALED=dot_scaled,
+            BLOCK_K=down_config.block_k, N_FASTEST=n_fastest, DECODE=decode, CODES=CODES_PER_ELEMENT[decode],
             num_warps=down_config.num_warps, num_stages=down_config.num_stages,
         )
         return self.sum_slots(out.view(num_tokens, spec.top_k, hidden)).to(x.dtype)

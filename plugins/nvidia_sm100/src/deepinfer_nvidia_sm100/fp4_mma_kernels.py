@@ -51,36 +51,56 @@ def _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K: tl.con
 
 
 @triton.jit
-def _fp4_dot_t(acc, w_ptrs, s_ptrs, w_valid, x_ptr, rows, row_valid, k0, k_size, stride_x,
-               BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
-    """`acc[BLOCK_W, BLOCK_T] += W_tile @ x_tile.T` for one K step: `w_ptrs` over the tile's packed
-    elements `[BLOCK_W, BLOCK_K // CODES_PER_ELEMENT]`, `s_ptrs` over its e8m0 exponents `[BLOCK_W,
-    BLOCK_K // 32]`."""
+def _scaled_words(w_ptrs, s_ptrs, w_valid, s_mask, k0, k_size, j: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """Codes `j` and `j + 4` of a word tile (input columns `8i + j`, `8i + j + 4`), scaled, in `dtype`."""
+    offs_q = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptrs, mask=w_valid[:, None] & (k0 + 8 * offs_q < k_size)[None, :], other=0)
+    exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
+    factors = ((exponents + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127 + 14), s <= 240
+    factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_W, BLOCK_K // 32, 4)), (BLOCK_W, BLOCK_K // 8))
+    low, high = _half_codes(words, j)
+    return (low * factors).to(dtype), (high * factors).to(dtype)
+
+
+@triton.jit
+def _fp4_step(acc_a, acc_b, a_ptrs, as_ptrs, b_ptrs, bs_ptrs, w_valid, x_ptr, rows, row_valid, k0, k_size,
+              stride_x, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, TWO: tl.constexpr):
+    """One K step of `acc_a += A_tile @ x_tile.T` and, with `TWO`, `acc_b += B_tile @ x_tile.T` on the same
+    activations (loaded once): `*_ptrs` over a tile's packed elements `[BLOCK_W, BLOCK_K //
+    CODES_PER_ELEMENT[DECODE]]`, `*s_ptrs` over its e8m0 exponents `[BLOCK_W, BLOCK_K // 32]`."""
+    dtype = x_ptr.dtype.element_ty
     offs_s = tl.arange(0, BLOCK_K // 32)
     s_mask = w_valid[:, None] & (k0 + 32 * offs_s < k_size)[None, :]
-    if DECODE == 2:
-        offs_q = tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptrs, mask=w_valid[:, None] & (k0 + 8 * offs_q < k_size)[None, :], other=0)
-        exponents = tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32)
-        factors = ((exponents + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127 + 14), s <= 240
-        factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_W, BLOCK_K // 32, 4)), (BLOCK_W, BLOCK_K // 8))
-        for j in tl.static_range(4):  # codes j and j + 4 of each word: input columns 8i + j and 8i + j + 4
-            low, high = _half_codes(words, j)
-            x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j)
-            acc = tl.dot((low * factors).to(x_ptr.dtype.element_ty), x_t, acc)
-            x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j + 4)
-            acc = tl.dot((high * factors).to(x_ptr.dtype.element_ty), x_t, acc)
-        return acc
     offs_h = tl.arange(0, BLOCK_K // 2)
     h_mask = w_valid[:, None] & (k0 + 2 * offs_h < k_size)[None, :]
     if DECODE == 0:
-        codes = tl.load(w_ptrs, mask=h_mask, other=0)
-        exponents = tl.load(s_ptrs, mask=s_mask, other=0)
         x_t = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 1, 0)
-        return tl.dot_scaled(codes, exponents, "e2m1", x_t, None, "bf16", acc, fast_math=True)
-    even, odd = _fp4_halves(w_ptrs, s_ptrs, h_mask, s_mask, BLOCK_W, BLOCK_K, x_ptr.dtype.element_ty)
-    acc = tl.dot(even, _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 2, 0), acc)
-    return tl.dot(odd, _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 2, 1), acc)
+        codes = tl.load(a_ptrs, mask=h_mask, other=0)
+        acc_a = tl.dot_scaled(codes, tl.load(as_ptrs, mask=s_mask, other=0), "e2m1", x_t, None, "bf16", acc_a,
+                              fast_math=True)
+        if TWO:
+            codes = tl.load(b_ptrs, mask=h_mask, other=0)
+            acc_b = tl.dot_scaled(codes, tl.load(bs_ptrs, mask=s_mask, other=0), "e2m1", x_t, None, "bf16", acc_b,
+                                  fast_math=True)
+    elif DECODE == 1:
+        x_even = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 2, 0)
+        x_odd = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 2, 1)
+        even, odd = _fp4_halves(a_ptrs, as_ptrs, h_mask, s_mask, BLOCK_W, BLOCK_K, dtype)
+        acc_a = tl.dot(odd, x_odd, tl.dot(even, x_even, acc_a))
+        if TWO:
+            even, odd = _fp4_halves(b_ptrs, bs_ptrs, h_mask, s_mask, BLOCK_W, BLOCK_K, dtype)
+            acc_b = tl.dot(odd, x_odd, tl.dot(even, x_even, acc_b))
+    else:
+        for j in tl.static_range(4):
+            x_low = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j)
+            x_high = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j + 4)
+            low, high = _scaled_words(a_ptrs, as_ptrs, w_valid, s_mask, k0, k_size, j, BLOCK_W, BLOCK_K, dtype)
+            acc_a = tl.dot(high, x_high, tl.dot(low, x_low, acc_a))
+            if TWO:
+                low, high = _scaled_words(b_ptrs, bs_ptrs, w_valid, s_mask, k0, k_size, j, BLOCK_W, BLOCK_K, dtype)
+                acc_b = tl.dot(high, x_high, tl.dot(low, x_low, acc_b))
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -130,10 +150,8 @@ def fp4_mma_gate_up_kernel(
     acc_g = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        acc_g = _fp4_dot_t(acc_g, g_ptrs, gs_ptrs, w_valid, x_ptr, tokens, row_valid, k0, hidden, stride_x,
-                           BLOCK_W, BLOCK_K, DECODE)
-        acc_u = _fp4_dot_t(acc_u, u_ptrs, us_ptrs, w_valid, x_ptr, tokens, row_valid, k0, hidden, stride_x,
-                           BLOCK_W, BLOCK_K, DECODE)
+        acc_g, acc_u = _fp4_step(acc_g, acc_u, g_ptrs, gs_ptrs, u_ptrs, us_ptrs, w_valid, x_ptr, tokens, row_valid,
+                                 k0, hidden, stride_x, BLOCK_W, BLOCK_K, DECODE, True)
         g_ptrs += BLOCK_K // CODES
         u_ptrs += BLOCK_K // CODES
         gs_ptrs += BLOCK_K // 32
@@ -187,8 +205,8 @@ def fp4_mma_down_kernel(
               + tl.arange(0, BLOCK_K // 32)[None, :])
     acc = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        acc = _fp4_dot_t(acc, w_ptrs, s_ptrs, w_valid, act_ptr, offs_t, row_valid, k0, inter, stride_act,
-                         BLOCK_W, BLOCK_K, DECODE)
+        acc, _ = _fp4_step(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, w_valid, act_ptr, offs_t, row_valid, k0, inter,
+                           stride_act, BLOCK_W, BLOCK_K, DECODE, False)
         w_ptrs += BLOCK_K // CODES
         s_ptrs += BLOCK_K // 32
     weights = tl.load(row_weights_ptr + rows, mask=row_valid, other=0.0)

@@ -389,6 +389,9 @@ class TritonMoE:
         num_rows, inter = num_tokens * spec.top_k, spec.intermediate_size
         num_blocks = rows.block_expert.numel()
         decode = DECODES[config.kernel]
+        if decode == DECODES["mma_words"] and min(config.block_k, down_config.block_k) < 128:
+            raise ValueError(f"'mma_words' multiplies column sets of block_k / 8 inputs: block_k must be >= 128, "
+                             f"got {config} / {down_config}")
         element = torch.int32 if CODES_PER_ELEMENT[decode] == 8 else torch.uint8  # `tl.dot_scaled` takes uint8
         gate_up, down = gate_up.view(element), down.view(element)
         grid, n_fastest = config.grid(num_blocks, inter)

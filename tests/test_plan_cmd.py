@@ -128,6 +128,7 @@ def test_v41_plan_weight_bytes_equal_what_the_engine_loads(v41_dir, placement):
     assert rank.device_bytes == bytes_by_kind((n, t) for n, t in state.items() if n not in host_names)
     assert rank.host_bytes == bytes_by_kind((n, t) for n, t in state.items() if n in host_names)
     assert (rank.host_bytes["engram"] > 0) == (placement == "host")
+    assert state["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn  # the FP8 projections stay FP8
 
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
@@ -202,6 +203,24 @@ def test_the_example_configs_are_the_release_values():
                                   "heavily_compressed_attention"]
 
 
+def test_v41_plan_under_tensor_parallelism_and_from_the_config_alone_equals_what_each_rank_loads(v41_dir, tmp_path):
+    """Cut FP8 projections are loaded dequantised, whole ones stay FP8 (as V4's); without a checkpoint the
+    release's FP8 tensors are assumed, which is what the tiny checkpoint stores."""
+    tp2 = Layout(tensor_parallel_size=2)
+    plan = plan_deployment(v41_dir, tp2, Budget(1.0, 512), dtype=torch.bfloat16)
+    assert plan.runnable
+    for rank in range(tp2.world_size):
+        state = engine_load(v41_dir, tp2, rank).model.state_dict()
+        assert plan.ranks[rank].device_bytes == bytes_by_kind(state.items())
+    assert state["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn  # replicated: whole, FP8
+    assert state["layers.0.attn.wq_b.weight"].dtype == torch.bfloat16  # cut by heads: dequantised
+    shutil.copy(v41_dir / "config.json", tmp_path / "v41.json")
+    for layout in (Layout(), tp2):
+        alone = plan_deployment(tmp_path / "v41.json", layout, Budget(1.0, 512), dtype=torch.bfloat16)
+        beside = plan_deployment(v41_dir, layout, Budget(1.0, 512), dtype=torch.bfloat16)
+        assert [r.device_bytes for r in alone.ranks] == [r.device_bytes for r in beside.ranks]
+
+
 def test_bad_input_is_one_plain_sentence(v4_dir, tmp_path, capsys):
     assert main(["plan", str(tmp_path / "missing.json")]) == 1
     assert "is neither a checkpoint directory nor a config.json file" in capsys.readouterr().err
@@ -210,7 +229,7 @@ def test_bad_input_is_one_plain_sentence(v4_dir, tmp_path, capsys):
 
 
 def test_the_dspark_drafter_counts_what_it_loads(tmp_path):
-    """V4.1's `--mtp` counts the DSpark stages as the drafter holds them (FP8 dequantised, FP4 packed), and
+    """V4.1's `--mtp` counts the DSpark stages as the drafter holds them (FP8 kept, FP4 packed), and
     refuses the layouts the drafter does not run under."""
     from deepinfer_core.models.v41_tiny import tiny_v41_dspark_config
 
@@ -224,6 +243,7 @@ def test_the_dspark_drafter_counts_what_it_loads(tmp_path):
     loaded = sum(t.numel() * t.element_size() for n, t in module.state_dict().items() if n.startswith("mtp."))
     plan = plan_deployment(model_dir, Layout(data_parallel_size=2), Budget(1.0, 512, mtp=True), dtype=torch.bfloat16)
     assert loaded and plan.ranks[0].device_bytes["mtp"] == loaded
+    assert module.state_dict()["mtp.0.main_proj.weight"].dtype == torch.float8_e4m3fn
     without = plan_deployment(model_dir, Layout(), Budget(1.0, 512), dtype=torch.bfloat16)
     assert without.ranks[0].device_bytes["mtp"] == 0 and any("--mtp" in note for note in without.notes)
     with pytest.raises(ValueError, match="data parallelism only"):

@@ -202,6 +202,11 @@ def _stored_fp8(config, dtypes: dict[str, str] | None):
     )
     from deepinfer_core.models.tiny import _FP8_SUFFIXES as RELEASE_FP8_SUFFIXES  # what tiny checkpoints copy
 
+    if config.capabilities.has_checkpoint_loader:  # V4.1's own layout: the model's names are the checkpoint's
+        from deepinfer_core.models.deepseek_v41.release import released_tensors
+
+        stored = dtypes if dtypes is not None else {t.name: t.dtype for t in released_tensors(config)}
+        return lambda name: stored.get(name) == FP8_DTYPE
     if dtypes is None:  # no checkpoint: DeepSeek's release stores these projections in FP8
         return lambda name: name.endswith(RELEASE_FP8_SUFFIXES)
     layout = detect_layout(list(dtypes))
@@ -257,7 +262,7 @@ def rank_model(config, layout: Layout, ep_rank: int, dtype, runnable: bool, fp8=
     """`(model on the meta device, its layer plans)` as `load_model` builds them for EP rank `ep_rank`:
     the rank's tensor-parallel config, packed FP4 experts under "native", its expert slots (runnable
     layouts only) and `FP8Linear`s where `fp8(name)` says a projection is stored FP8 and stays so
-    (not under a tensor-parallel cut, not for a family that dequantises at load)."""
+    (not under a tensor-parallel cut)."""
     import torch
 
     from deepinfer_core.backends.parallel import GroupInfo, ParallelConfig, ParallelGroups
@@ -279,7 +284,7 @@ def rank_model(config, layout: Layout, ep_rank: int, dtype, runnable: bool, fp8=
                              torch.device("cpu")).plans(plans)
     with torch.device("meta"):
         model = model_cls(local, plans, dtype, parallel=ParallelGroups.single())
-        if native and fp8 is not None and config.quantization_config and not model.capabilities.has_checkpoint_loader:
+        if native and fp8 is not None and config.quantization_config:
             shards = tensor_parallel.tensor_shards(tensor_schema(model), 0, layout.tensor_parallel_size)
             kept = [n for n in weight_formats.fp8_projection_names(model) if n not in shards and fp8(n)]
             weight_formats.hold_fp8_linears(model, {n.removesuffix(".weight") + ".weight_scale": None for n in kept},
@@ -306,7 +311,7 @@ def rank_weights(config, layout: Layout, budget: Budget, dtype, runnable: bool, 
         routed = bytes_by_kind(whole.state_dict().items())["routed_expert"]
         device["routed_expert"] = routed // layout.ep_size
     if budget.mtp and "dspark" in config.capabilities.drafters:
-        device["mtp"] = _dspark_held_bytes(config, layout, dtype, budget.quantized_weights == "native")
+        device["mtp"] = _dspark_held_bytes(config, layout, dtype, fp8, budget.quantized_weights == "native")
     elif budget.mtp:
         device["mtp"] = _mtp_bytes(config, layout, dtype, fp8, budget.quantized_weights == "native")
     return device, host, plans
@@ -367,16 +372,13 @@ def plan_deployment(model: str | Path, layout: Layout, budget: Budget, dtype=Non
     config = read_model_config(model)
     path = Path(model)
     dtypes = safetensors_dtypes(path if path.is_dir() else path.parent)
-    # a family with its own loader (V4.1) dequantises its FP8 projections at load: none stays FP8
-    fp8 = None if config.capabilities.has_checkpoint_loader else _stored_fp8(config, dtypes)
+    fp8 = _stored_fp8(config, dtypes)
     refused = refusals(config, layout)
     device, host, plans = rank_weights(config, layout, budget, dtype, not refused, fp8)
     # every rank of these layouts holds the same shapes (its own heads, slices or expert slots)
     ranks = [fit_rank(rank, dict(device), dict(host), plans, dtype, budget) for rank in range(layout.world_size)]
     notes = []
-    if config.capabilities.has_checkpoint_loader and config.quantization_config:
-        notes.append("this build holds the FP8 projections dequantised to bf16 (only FP4 experts and Engram stay packed)")
-    elif dtypes is None and config.quantization_config:
+    if dtypes is None and config.quantization_config:
         notes.append("no checkpoint beside the config: FP8 projections assumed as DeepSeek's release stores them")
     if not budget.mtp and "mtp" in config.capabilities.drafters and config.num_nextn_predict_layers:
         notes.append("the MTP layer is not counted (it loads only with speculative decoding; add --mtp)")
@@ -388,14 +390,15 @@ def plan_deployment(model: str | Path, layout: Layout, budget: Budget, dtype=Non
     return DeploymentPlan(config.model_type, layout, budget, ranks, not refused, refused, notes)
 
 
-def _dspark_held_bytes(config, layout: Layout, dtype, native: bool) -> int:
+def _dspark_held_bytes(config, layout: Layout, dtype, fp8, native: bool) -> int:
     """The DSpark drafter's `mtp.*` weights on one rank as it holds them (its module built on the meta
-    device): whole on every rank (it runs under data parallelism only), FP8 projections dequantised as the
-    target's, FP4 experts packed (`native`) or dequantised."""
+    device): whole on every rank (it runs under data parallelism only), FP8 projections (`fp8(name)`) kept
+    FP8 and FP4 experts packed under `native`, as the target's, else dequantised."""
     import torch
 
     from deepinfer_core.config import ConfigError
     from deepinfer_core.models.deepseek_v41.dspark import DSparkModule
+    from deepinfer_core.models.loading import weight_formats
 
     if layout.tensor_parallel_size > 1 or layout.enable_expert_parallel:
         raise ConfigError("the DSpark drafter runs under data parallelism only (not under tensor or expert "
@@ -403,6 +406,10 @@ def _dspark_held_bytes(config, layout: Layout, dtype, native: bool) -> int:
     fmt = "fp4" if native and config.expert_dtype == "fp4" else "dense"
     with torch.device("meta"):
         module = DSparkModule(config, dtype, fmt)
+        if native and fp8 is not None and config.quantization_config:
+            kept = [n for n in weight_formats.fp8_projection_names(module) if fp8(n)]
+            weight_formats.hold_fp8_linears(module, {n.removesuffix(".weight") + ".weight_scale": None for n in kept},
+                                            config, dtype)
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 

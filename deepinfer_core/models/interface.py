@@ -71,9 +71,11 @@ class CausalLM(Protocol):
     - `layer_plan(config, dtype) -> list[LayerPlan]` (a classmethod);
     - `host_weight_names(names, engram_placement) -> set[str]` (a staticmethod): the weights loaded straight
       into host memory, never onto the device;
-    - `load_checkpoint(model_dir, config, dtype, device, keep_fp4=False, host=(), digest=None)` (a classmethod),
-      only where `capabilities.has_checkpoint_loader`: the weights of its own checkpoint layout, in its names,
-      every byte read given to `digest` (a `loading.weight_digest.WeightDigest`, the cache fingerprint's).
+    - `load_checkpoint(model_dir, config, dtype, device, keep_fp4=False, host=(), digest=None, keep_fp8=())`
+      (a classmethod), only where `capabilities.has_checkpoint_loader`: the weights of its own checkpoint
+      layout, in its names, every byte read given to `digest` (a `loading.weight_digest.WeightDigest`, the
+      cache fingerprint's); the FP8 projections named in `keep_fp8` kept FP8 with a `<name>_scale` beside
+      them, as `loading.weights.load_weights(..., keep_fp8=...)` returns them.
     """
 
     capabilities: ModelCapabilities

@@ -153,6 +153,7 @@ def build_dspark_drafter(engine_config, target, model, parallel, target_moe, tri
     from deepinfer_core import plugins
     from deepinfer_core.backends.moe import check_expert_format
     from deepinfer_core.models.deepseek_v41.dspark_weights import build_dspark, load_dspark_weights
+    from deepinfer_core.models.loading import weight_formats
 
     if parallel.tp.size > 1 or parallel.ep.size > 1:
         raise NotImplementedError(f"DSpark under tensor or expert parallelism: tensor parallel size {parallel.tp.size}, "
@@ -163,13 +164,15 @@ def build_dspark_drafter(engine_config, target, model, parallel, target_moe, tri
         raise NotImplementedError("DSpark with decoder-side trimming: decoder_trimming=True keeps too few rows for "
                                   "its taps")
     config, fmt = target.config, target_moe.expert_format
-    weights = load_dspark_weights(engine_config.model, config, target.dtype, target.device, keep_fp4=fmt == "fp4")
+    weights = load_dspark_weights(engine_config.model, config, target.dtype, target.device, keep_fp4=fmt == "fp4",
+                                  keep_fp8=engine_config.quantized_weights == "native")  # FP8 as the target's
     module = build_dspark(config, target.dtype, weights, target.device, fmt)
     spec = replace(module.plans[0].moe, deterministic=target_moe.deterministic)
     moe = plugins.make_moe(spec, target.device)
     check_expert_format(moe, spec)
+    linears = weight_formats.bind_linears(module, plugins.make_linear, target.device)  # before `bind` adds the target
     module.bind(model, [moe] * len(module.mtp))
     model.keeps_final_streams = True
     drafter = DSparkDrafter(module, target, engine_config.speculative_config.num_speculative_tokens)
-    drafter.backends = [moe]
+    drafter.backends = [moe, *linears]
     return drafter

@@ -149,14 +149,15 @@ def _checkpoint_weights(loaded: LoadedModel, model_cls: type, model, shards, hos
     its own, else the common one (under tensor parallelism only this rank's slices are read)."""
     cfg, experts = loaded.engine_config, loaded.experts
     keep_fp4 = loaded.plans[0].moe.expert_format == "fp4"
+    keep_fp8 = weight_formats.fp8_projection_names(model) if cfg.quantized_weights == "native" else frozenset()
     if model.capabilities.has_checkpoint_loader:  # reads only the rank's slices and experts itself
         return model_cls.load_checkpoint(cfg.model, loaded.config, loaded.dtype, loaded.device, keep_fp4=keep_fp4,
                                          digest=digest, **({"host": host_names} if host_names else {}),
                                          **({"shards": shards} if shards else {}),
-                                         **({"local_experts": experts.local_experts} if experts else {}))
-    native = cfg.quantized_weights == "native"
+                                         **({"local_experts": experts.local_experts} if experts else {}),
+                                         **({"keep_fp8": keep_fp8} if keep_fp8 else {}))
     return load_weights(cfg.model, loaded.config, loaded.dtype, loaded.device, keep_fp4=keep_fp4,
-                        keep_fp8=weight_formats.fp8_projection_names(model) if native else (),
+                        keep_fp8=keep_fp8,
                         local_experts=experts.local_experts if experts else None, shards=shards, digest=digest)
 
 

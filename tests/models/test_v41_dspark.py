@@ -69,7 +69,8 @@ def attach(engine, directory, k: int = 3) -> Recorder:
     runner = engine.runner
     target = DraftTarget(runner.config, runner.inputs.make_context, runner.sampler, runner.num_slots, runner.dtype,
                          runner.device)
-    options = SimpleNamespace(model=str(directory), speculative_config=SimpleNamespace(num_speculative_tokens=k))
+    options = SimpleNamespace(model=str(directory), quantized_weights="native",  # the default: FP8 as the target's
+                              speculative_config=SimpleNamespace(num_speculative_tokens=k))
     drafter = build_dspark_drafter(options, target, runner.model, runner.parallel, runner.plans[0].moe, False)
     if engine.speculator is not None:
         engine.speculator.drafter = StoredDrafter()

@@ -18,8 +18,8 @@ What it computes (DeepSeek's `inference/model.py`, research-v41.md §7 with the 
   draft drawn at slot i - 1; the confidence `proj([h_i; markov.embed(prev_i)])` in fp32, returned RAW
   (no sigmoid: the reference returns the projection itself).
 
-Weights keep the release's names (`mtp.<stage>.attn.wq_a.weight`, ...); FP8 projections are held
-dequantised and FP4 experts packed or dequantised, as the target's are (`load_dspark_weights`). The
+Weights keep the release's names (`mtp.<stage>.attn.wq_a.weight`, ...); FP8 projections are held in FP8
+(`FP8Linear`) or dequantised and FP4 experts packed or dequantised, as the target's are (`load_dspark_weights`). The
 per-request caches and the drafting loop live on the runner side (`speculative.dspark_drafter`).
 """
 

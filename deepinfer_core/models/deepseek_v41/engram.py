@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 DEAD = -1
 """A compressed id standing for an image-span position: it takes part in no n-gram."""
@@ -221,8 +222,11 @@ def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, e
     return (h + gate[..., None] * value.float()[:, None, :]).to(streams.dtype)
 
 
-def engram_forward(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, weight: torch.Tensor, eps: float,
-                   keep: torch.Tensor | None = None) -> torch.Tensor:
+def engram_forward(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor | nn.Module, weight: torch.Tensor,
+                   eps: float, keep: torch.Tensor | None = None) -> torch.Tensor:
     """One Engram layer on its gathered `rows` `[T, cols, dim]` (`EngramTable.lookup`, or prefetched by
-    `engram_prefetch`): project (`wkv` `[(n + 1) * D, cols * dim]`), gate into the streams."""
-    return engram_gate(streams, F.linear(rows.flatten(1).to(wkv.dtype), wkv), weight, eps, keep)
+    `engram_prefetch`): project (`wkv` `[(n + 1) * D, cols * dim]`: the projection module, an `nn.Linear`
+    or an `FP8Linear` kept in the checkpoint's FP8, or a dense weight), gate into the streams."""
+    flat = rows.flatten(1)
+    value = F.linear(flat.to(wkv.dtype), wkv) if isinstance(wkv, torch.Tensor) else wkv(flat.to(streams.dtype))
+    return engram_gate(streams, value, weight, eps, keep)

@@ -112,16 +112,16 @@ class DeepseekV41ForCausalLM(nn.Module):
     @classmethod
     def load_checkpoint(cls, model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
                         host: Collection[str] = (), shards: dict | None = None, local_experts=None,
-                        digest=None):
+                        digest=None, keep_fp8: Collection[str] = ()):
         """Weights from an official-layout checkpoint, in this model's names (`v41_weights`); those
         named in `host` are read into host memory, never onto `device`; under tensor parallelism only
         the rank's `shards` of the cut tensors (`tensor_parallel.tensor_shards`), under expert
-        parallelism only its `local_experts` (layer -> expert per slot); `digest` (a `WeightDigest`) is
-        given the bytes read."""
+        parallelism only its `local_experts` (layer -> expert per slot); the FP8 projections named in
+        `keep_fp8` stay FP8 (with their `_scale`); `digest` (a `WeightDigest`) is given the bytes read."""
         from deepinfer_core.models.deepseek_v41.weights import load_v41_checkpoint
 
         return load_v41_checkpoint(model_dir, config, dtype, device, keep_fp4=keep_fp4, host=host, shards=shards,
-                                   local_experts=local_experts, digest=digest)
+                                   local_experts=local_experts, digest=digest, keep_fp8=keep_fp8)
 
     @staticmethod
     def host_weight_names(names: Collection[str], engram_placement: str) -> set[str]:
@@ -335,7 +335,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             rows = self.tables[i].lookup(engram[:, self.engram_columns[i]])
 
         def run(s, r, *keep):
-            return engram_forward(s, r, weights.wkv.weight, weight, eps, *keep)
+            return engram_forward(s, r, weights.wkv, weight, eps, *keep)
 
         return self.ops.map_rows(run, streams, rows, *(() if image_mask is None else (~image_mask,)))
 

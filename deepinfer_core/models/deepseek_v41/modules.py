@@ -1,7 +1,11 @@
 """DeepSeek-V4.1's parameter containers, named as the official checkpoint names them (`layers.N.attn.wq_a`,
 `layers.N.hc_attn_fn`, ...), except the routed experts, stacked as V4's (`ffn.experts.gate_up_proj`
-`[E, 2I, H]` = cat(w1, w3) per expert, `ffn.experts.down_proj` `[E, H, I]`), FP8 weights held
-dequantised (no `.scale`), and the Engram table held as its raw FP8 / UE8M0 bytes (uint8).
+`[E, 2I, H]` = cat(w1, w3) per expert, `ffn.experts.down_proj` `[E, H, I]`), and the Engram table held
+as its raw FP8 / UE8M0 bytes (uint8). The projections are built dense; under `quantized_weights="native"`
+the loader replaces those the checkpoint stores in FP8 (attention `wq_a`/`wq_b`/`wkv`/`wo_a`/`wo_b`, the
+indexers' `wq_b`, the shared experts, Engram's `wkv`, DSpark's `main_proj`) by `layers.FP8Linear`s
+(`weight` float8_e4m3fn, `weight_scale` the 32x32 UE8M0 block scales as float32), run by the linear
+backend, exactly as V4's (`loading.weight_formats`); the rest of the model calls them as modules.
 """
 
 from __future__ import annotations

@@ -6,13 +6,16 @@ naming all of them. DSpark (`mtp.*`) tensors are skipped and reported (the text 
 tower's (`vision.*`, `aligner.*`, `image_{start,newline,end}`, all BF16) are read in their stored dtype
 when the config has a tower (`vision.VisionConfig.of`; then they are required), else skipped and
 reported. They are replicated under tensor and expert parallelism (`vision.py`). FP8 weights (e4m3 with UE8M0 scales per `weight_block_size`, 32x32 in the release) are
-dequantised to the compute dtype; FP4 experts are dequantised too, or kept packed (`keep_fp4`); the
+dequantised to the compute dtype, except the projections named in `keep_fp8` (`quantized_weights="native"`,
+as V4's loader keeps them: `<name>` float8_e4m3fn, `<name>_scale` the block scales as float32, exact for
+UE8M0; `layers.FP8Linear`'s parameters); FP4 experts are dequantised too, or kept packed (`keep_fp4`); the
 Engram tables stay in their FP8 bytes. The Engram token map is built from the checkpoint's own
 `tokenizer.json`. A config or tokenizer that differs from the release is reported (logged) at load.
 
 Under tensor parallelism (`shards`, `tensor_parallel.tensor_shards` of the rank) only the rank's slices
 of the cut tensors are read: FP8 projections in whole scale blocks where the cut falls on block edges
-(else read whole and cut after dequantising), FP4 experts as their packed bytes and scales.
+(else read whole and cut after dequantising), dequantised even when named in `keep_fp8` (as V4's cut
+projections are), FP4 experts as their packed bytes and scales.
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ _PLAIN_FLOATS = {"BF16": ("BF16", "F32"), "F32": ("F32",)}
 def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4: bool = False,
                         host: Collection[str] = (), shards: dict[str, Shard] | None = None,
                         local_experts: Callable[[int], list[int]] | None = None,
-                        digest=None) -> dict[str, torch.Tensor]:
+                        digest=None, keep_fp8: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The model's weights (its own names) from `model_dir`, checked, dequantised, on `device`; those
-    named in `host` (the Engram tables placed in host memory) are read into host memory instead. With
+    named in `host` (the Engram tables placed in host memory) are read into host memory instead; the
+    FP8 projections named in `keep_fp8` (`weight_formats.fp8_projection_names`) and not cut stay FP8
+    (`<name>_scale` float32 beside them). With
     `shards` (a tensor-parallel rank's, by internal name) only those slices of the cut tensors are read;
     with `local_experts` (layer -> the expert of each of an expert-parallel rank's slots) only those
     routed experts, stacked in slot order; `digest` (a `WeightDigest`) is given the bytes read."""
@@ -71,6 +76,9 @@ def load_v41_checkpoint(model_dir, config, dtype: torch.dtype, device, keep_fp4:
         for name, tensor in expected.items():
             is_scale = name.endswith(".scale") and not name.endswith(ENGRAM_TABLE_SUFFIXES)
             if is_skipped(name, has_vision) or is_scale or ".experts." in name:
+                continue
+            if name in keep_fp8 and tensor.dtype == "F8_E4M3" and name not in shards:
+                weights.update({key: value.to(device) for key, value in _read_fp8(reader, name).items()})
                 continue
             value = _read(reader, name, tensor.dtype, config, dtype, shards.get(name))
             weights[name] = to_host(value) if name in host else value.to(device)
@@ -121,6 +129,13 @@ def _read(reader: SafetensorsReader, name: str, stored: str, config, dtype: torc
         scale = reader.read(name.removesuffix(".weight") + ".scale")
         return quant.dequantize_fp8(tensor, scale, config.fp8_block).to(dtype)
     return tensor
+
+
+def _read_fp8(reader: SafetensorsReader, name: str) -> dict[str, torch.Tensor]:
+    """FP8 projection weight `name` as stored (float8_e4m3fn) and its block scales as float32
+    (`<name>_scale`), what `layers.FP8Linear` holds."""
+    scale = reader.read(name.removesuffix(".weight") + ".scale")
+    return {name: reader.read(name), f"{name}_scale": scale.to(torch.float32)}
 
 
 def _experts(reader, config, layer: int, experts, dtype, device, keep_fp4: bool,

@@ -37,15 +37,16 @@ def test_every_kernel_of_the_tiny_models_compiles_for_sm90():
         assert done.returncode == 0, done.stderr[-4000:]
     rows = {row["model"]: row for done in runs for row in map(json.loads, done.stdout.splitlines())}
     assert set(rows) == {"v4", "v4-quant", "v41", "v4-det", "v41-det", "fp4-prefill"}
-    assert {"gate_up_kernel", "down_kernel", "fp4_dequant_kernel"} <= set(rows["fp4-prefill"]["kernels"])
+    assert {"gate_up_kernel", "down_kernel", "fp4_dequant_kernel", "fp4_mma_gate_up_kernel",
+            "fp4_mma_down_kernel"} <= set(rows["fp4-prefill"]["kernels"])
     assert {"attention_kernel", "gate_up_kernel", "down_kernel", "route_kernel", "hyper_kernel"} <= set(rows["v4"]["kernels"])
     assert rows["v4-quant"]["backends"] == ["TritonFP8Linear", "TritonMoE"]
-    assert {"act_quant_kernel", "fp8_gemm_kernel", "fp4_gate_up_gemv_kernel", "fp4_down_gemv_kernel"} <= set(
+    assert {"act_quant_kernel", "fp8_gemm_kernel", "fp4_mma_gate_up_kernel", "fp4_mma_down_kernel"} <= set(
         rows["v4-quant"]["kernels"])
     assert {"attention_kernel", "route_kernel", "hyper_kernel", "indexer_scores_kernel"} <= set(rows["v41"]["kernels"])
     for family in ("v4-det", "v41-det"):
         assert rows[family]["backends"] == ["CudaSampler", "InvariantTritonAttention", "InvariantTritonLayerOps",
                                             "InvariantTritonMoE"]
         assert {"invariant_attention_kernel", "hyper_tail_kernel", "log_softmax_kernel"} <= set(rows[family]["kernels"])
-    assert {"fp4_gate_up_gemv_kernel", "indexer_scores_kernel"} <= set(rows["v41-det"]["kernels"])
+    assert {"fp4_mma_gate_up_kernel", "indexer_scores_kernel"} <= set(rows["v41-det"]["kernels"])
     assert all(row["target"] == "sm_90" for row in rows.values())

@@ -35,7 +35,13 @@ from deepinfer_core.speculative.runner_side import SpecVerifier
 from deepinfer_core.structured_output.manager import apply_bitmask
 from deepinfer_core.worker.images import ImageRows
 from deepinfer_core.worker.input_batch import CarriedTokens, InputBatch, RequestState
-from deepinfer_core.worker.model_loader import capture_graphs, load_model, make_kv_cache, make_mtp_drafter
+from deepinfer_core.worker.model_loader import (
+    capture_graphs,
+    load_model,
+    make_kv_cache,
+    make_mtp_drafter,
+    profile_step_memory,
+)
 
 __all__ = ["CarriedTokens", "ModelRunner", "RequestState"]
 
@@ -94,7 +100,9 @@ class ModelRunner:
         self.model = loaded.model
         self.sampler = plugins.make_sampler(
             SamplingSpec(vocab_size=model_config.vocab_size, deterministic=engine_config.deterministic), device)
-        self.kv_cache = make_kv_cache(loaded, agree_num_blocks)
+        self.memory_profile = profile_step_memory(loaded, self.sampler)
+        """The largest step's measured peak, which the cache was sized beside (`worker.memory_profile`)."""
+        self.kv_cache = make_kv_cache(loaded, agree_num_blocks, self.memory_profile)
         self.block_io = KvConnectorWorker(block_layout(loaded.plans, loaded.dtype), self.kv_cache.layers)  # the plan's cache ops
         self.inputs = InputBatch(self.model, model_config, loaded.plans, loaded.parallel, device, loaded.num_trim_kept)
         self.context_parallel = (ContextParallel(loaded.parallel.cp, device, self.model, self.kv_cache,

@@ -68,9 +68,14 @@ class MemoryProfile:
         if not self.measured:
             return f"the largest step's peak not measured ({self.reason}): the KV cache is sized without it"
         return (f"the largest step ({self.num_tokens} tokens over {self.num_seqs} sequences, sampling included) "
-                f"peaks at {self.peak_transient / GIB:.2f} GiB above the weights, +{self.non_torch / GIB:.2f} "
-                f"GiB outside torch's allocator; decode graphs reserve {self.graph_reserve / GIB:.2f} GiB "
-                f"(measured in {self.seconds:.1f} s, {self.free / GIB:.2f} GiB free after the weights)")
+                f"peaks at {size(self.peak_transient)} above the weights, +{size(self.non_torch)} outside "
+                f"torch's allocator; decode graphs reserve {size(self.graph_reserve)} (measured in "
+                f"{self.seconds:.1f} s, {size(self.free)} free after the weights)")
+
+
+def size(num_bytes: int) -> str:
+    """Bytes for a person: GiB from 1 GiB up, else MiB."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def not_measured(reason: str) -> MemoryProfile:

@@ -167,6 +167,8 @@ def profile_memory(loaded, sampler, counters: MemoryCounters | None, graphs_widt
         finally:
             if loaded.experts is not None:  # the step's expert loads are no traffic to balance
                 loaded.experts.slot_load.zero_()
+            if getattr(loaded.model, "final_streams", None) is not None:  # kept for a drafter: not a real step's
+                loaded.model.final_streams = None
     now_free, _ = counters.mem_get_info()
     non_torch = max(0, (free - now_free) - (counters.reserved() - reserved))
     counters.empty_cache()

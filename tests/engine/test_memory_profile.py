@@ -140,6 +140,23 @@ def test_the_profile_leaves_no_state_behind(tmp_path, isolated_plugin_manager):
     assert plain.stats()["rank_memory"][0]["step_peak_bytes"] is None
 
 
+def test_the_profile_runs_with_the_drafter_attached(tmp_path, isolated_plugin_manager):
+    """The MTP drafter is built before the profile: its weights are loaded when free memory is read, and
+    the measured step keeps the final streams the drafter reads (dropped again after it)."""
+    seen = []
+
+    class Watching(FakePlatform):
+        def _reset(self) -> None:
+            seen.append((built.model.keeps_final_streams, built.mtp is not None))
+
+    isolated_plugin_manager.register(Watching(FREE, peak=0), name="fake")
+    write_config(tmp_path, CONFIG)
+    cfg = engine_config(tmp_path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    built = ModelRunner.__new__(ModelRunner)  # the hook reads the runner while its __init__ runs
+    ModelRunner.__init__(built, MODEL, cfg.resolve(MODEL), CPU, weights=random_state_dict(CONFIG, seed=5, mtp_layers=1))
+    assert seen == [(True, True)] and built.model.final_streams is None
+
+
 def test_the_cpu_is_not_measured_and_sized_as_before(tmp_path, isolated_plugin_manager, caplog):
     with caplog.at_level(logging.INFO, logger="deepinfer_core.worker.model_loader"):
         built = runner(tmp_path)

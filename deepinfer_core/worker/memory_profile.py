@@ -178,7 +178,33 @@ def profile_memory(loaded, sampler, counters: MemoryCounters | None, graphs_widt
 
 def _step_too_large(cfg, plan: StepPlan, free: int) -> str:
     return (f"the largest step ({plan.num_tokens} tokens over {len(plan.requests)} sequences, max_model_len "
-            f"{cfg.max_model_len}) ran out of device memory at start-up: {free / GIB:.2f} GiB were free after "
-            f"the weights. Lower max_num_batched_tokens (the largest prefill chunk, now "
-            f"{cfg.max_num_batched_tokens}), max_num_seqs (now {cfg.max_num_seqs}) or max_model_len, or spread "
-            "the model over more devices (tensor or expert parallelism).")
+            f"{cfg.max_model_len}) ran out of device memory at start-up: {size(free)} were free after the "
+            f"weights. Lower max_num_batched_tokens (the largest prefill chunk, now {cfg.max_num_batched_tokens}), "
+            f"max_num_seqs (now {cfg.max_num_seqs}) or max_model_len, or spread the model over more devices "
+            "(tensor or expert parallelism).")
+
+
+def no_room(cfg, profile: MemoryProfile, free: int, per_block: int, per_slot: int, blocks: int) -> str:
+    """The start-up error of a cache too small for one max-length request, with the sum that led to it."""
+    needed = -(-cfg.max_model_len // BLOCK_SIZE)
+    step = (f" - {size(profile.reserved)} for the largest step ({profile.num_tokens} tokens over "
+            f"{profile.num_seqs} sequences, measured: {size(profile.peak_transient)} peak + "
+            f"{size(profile.non_torch)} outside torch + {size(profile.graph_reserve)} decode graphs)"
+            if profile.measured else " (the largest step's peak not measured)")
+    return (f"the KV cache has no room for one {cfg.max_model_len}-token request: gpu_memory_utilization "
+            f"{cfg.gpu_memory_utilization} of {size(free)} free after the weights"
+            f" - {size(cfg.max_num_seqs * per_slot)} of state for max_num_seqs={cfg.max_num_seqs} slots"
+            f"{step} leaves {blocks} blocks of {per_block / 2**20:.2f} MiB, and one request needs {needed}. "
+            f"Lower max_num_batched_tokens (the largest prefill chunk, now {cfg.max_num_batched_tokens}), "
+            f"max_num_seqs or max_model_len, raise gpu_memory_utilization, or spread the model over more "
+            "devices (tensor or expert parallelism).")
+
+
+def configured_too_large(cfg, profile: MemoryProfile, per_block: int, per_slot: int) -> str:
+    """The start-up error of a `num_kv_blocks` that does not fit beside the measured step."""
+    cache = cfg.num_kv_blocks * per_block + cfg.max_num_seqs * per_slot
+    return (f"num_kv_blocks={cfg.num_kv_blocks} does not fit: its cache ({size(cache)} with "
+            f"max_num_seqs={cfg.max_num_seqs} slots) and the largest step ({size(profile.reserved)} measured, "
+            f"{profile.num_tokens} tokens over {profile.num_seqs} sequences) exceed the {size(profile.free)} "
+            "free after the weights. Lower num_kv_blocks, max_num_batched_tokens (the largest prefill chunk) "
+            "or max_num_seqs.")

@@ -44,7 +44,13 @@ from deepinfer_core.speculative.mtp_drafter import DraftTarget, MTPDrafter
 from deepinfer_core.speculative.runner_side import build_mtp_drafter
 from deepinfer_core.worker.graphs import DecodeGraphs
 from deepinfer_core.worker.input_batch import InputBatch
-from deepinfer_core.worker.memory_profile import GIB, MemoryProfile, not_measured, profile_memory
+from deepinfer_core.worker.memory_profile import (
+    MemoryProfile,
+    configured_too_large,
+    no_room,
+    not_measured,
+    profile_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -226,13 +232,13 @@ def available_blocks(plans, dtype: torch.dtype, device: torch.device, cfg: Engin
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
         if profile.measured and blocks * per_block + num_slots * per_slot + profile.reserved > profile.free:
-            raise MemoryError(_configured_too_large(cfg, profile, per_block, per_slot))
+            raise MemoryError(configured_too_large(cfg, profile, per_block, per_slot))
     elif device.type != "cpu" or profile.measured:  # torch.cuda, or the vendor's module (torch.npu) of the same shape
         free = profile.free if profile.measured else getattr(torch, device.type).mem_get_info(device)[0]
         budget = free * cfg.gpu_memory_utilization - per_slot * num_slots - profile.reserved
         blocks = max(0, int(budget // per_block))
         if blocks < -(-cfg.max_model_len // BLOCK_SIZE):
-            raise MemoryError(_no_room(cfg, profile, free, per_block, per_slot, blocks))
+            raise MemoryError(no_room(cfg, profile, free, per_block, per_slot, blocks))
     else:  # host memory: enough for every slot at full length, capped by the utilisation fraction
         wanted = num_slots * -(-cfg.max_model_len // BLOCK_SIZE)
         blocks = min(wanted, int(_host_memory() * cfg.gpu_memory_utilization * 0.25 // per_block))
@@ -245,32 +251,6 @@ def available_blocks(plans, dtype: torch.dtype, device: torch.device, cfg: Engin
         per_block / BLOCK_SIZE, per_slot / 2**20,
     )
     return blocks
-
-
-def _no_room(cfg: EngineConfig, profile: MemoryProfile, free: int, per_block: int, per_slot: int, blocks: int) -> str:
-    """The start-up error of a cache too small for one max-length request, with the sum that led to it."""
-    needed = -(-cfg.max_model_len // BLOCK_SIZE)
-    step = (f" - {profile.reserved / GIB:.2f} GiB for the largest step ({profile.num_tokens} tokens over "
-            f"{profile.num_seqs} sequences, measured: {profile.peak_transient / GIB:.2f} peak + "
-            f"{profile.non_torch / GIB:.2f} outside torch + {profile.graph_reserve / GIB:.2f} decode graphs)"
-            if profile.measured else " (the largest step's peak not measured)")
-    return (f"the KV cache has no room for one {cfg.max_model_len}-token request: gpu_memory_utilization "
-            f"{cfg.gpu_memory_utilization} of {free / GIB:.2f} GiB free after the weights"
-            f" - {cfg.max_num_seqs * per_slot / GIB:.2f} GiB of state for max_num_seqs={cfg.max_num_seqs} slots"
-            f"{step} leaves {blocks} blocks of {per_block / 2**20:.2f} MiB, and one request needs {needed}. "
-            f"Lower max_num_batched_tokens (the largest prefill chunk, now {cfg.max_num_batched_tokens}), "
-            f"max_num_seqs or max_model_len, raise gpu_memory_utilization, or spread the model over more "
-            "devices (tensor or expert parallelism).")
-
-
-def _configured_too_large(cfg: EngineConfig, profile: MemoryProfile, per_block: int, per_slot: int) -> str:
-    """The start-up error of a `num_kv_blocks` that does not fit beside the measured step."""
-    cache = cfg.num_kv_blocks * per_block + cfg.max_num_seqs * per_slot
-    return (f"num_kv_blocks={cfg.num_kv_blocks} does not fit: its cache ({cache / GIB:.2f} GiB with "
-            f"max_num_seqs={cfg.max_num_seqs} slots) and the largest step ({profile.reserved / GIB:.2f} GiB "
-            f"measured, {profile.num_tokens} tokens over {profile.num_seqs} sequences) exceed the "
-            f"{profile.free / GIB:.2f} GiB free after the weights. Lower num_kv_blocks, max_num_batched_tokens "
-            "(the largest prefill chunk) or max_num_seqs.")
 
 
 def _host_memory() -> int:

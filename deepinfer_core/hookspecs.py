@@ -29,6 +29,7 @@ from deepinfer_core.backends import (
     LayerOpsSpec,
     LinearBackend,
     LinearSpec,
+    MemoryCounters,
     MoEBackend,
     MoESpec,
     SamplingBackend,
@@ -184,6 +185,23 @@ def graph_api(device: torch.device, decline: Callable[[str], None]) -> GraphApi 
     :param device: the device the model runs on.
     :param decline: call with a reason when returning None.
     :returns: a `deepinfer_core.backends.GraphApi`, or None.
+    """
+
+
+@hookspec(firstresult=True)
+def memory_counters(device: torch.device, decline: Callable[[str], None]) -> MemoryCounters | None:
+    """Offer `device`'s allocator counters, with which start-up measures the largest step's peak memory.
+
+    Called once while the engine is built, after the weights load and before the KV cache is sized: the
+    engine runs its worst-case step and sizes the cache from the measured peak (the transients no
+    estimate sees, such as a layer's dequantised experts). First result wins. Return None (calling
+    `decline` with a reason) for a device you do not serve; when every plugin declines, the peak is
+    "not measured" and the cache is sized from free memory alone, as the log says. The reference plugin
+    declines every device.
+
+    :param device: the device the model runs on.
+    :param decline: call with a reason when returning None.
+    :returns: a `deepinfer_core.backends.MemoryCounters` bound to `device`, or None.
     """
 
 

@@ -44,7 +44,7 @@ ACCELERATOR_DEVICE_TYPES = {"nvidia": "cuda", "ascend": "npu", "cpu": "cpu"}
 DEVICE_EXTENSIONS = {"npu": "torch_npu"}
 """Device type -> the vendor's torch extension that registers it with torch."""
 # Hooks whose answer is credited to the plugin that returned it (a wrapper could replace it unseen).
-_UNWRAPPED_HOOKS = ("platforms", "detect_device", "graph_api", *FACTORY_PROTOCOLS)
+_UNWRAPPED_HOOKS = ("platforms", "detect_device", "graph_api", "memory_counters", *FACTORY_PROTOCOLS)
 
 
 class PluginError(RuntimeError):
@@ -385,6 +385,15 @@ def graph_api(device: torch.device) -> backends.GraphApi | None:
     if outcome.winner is not None and not isinstance(outcome.result, backends.GraphApi):
         raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from graph_api, "
                           "which is not a deepinfer_core.backends.GraphApi")
+    return outcome.result
+
+
+def memory_counters(device: torch.device) -> backends.MemoryCounters | None:
+    """`device`'s allocator counters (the `memory_counters` hook), or None when no plugin offers them."""
+    outcome = ask("memory_counters", device=device)
+    if outcome.winner is not None and not isinstance(outcome.result, backends.MemoryCounters):
+        raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from "
+                          "memory_counters, which is not a deepinfer_core.backends.MemoryCounters")
     return outcome.result
 
 

@@ -14,7 +14,7 @@ PLUGIN_TESTS = (Path(__file__).parent / "test_plugins.py").read_text()
 
 
 def test_hookspecs_are_found():
-    assert {"platforms", "detect_device", "graph_api", "register_tokenizers", "register_chat_encodings", "register_models",
+    assert {"platforms", "detect_device", "graph_api", "memory_counters", "register_tokenizers", "register_chat_encodings", "register_models",
             "register_prefix_stores",
             *plugins.FACTORY_PROTOCOLS} == set(HOOKS)
 

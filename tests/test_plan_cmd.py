@@ -15,6 +15,7 @@ from deepinfer_core.backends.parallel import GroupInfo, ParallelConfig, Parallel
 from deepinfer_core.cli import main
 from deepinfer_core.config import CheckpointError, EngineConfig
 from deepinfer_core.entrypoints.sizing import (
+    STEP_PEAK_NOTE,
     Budget,
     Layout,
     bytes_by_kind,
@@ -165,6 +166,7 @@ def test_json_output_and_exit_status(v4_dir, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["runnable"] and len(out["ranks"]) == 2
     assert {"attention_bytes", "routed_expert_bytes", "engram_bytes", "kv_bytes_per_token", "fits"} <= set(out["ranks"][0])
+    assert STEP_PEAK_NOTE in out["notes"]  # the start-up profile's peak is not in the plan, and it says so
     assert main(["plan", str(v4_dir), "--gpu-memory-gib", "0.0001", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert not out["fits"] and out["ranks"][0]["shortfall_bytes"] > 0

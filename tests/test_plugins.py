@@ -522,6 +522,39 @@ def test_graph_api_comes_from_a_plugin_for_its_device_and_the_reference_serves_c
     assert plugins.graph_api(torch.device("cuda")).Graph is torch.cuda.CUDAGraph
 
 
+def test_memory_counters_come_from_the_first_plugin_that_offers_them(isolated_plugin_manager):
+    from deepinfer_core.backends import MemoryCounters
+
+    mine = MemoryCounters(mem_get_info=lambda: (1, 2), allocated=int, reserved=int, peak_allocated=int,
+                          reset_peak=lambda: None, synchronize=lambda: None, empty_cache=lambda: None)
+
+    class Chip:
+        @hookimpl
+        def memory_counters(self, device, decline):
+            if device.type != "meta":
+                decline("only meta memory here")
+                return None
+            return mine
+
+    isolated_plugin_manager.register(Chip(), name="chip")
+    assert plugins.memory_counters(torch.device("meta")) is mine
+    assert plugins.memory_counters(CPU) is None  # everyone declines: the peak is not measured
+    assert plugins.ask("memory_counters", device=CPU).declines == {
+        "chip": "only meta memory here",
+        "reference": "the reference reads no allocator counters (a hardware plugin offers its device's)"}
+
+
+def test_memory_counters_must_be_memory_counters(isolated_plugin_manager):
+    class Broken:
+        @hookimpl
+        def memory_counters(self, device, decline):
+            return {"peak": 1}
+
+    isolated_plugin_manager.register(Broken(), name="broken")
+    with pytest.raises(plugins.PluginError, match="'broken' returned dict from memory_counters"):
+        plugins.memory_counters(CPU)
+
+
 def test_graph_api_must_be_a_graph_api(isolated_plugin_manager):
     class Broken:
         @hookimpl

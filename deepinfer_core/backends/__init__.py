@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         SinglePassMixing,
     )
     from deepinfer_core.backends.linear import LinearBackend, LinearSpec
+    from deepinfer_core.backends.memory import MemoryCounters
     from deepinfer_core.backends.moe import MoEBackend, MoESpec, MoEWeights
     from deepinfer_core.backends.sampling import SamplerOutput, SamplingBackend, SamplingSpec, SamplingTensors
     from deepinfer_core.backends.verify import VerifyBackend, VerifyOutput, VerifySpec
@@ -43,6 +44,7 @@ _SUBMODULE_OF = {
     "GraphCapturable": "graphs", "supports_cuda_graphs": "graphs", "CompressorWeights": "layer_ops",
     "HostRowGather": "layer_ops", "HyperWeights": "layer_ops", "LayerOps": "layer_ops", "LayerOpsSpec": "layer_ops",
     "SinglePassMixing": "layer_ops", "LinearBackend": "linear", "LinearSpec": "linear", "MoEBackend": "moe",
+    "MemoryCounters": "memory",
     "MoESpec": "moe", "MoEWeights": "moe", "SamplerOutput": "sampling", "SamplingBackend": "sampling",
     "SamplingSpec": "sampling", "SamplingTensors": "sampling", "VerifyBackend": "verify",
     "VerifyOutput": "verify", "VerifySpec": "verify",
@@ -68,6 +70,7 @@ __all__ = [
     "LayerOpsSpec",
     "LinearBackend",
     "LinearSpec",
+    "MemoryCounters",
     "MoEBackend",
     "MoESpec",
     "MoEWeights",

@@ -344,6 +344,11 @@ def _mtp_bytes(config, layout: Layout, dtype, fp8, native: bool) -> int:
 # ---------------------------------------------------------------------- the cache, and what fits
 
 
+STEP_PEAK_NOTE = ("not counted: the largest step's transient memory (activations, dequantised experts, sampling), "
+                  "which the engine measures at start-up and takes from the KV cache (its 'memory:' log line; "
+                  "stats' step_peak_bytes): it may hold fewer requests than this plan")
+
+
 def fit_rank(rank: int, device: dict[str, int], host: dict[str, int], plans, dtype, budget: Budget) -> RankPlan:
     """One rank's cache sizes and what fits, as `worker.model_loader.available_blocks` sizes the cache:
     `gpu_memory_utilization` of the memory the weights leave, less `max_num_seqs` request slots, in blocks."""
@@ -387,6 +392,7 @@ def plan_deployment(model: str | Path, layout: Layout, budget: Budget, dtype=Non
                      "(it loads only with speculative_config method 'dspark'; add --mtp)")
     if any(host.values()):
         notes.append(f"{sum(host.values()) / 2**30:.1f} GiB of Engram tables per rank in pinned host memory")
+    notes.append(STEP_PEAK_NOTE)
     return DeploymentPlan(config.model_type, layout, budget, ranks, not refused, refused, notes)
 
 

@@ -31,6 +31,9 @@ class RankMemory:
     cache_bytes: int
     """Its KV cache and per-request state (sized from its own device's free memory)."""
     num_blocks: int
+    step_peak_bytes: int | None = None
+    """What the largest step needs beside the weights and the cache, measured at start-up (its peak,
+    memory outside torch's allocator and the decode graphs' pool); None where it was not measured."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ def runner_info(runner, rank: int = 0) -> ModelSideInfo:
     weights = sum(t.numel() * t.element_size() for t in (*runner.model.parameters(), *runner.model.buffers()))
     cache = sum(t.numel() * t.element_size() for layer in runner.kv_cache.layers
                 for t in vars(layer).values() if isinstance(t, torch.Tensor))
-    memory = RankMemory(rank, weights, cache, runner.num_blocks)
+    profile = getattr(runner, "memory_profile", None)
+    peak = profile.reserved if profile is not None and profile.measured else None
+    memory = RankMemory(rank, weights, cache, runner.num_blocks, peak)
     return ModelSideInfo(runner.num_blocks, runner.num_slots, BLOCK_SIZE, runner.cache_fingerprint, runner.device,
                          memory, runner.block_layout)
 

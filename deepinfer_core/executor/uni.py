@@ -21,6 +21,7 @@ class UniExecutor:
         self.runner = ModelRunner(model_config, engine_config, device, weights=weights)
         self.info = runner_info(self.runner)
         self.infos = [self.info]
+        self.memory = [self.info.memory]  # stats()' rank_memory: its share and the measured step peak
         self.execute_model = self.runner.execute_model
         self.execute = self.runner.execute
 

@@ -102,3 +102,8 @@ def graph_api(device: torch.device, decline):
     return GraphApi(Graph=torch.cuda.CUDAGraph, graph=torch.cuda.graph, Stream=torch.cuda.Stream,
                     stream=torch.cuda.stream, current_stream=torch.cuda.current_stream,
                     synchronize=torch.cuda.synchronize)
+
+
+@hookimpl(trylast=True)
+def memory_counters(device: torch.device, decline) -> None:
+    decline("the reference reads no allocator counters (a hardware plugin offers its device's)")

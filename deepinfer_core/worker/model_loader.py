@@ -44,6 +44,13 @@ from deepinfer_core.speculative.mtp_drafter import DraftTarget, MTPDrafter
 from deepinfer_core.speculative.runner_side import build_mtp_drafter
 from deepinfer_core.worker.graphs import DecodeGraphs
 from deepinfer_core.worker.input_batch import InputBatch
+from deepinfer_core.worker.memory_profile import (
+    MemoryProfile,
+    configured_too_large,
+    no_room,
+    not_measured,
+    profile_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -199,27 +206,40 @@ def _bind_backends(loaded: LoadedModel) -> list:
     return linear_backends
 
 
-def make_kv_cache(loaded: LoadedModel, agree_num_blocks: Callable[[int], int] | None = None) -> KVCache:
-    """The cache: as many blocks as fit (`available_blocks`), or as every rank agrees on
-    (`agree_num_blocks`: this rank's count to the one every rank uses, the minimum)."""
+def make_kv_cache(loaded: LoadedModel, agree_num_blocks: Callable[[int], int] | None = None,
+                  profile: MemoryProfile | None = None) -> KVCache:
+    """The cache: as many blocks as fit (`available_blocks`, beside `profile`'s measured step), or as every
+    rank agrees on (`agree_num_blocks`: this rank's count to the one every rank uses, the minimum)."""
     cfg = loaded.engine_config
-    num_blocks = available_blocks(loaded.plans, loaded.dtype, loaded.device, cfg)
+    num_blocks = available_blocks(loaded.plans, loaded.dtype, loaded.device, cfg, profile)
     if agree_num_blocks is not None:
         num_blocks = agree_num_blocks(num_blocks)
     return KVCache(loaded.plans, num_blocks, cfg.max_num_seqs, loaded.dtype, loaded.device)
 
 
-def available_blocks(plans, dtype: torch.dtype, device: torch.device, cfg: EngineConfig) -> int:
-    """Cache blocks that fit: `num_kv_blocks`, else what device (or host) memory allows."""
+def available_blocks(plans, dtype: torch.dtype, device: torch.device, cfg: EngineConfig,
+                     profile: MemoryProfile | None = None) -> int:
+    """Cache blocks that fit: `num_kv_blocks`, else what device (or host) memory allows once the largest
+    step's measured peak (`profile`; not measured: nothing) is set aside.
+
+    :raises MemoryError: no room for one `max_model_len` request (device memory), or the configured
+        blocks do not fit beside the measured step; the message gives the numbers and what to change.
+    """
+    profile = profile if profile is not None else not_measured("no profile was run")
+    logger.info("memory: %s", profile.describe())
     num_slots = cfg.max_num_seqs
     per_block = max(bytes_per_block(plans, dtype), 1)
     per_slot = bytes_per_slot(plans, dtype)
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
-    elif device.type != "cpu":  # torch.cuda, or the vendor's module (torch.npu) of the same shape
-        free, _ = getattr(torch, device.type).mem_get_info(device)
-        budget = free * cfg.gpu_memory_utilization - per_slot * num_slots
-        blocks = int(budget // per_block)
+        if profile.measured and blocks * per_block + num_slots * per_slot + profile.reserved > profile.free:
+            raise MemoryError(configured_too_large(cfg, profile, per_block, per_slot))
+    elif device.type != "cpu" or profile.measured:  # torch.cuda, or the vendor's module (torch.npu) of the same shape
+        free = profile.free if profile.measured else getattr(torch, device.type).mem_get_info(device)[0]
+        budget = free * cfg.gpu_memory_utilization - per_slot * num_slots - profile.reserved
+        blocks = max(0, int(budget // per_block))
+        if blocks < -(-cfg.max_model_len // BLOCK_SIZE):
+            raise MemoryError(no_room(cfg, profile, free, per_block, per_slot, blocks))
     else:  # host memory: enough for every slot at full length, capped by the utilisation fraction
         wanted = num_slots * -(-cfg.max_model_len // BLOCK_SIZE)
         blocks = min(wanted, int(_host_memory() * cfg.gpu_memory_utilization * 0.25 // per_block))
@@ -251,6 +271,21 @@ def make_mtp_drafter(loaded: LoadedModel, inputs: InputBatch, sampler, num_slots
                                     loaded.num_trim_kept is not None)
     return build_mtp_drafter(loaded.engine_config, target, loaded.model, loaded.local_config,
                              loaded.plans[0].moe.expert_format, loaded.parallel.tp, loaded.mtp_weights)
+
+
+def profile_step_memory(loaded: LoadedModel, sampler) -> MemoryProfile:
+    """Measure the largest step's peak on `loaded`'s model through the device's `memory_counters` (and a
+    decode step at the largest captured batch where decode graphs will be captured)."""
+    counters = plugins.memory_counters(loaded.device)
+    if counters is None:
+        return not_measured(f"no plugin offers memory counters for {loaded.device}")
+    cfg, model = loaded.engine_config, loaded.model
+    spec = cfg.speculative_config
+    captures = (not cfg.enforce_eager and loaded.device.type != "cpu"
+                and all(supports_cuda_graphs(b) for b in [*model.backends(), *loaded.linear_backends])
+                and plugins.graph_api(loaded.device) is not None)
+    width = (1 + (spec.num_speculative_tokens if spec is not None else 0)) if captures else 0
+    return profile_memory(loaded, sampler, counters, width)
 
 
 def capture_graphs(loaded: LoadedModel, kv_cache: KVCache, inputs: InputBatch,

@@ -35,7 +35,13 @@ from deepinfer_core.speculative.runner_side import SpecVerifier
 from deepinfer_core.structured_output.manager import apply_bitmask
 from deepinfer_core.worker.images import ImageRows
 from deepinfer_core.worker.input_batch import CarriedTokens, InputBatch, RequestState
-from deepinfer_core.worker.model_loader import capture_graphs, load_model, make_kv_cache, make_mtp_drafter
+from deepinfer_core.worker.model_loader import (
+    capture_graphs,
+    load_model,
+    make_kv_cache,
+    make_mtp_drafter,
+    profile_step_memory,
+)
 
 __all__ = ["CarriedTokens", "ModelRunner", "RequestState"]
 
@@ -94,9 +100,14 @@ class ModelRunner:
         self.model = loaded.model
         self.sampler = plugins.make_sampler(
             SamplingSpec(vocab_size=model_config.vocab_size, deterministic=engine_config.deterministic), device)
-        self.kv_cache = make_kv_cache(loaded, agree_num_blocks)
-        self.block_io = KvConnectorWorker(block_layout(loaded.plans, loaded.dtype), self.kv_cache.layers)  # the plan's cache ops
         self.inputs = InputBatch(self.model, model_config, loaded.plans, loaded.parallel, device, loaded.num_trim_kept)
+        self.mtp = make_mtp_drafter(loaded, self.inputs, self.sampler, engine_config.max_num_seqs)
+        """The model-side drafter (MTP or DSpark; None without one), built before the cache is sized: its
+        weights and the streams the target keeps for it are in what the profile below measures."""
+        self.memory_profile = profile_step_memory(loaded, self.sampler)
+        """The largest step's measured peak, which the cache was sized beside (`worker.memory_profile`)."""
+        self.kv_cache = make_kv_cache(loaded, agree_num_blocks, self.memory_profile)
+        self.block_io = KvConnectorWorker(block_layout(loaded.plans, loaded.dtype), self.kv_cache.layers)  # the plan's cache ops
         self.context_parallel = (ContextParallel(loaded.parallel.cp, device, self.model, self.kv_cache,
                                                  self.inputs.prepare_inputs) if loaded.parallel.cp.size > 1 else None)
         self._carried: CarriedTokens | None = None
@@ -106,8 +117,6 @@ class ModelRunner:
         """The last step's rows and sampling tensors, while no row's tensors follow its history."""
         self.spec = SpecVerifier.build(engine_config, model_config, loaded.plans, self.kv_cache, device)
         """Speculative verification (None without `speculative_config`)."""
-        self.mtp = make_mtp_drafter(loaded, self.inputs, self.sampler, self.kv_cache.num_slots)
-        """The MTP drafter (None unless `speculative_config.method == "mtp"`)."""
         self.graphs = capture_graphs(loaded, self.kv_cache, self.inputs, self.mtp)
         """The captured decode graphs (None: decode runs eagerly)."""
         self.images = ImageRows(self.model, device, int(engine_config.encoder_cache_mib * 2**20))

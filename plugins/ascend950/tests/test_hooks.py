@@ -142,6 +142,24 @@ def test_graph_api_is_torch_npus_on_a_950_and_declined_elsewhere(monkeypatch, do
     assert api is None and "torch_npu.npu has no NPUGraph" in reasons[0]
 
 
+def test_memory_counters_are_torch_npus_on_a_950_and_declined_elsewhere(monkeypatch, doubles):
+    counters, reasons = ask(hooks.memory_counters, CPU)
+    assert counters is None and reasons == ["device cpu is not an NPU"]
+    module = doubles.torch_npu_module()
+    asked = []
+    names = ("mem_get_info", "memory_allocated", "memory_reserved", "max_memory_allocated",
+             "reset_peak_memory_stats", "synchronize", "empty_cache")
+    for name in names:
+        setattr(module.npu, name, lambda *args, name=name: asked.append((name, *args)) or 7)
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    counters, reasons = ask(hooks.memory_counters, NPU)
+    assert reasons == [] and counters.peak_allocated() == 7 and counters.reset_peak() == 7
+    assert asked == [("max_memory_allocated", NPU), ("reset_peak_memory_stats", NPU)]
+    delattr(module.npu, "max_memory_allocated")
+    counters, reasons = ask(hooks.memory_counters, NPU)
+    assert counters is None and "torch_npu.npu has no max_memory_allocated" in reasons[0]
+
+
 def test_deterministic_specs_are_declined_so_the_reference_serves_them(npu_doubles_installed):
     import dataclasses
 

@@ -57,8 +57,9 @@ def test_every_factory_declines_without_cuda() -> None:
     assert pm.hook.make_moe(spec=MOE, device=device, decline=reasons.append) is None
     assert pm.hook.make_sampler(spec=SAMPLING, device=device, decline=reasons.append) is None
     assert pm.hook.make_layer_ops(spec=LAYER_OPS, device=device, decline=reasons.append) is None
+    assert pm.hook.memory_counters(device=device, decline=reasons.append) is None
     assert reasons[0] == "no CUDA device (torch.cuda.is_available() is False)"
-    assert reasons[1:] == ["device cpu is not a CUDA device"] * 4
+    assert reasons[1:] == ["device cpu is not a CUDA device"] * 5
 
 
 def test_unsupported_dtype_is_named() -> None:

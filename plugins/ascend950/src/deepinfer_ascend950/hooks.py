@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_ascend950.constraints import AscendConstraintError
-from deepinfer_ascend950.platform import cann_problem, load_cann_ops, load_torch_npu, npu_problem
+from deepinfer_ascend950.platform import (
+    cann_problem,
+    load_cann_ops,
+    load_torch_npu,
+    npu_memory_counters,
+    npu_problem,
+)
 from deepinfer_core.backends.deterministic import deterministic_problem
 from deepinfer_core.hookspecs import hookimpl
 
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
         GraphApi,
         LayerOps,
         LayerOpsSpec,
+        MemoryCounters,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -131,4 +138,17 @@ def graph_api(device: torch.device, decline: Callable[[str], None]) -> GraphApi 
         return npu_graph_api(load_torch_npu())
     except AttributeError as err:
         decline(f"{err}; decode runs eagerly")
+        return None
+
+
+@hookimpl
+def memory_counters(device: torch.device, decline: Callable[[str], None]) -> MemoryCounters | None:
+    problem = npu_problem(device)
+    if problem is not None:
+        decline(problem)
+        return None
+    try:
+        return npu_memory_counters(device)
+    except AttributeError as err:
+        decline(f"{err}; the KV cache is sized without a measured peak")
         return None

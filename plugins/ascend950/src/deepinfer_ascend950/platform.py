@@ -73,3 +73,28 @@ def cann_problem() -> str | None:
     except AscendUnavailableError as err:
         return str(err)
     return None
+
+
+def npu_memory_counters(device: torch.device):
+    """torch_npu's allocator counters for `device` (`deepinfer_core.backends.MemoryCounters`), with which
+    start-up measures the largest step's peak, read through the lazily imported `torch_npu.npu`.
+
+    :raises AttributeError: this torch_npu lacks one of the counters, naming it.
+    """
+    from deepinfer_core.backends import MemoryCounters
+
+    npu = load_torch_npu().npu
+    names = ("mem_get_info", "memory_allocated", "memory_reserved", "max_memory_allocated",
+             "reset_peak_memory_stats", "synchronize", "empty_cache")
+    missing = [name for name in names if not hasattr(npu, name)]
+    if missing:
+        raise AttributeError(f"torch_npu.npu has no {', '.join(missing)}: the memory profile needs torch-npu 2.14")
+    return MemoryCounters(
+        mem_get_info=lambda: npu.mem_get_info(device),
+        allocated=lambda: npu.memory_allocated(device),
+        reserved=lambda: npu.memory_reserved(device),
+        peak_allocated=lambda: npu.max_memory_allocated(device),
+        reset_peak=lambda: npu.reset_peak_memory_stats(device),
+        synchronize=lambda: npu.synchronize(device),
+        empty_cache=npu.empty_cache,
+    )

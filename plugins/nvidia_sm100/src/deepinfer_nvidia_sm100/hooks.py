@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_nvidia_sm100.platform import device_problem, dtype_problem, linear_problem, use_kernel_cache
+from deepinfer_nvidia_sm100.platform import (
+    cuda_memory_counters,
+    device_problem,
+    dtype_problem,
+    linear_problem,
+    use_kernel_cache,
+)
 
 if TYPE_CHECKING:
     from deepinfer_core.backends import (
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
         LayerOpsSpec,
         LinearBackend,
         LinearSpec,
+        MemoryCounters,
         MoEBackend,
         MoESpec,
         SamplingBackend,
@@ -136,3 +143,11 @@ def make_sampler(
     from deepinfer_nvidia_sm100.sampling import CudaSampler
 
     return CudaSampler(spec)
+
+
+@hookimpl
+def memory_counters(device: torch.device, decline: Callable[[str], None]) -> MemoryCounters | None:
+    counters, problem = cuda_memory_counters(device)
+    if problem is not None:
+        decline(problem)
+    return counters

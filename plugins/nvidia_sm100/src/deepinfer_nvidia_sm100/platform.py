@@ -39,6 +39,24 @@ def dtype_problem(dtype: torch.dtype) -> str | None:
 
 
 
+def cuda_memory_counters(device: torch.device):
+    """torch.cuda's allocator counters for `device` (`deepinfer_core.backends.MemoryCounters`), with
+    which start-up measures the largest step's peak; None (with the reason) when it is no CUDA device."""
+    from deepinfer_core.backends import MemoryCounters
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, f"device {device} is not a CUDA device"
+    return MemoryCounters(
+        mem_get_info=lambda: torch.cuda.mem_get_info(device),
+        allocated=lambda: torch.cuda.memory_allocated(device),
+        reserved=lambda: torch.cuda.memory_reserved(device),
+        peak_allocated=lambda: torch.cuda.max_memory_allocated(device),
+        reset_peak=lambda: torch.cuda.reset_peak_memory_stats(device),
+        synchronize=lambda: torch.cuda.synchronize(device),
+        empty_cache=torch.cuda.empty_cache,
+    ), None
+
+
 FP8_ACT_GROUP = 128
 """Activation inputs per quantisation scale of the FP8 GEMM (DeepSeek's per-token-group size)."""
 

@@ -379,22 +379,23 @@ def make_verifier(spec: backends.VerifySpec, device: torch.device) -> backends.V
     return _make("make_verifier", spec, device)
 
 
+def _device_object(hook: str, kind: type, device: torch.device):
+    """The first answer to a device-keyed `hook`, checked to be a `kind`, or None when no plugin offers one."""
+    outcome = ask(hook, device=device)
+    if outcome.winner is not None and not isinstance(outcome.result, kind):
+        raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from {hook}, "
+                          f"which is not a deepinfer_core.backends.{kind.__name__}")
+    return outcome.result
+
+
 def graph_api(device: torch.device) -> backends.GraphApi | None:
     """The graph-capture API for `device` (the `graph_api` hook), or None when no plugin offers one."""
-    outcome = ask("graph_api", device=device)
-    if outcome.winner is not None and not isinstance(outcome.result, backends.GraphApi):
-        raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from graph_api, "
-                          "which is not a deepinfer_core.backends.GraphApi")
-    return outcome.result
+    return _device_object("graph_api", backends.GraphApi, device)
 
 
 def memory_counters(device: torch.device) -> backends.MemoryCounters | None:
     """`device`'s allocator counters (the `memory_counters` hook), or None when no plugin offers them."""
-    outcome = ask("memory_counters", device=device)
-    if outcome.winner is not None and not isinstance(outcome.result, backends.MemoryCounters):
-        raise PluginError(f"plugin {outcome.winner!r} returned {type(outcome.result).__name__} from "
-                          "memory_counters, which is not a deepinfer_core.backends.MemoryCounters")
-    return outcome.result
+    return _device_object("memory_counters", backends.MemoryCounters, device)
 
 
 def tokenizer_loaders() -> list[TokenizerLoader]:

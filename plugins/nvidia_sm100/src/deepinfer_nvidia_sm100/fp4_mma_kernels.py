@@ -104,6 +104,25 @@ def _fp4_step(acc_a, acc_b, a_ptrs, as_ptrs, b_ptrs, bs_ptrs, w_valid, x_ptr, ro
 
 
 @triton.jit
+def _program(block_expert_ptr, sorted_rows_ptr, w_ptr, s_ptr, num_rows, out_features, stride_we, stride_wn, stride_se,
+             stride_sn, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, CODES: tl.constexpr,
+             N_FASTEST: tl.constexpr):
+    """This program's expert (-1: an unused block), its slots, their rows and validity, its `BLOCK_W`
+    weight rows and their validity, and pointers to their first K step's packed elements and exponents."""
+    pid_t, pid_w = _tile(N_FASTEST)
+    expert = tl.load(block_expert_ptr + pid_t)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.load(sorted_rows_ptr + offs_t)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    first = expert.to(tl.int64)
+    w_ptrs = (w_ptr + first * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
+              + tl.arange(0, BLOCK_K // CODES)[None, :])
+    s_ptrs = (s_ptr + first * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
+              + tl.arange(0, BLOCK_K // 32)[None, :])
+    return expert, offs_t, rows, rows < num_rows, offs_w, offs_w < out_features, w_ptrs, s_ptrs
+
+
+@triton.jit
 def fp4_mma_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -132,20 +151,12 @@ def fp4_mma_gate_up_kernel(
 ):
     """`act[slot, n] = silu(min(g, limit)) * clamp(u, -limit, limit)` with `g, u = gate_up[e] @ x[token]`,
     one program per (row block, `BLOCK_W` gate columns and the matching up columns)."""
-    pid_t, pid_w = _tile(N_FASTEST)
-    expert = tl.load(block_expert_ptr + pid_t)
+    expert, offs_t, rows, row_valid, offs_w, w_valid, g_ptrs, gs_ptrs = _program(
+        block_expert_ptr, sorted_rows_ptr, w_ptr, s_ptr, num_rows, inter, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_T, BLOCK_W, BLOCK_K, CODES, N_FASTEST)
     if expert < 0:
         return
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = tl.load(sorted_rows_ptr + offs_t)
-    row_valid = rows < num_rows
     tokens = tl.where(row_valid, rows // TOP_K, 0)
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    w_valid = offs_w < inter
-    g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
-              + tl.arange(0, BLOCK_K // CODES)[None, :])
-    gs_ptrs = (s_ptr + expert.to(tl.int64) * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
-               + tl.arange(0, BLOCK_K // 32)[None, :])
     u_ptrs, us_ptrs = g_ptrs + inter * stride_wn, gs_ptrs + inter * stride_sn
     acc_g = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
@@ -190,19 +201,11 @@ def fp4_mma_down_kernel(
     CODES: tl.constexpr,
 ):
     """`out[row, n] = weight[row] * (down[e] @ act[slot])[n]`, written at the row's original place."""
-    pid_t, pid_w = _tile(N_FASTEST)
-    expert = tl.load(block_expert_ptr + pid_t)
+    expert, offs_t, rows, row_valid, offs_w, w_valid, w_ptrs, s_ptrs = _program(
+        block_expert_ptr, sorted_rows_ptr, w_ptr, s_ptr, num_rows, hidden, stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_T, BLOCK_W, BLOCK_K, CODES, N_FASTEST)
     if expert < 0:
         return
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = tl.load(sorted_rows_ptr + offs_t)
-    row_valid = rows < num_rows
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    w_valid = offs_w < hidden
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_w[:, None].to(tl.int64) * stride_wn
-              + tl.arange(0, BLOCK_K // CODES)[None, :])
-    s_ptrs = (s_ptr + expert.to(tl.int64) * stride_se + offs_w[:, None].to(tl.int64) * stride_sn
-              + tl.arange(0, BLOCK_K // 32)[None, :])
     acc = tl.zeros([BLOCK_W, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         acc, _ = _fp4_step(acc, acc, w_ptrs, s_ptrs, w_ptrs, s_ptrs, w_valid, act_ptr, offs_t, row_valid, k0, inter,

@@ -85,13 +85,13 @@ FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stag
 and 1.04 / 2.33 ms for bf16 experts; wider output tiles (64 or 128 columns) at 4 warps run 6-8x slower."""
 
 
-FP4_MMA_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, kernel="mma")
+FP4_MMA_DECODE = GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=4, kernel="mma")
 """FP4 experts with bf16 activations at decode sizes (at most 16 rows an expert): 16 token rows by 64
 weight rows a tile, the weights the MMA's first operand (`fp4_mma_kernels`)."""
 
-FP4_MMA_PREFILL = (GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True,
+FP4_MMA_PREFILL = (GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, n_fastest=True,
                               kernel="mma"),
-                   GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True,
+                   GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, n_fastest=True,
                               kernel="mma"))
 """The same beyond 16 rows an expert: 64 token rows a tile up to 96 rows an expert, 128 beyond."""
 

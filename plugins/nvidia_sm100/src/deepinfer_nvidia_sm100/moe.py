@@ -85,15 +85,20 @@ FP4_GEMV = GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stag
 and 1.04 / 2.33 ms for bf16 experts; wider output tiles (64 or 128 columns) at 4 warps run 6-8x slower."""
 
 
-FP4_MMA_DECODE = GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=4, kernel="mma")
+FP4_MMA_DECODE = GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, kernel="mma_words")
 """FP4 experts with bf16 activations at decode sizes (at most 16 rows an expert): 16 token rows by 64
-weight rows a tile, the weights the MMA's first operand (`fp4_mma_kernels`)."""
+weight rows a tile, the weights the MMA's first operand, decoded from 32-bit words (`fp4_mma_kernels`).
+H100, V4-Flash sizes, both GEMMs with the routing sort (bench/RESULTS.md, 2026-12-08): 16 tokens 0.96 ms,
+64 tokens 2.19 ms, 256 tokens 2.84 ms, against 1.41 / 3.42 / 4.40 ms for bf16 experts, 1.22 / 3.58 / 10.4
+for the CUDA-core products (`FP4_GEMV`) and 2.75 / 6.56 / 8.16 for `tl.dot_scaled`'s decode ("mma")."""
 
-FP4_MMA_PREFILL = (GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, n_fastest=True,
-                              kernel="mma"),
-                   GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, n_fastest=True,
-                              kernel="mma"))
-"""The same beyond 16 rows an expert: 64 token rows a tile up to 96 rows an expert, 128 beyond."""
+FP4_MMA_PREFILL = (GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True,
+                              kernel="mma_words"),
+                   GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True,
+                              kernel="mma_words"))
+"""The same beyond 16 rows an expert: 64 token rows a tile up to 96 rows an expert, 128 beyond. H100: 2,048
+tokens 5.95 ms (bf16 experts 4.70, dequantised for the call 12.1), 8,192 tokens 15.8 ms (bf16 7.34,
+dequantised 16.5)."""
 
 
 def pick_config(num_rows: int, num_experts: int, element_size: int = 2, fp4: bool = False) -> GemmConfig:

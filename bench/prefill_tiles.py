@@ -218,6 +218,17 @@ FP4_VARIANTS = {
 decode sizes (at most 16 rows an expert) and beyond."""
 
 
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 values of packed FP4 experts, one expert at a time (the whole set at once takes 4x its bf16
+    size in fp32 and index temporaries: more than an 80 GB card has beside the weights)."""
+    from deepinfer_core.backends import quant
+
+    out = torch.empty(codes.shape[0], codes.shape[1], 2 * codes.shape[2], dtype=torch.bfloat16, device=codes.device)
+    for expert in range(codes.shape[0]):
+        out[expert] = quant.dequantize_fp4(codes[expert], scales[expert])
+    return out
+
+
 def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
     from deepinfer_nvidia_sm100.moe import GemmConfig, TritonMoE
 
@@ -237,8 +248,7 @@ def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
     (gate_up, gate_up_scale), (down, down_scale) = packed(2 * inter, hidden), packed(hidden, inter)
     router = torch.randn(experts, hidden, device=device, dtype=torch.bfloat16) * 0.02
     fp4 = MoEWeights(router=router, gate_up=gate_up, down=down, gate_up_scale=gate_up_scale, down_scale=down_scale)
-    dense = MoEWeights(router=router, gate_up=quant.dequantize_fp4(gate_up, gate_up_scale).to(torch.bfloat16),
-                       down=quant.dequantize_fp4(down, down_scale).to(torch.bfloat16))
+    dense = MoEWeights(router=router, gate_up=_dequantized(gate_up, gate_up_scale), down=_dequantized(down, down_scale))
     moe, dense_moe = TritonMoE(spec), TritonMoE(dataclasses.replace(spec, expert_format="dense"))
     fp4_bytes = 3 * inter * hidden * (0.5 + 1 / quant.FP4_GROUP_SIZE)
     for num_tokens in sizes.fp4_tokens:

@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import random
+import runpy
 import sys
 from pathlib import Path
 
@@ -72,4 +73,20 @@ def run_main(script: str, *argv: str) -> str:
         for m in siblings:
             sys.modules.pop(m, None)
         sys.modules.update(saved)
+    return out.getvalue()
+
+
+def run_path(path: Path, *argv: str) -> str:
+    """`python PATH ARGV...` in this process, run as `__main__` (an example script): its stdout (it must
+    return or exit 0). The environment it should see is set by the caller (e.g. with monkeypatch)."""
+    out = io.StringIO()
+    with _restored_state():
+        os.chdir(ROOT)
+        sys.argv[:] = [str(path), *argv]
+        sys.path.insert(0, str(Path(path).parent))
+        with contextlib.redirect_stdout(out):
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as exit_:
+                assert exit_.code in (None, 0), f"{path} exited with {exit_.code!r}"
     return out.getvalue()

@@ -1,7 +1,8 @@
-"""Run a bench script's `main(argv)` inside the test process and return what it printed.
+"""Run a bench script's `main(argv)`, or an example as `__main__`, inside the test process and return what
+it printed.
 
 A script run as a subprocess re-imports torch, transformers and the engine (3-6 s a script on the test
-machine, more under load); the tests that only read a script's output call its main here instead. The
+machine, more under load); the tests that only read a script's output run it here instead. The
 script's module and its sibling modules are imported fresh each call and dropped afterwards, and the global
 state a script may change (torch threads, default dtype, RNG states, environment, cwd, logging) is put back,
 so the next test sees the process as it was. Tests of a CLI's own behaviour (exit codes, a fresh

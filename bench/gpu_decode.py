@@ -311,7 +311,7 @@ def measure(name: str, run, batch: int, new_tokens: int, counts: Counts, steady=
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=256)
@@ -352,7 +352,7 @@ def main() -> None:
                         help="--model v41: where the Engram table lives (EngineConfig.engram_placement)")
     parser.add_argument("--engram-sync", action="store_true",
                         help="--model v41 with host tables: gather at the layer, no prefetch (engram_prefetch=False)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.model != "v41" and (args.engram_placement != "device" or args.engram_sync):

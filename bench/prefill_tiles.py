@@ -268,11 +268,11 @@ def sweep_fp4(device: torch.device, sizes: Sizes) -> None:
                       touched_experts=touched, fp4_gb_touched=round(touched * fp4_bytes / 1e9, 4))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="attention,hyper,moe,fp4", help="comma-separated sweeps to run")
     parser.add_argument("--tiny", action="store_true", help="smoke mode: tiny sizes, two candidates a sweep")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = TINY if args.tiny else V4_FLASH
     if torch.cuda.is_available():
         device = torch.device("cuda")

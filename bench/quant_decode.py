@@ -130,11 +130,11 @@ def startup_child(args) -> None:
                       "first_request_s": round(done - built, 2), "ready_s": round(done - start, 2)}), flush=True)
 
 
-def startup(args) -> None:
-    """Each engine's start-up, cold then warm Triton cache, each in a fresh process."""
+def startup(args, argv: list[str]) -> None:
+    """Each engine's start-up, cold then warm Triton cache, each in a fresh process (given this run's argv)."""
     quantised = "fp4" if args.no_fp8 else "fp8+fp4"
     kinds = [quantised if kind == "quant" else kind for kind in args.startup_engines.split(",")]
-    forwarded = [a for a in sys.argv[1:] if a != "--startup"]
+    forwarded = [a for a in argv if a != "--startup"]
     for kind in kinds:
         with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
             for label in ("cold", "warm"):
@@ -150,7 +150,7 @@ def startup(args) -> None:
                 print(json.dumps({**timing, "cache": label, "cuda_graph_batch_sizes": graphs}), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=256)
@@ -166,13 +166,13 @@ def main() -> None:
     parser.add_argument("--profile", default="", metavar="BATCHES",
                         help="each engine's decode steps by kernel at these batch sizes (gpu_decode's profile)")
     parser.add_argument("--commit", default="?")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.startup_child:
         return startup_child(args)
     if args.startup:
-        return startup(args)
+        return startup(args, sys.argv[1:] if argv is None else argv)
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     config, model, counts, weights = build_weights(args, device, dtype)

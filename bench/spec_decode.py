@@ -217,7 +217,7 @@ def run_ngram(args, plain, spec, vocab) -> None:
                     **compare(plain, prompts, reference, out)})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=256)
@@ -246,7 +246,7 @@ def main() -> None:
                         help="both engines in deterministic mode: a verify step's logits are then bitwise the "
                         "decode step's, so the oracle's drafts stay the target's own tokens (bf16 near ties "
                         "cannot flip)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.warmup = not args.tiny  # a warm-up run before each timed one, except in the CPU smoke mode
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")

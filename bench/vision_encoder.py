@@ -86,13 +86,13 @@ def time_size(parts, size: tuple[int, int], repeats: int, warmup: int, device: t
             "tower_ms": round(statistics.median(alone), 3)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=None, help="processed sizes HxW, comma-separated (multiples of 14)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="the CPU smoke mode (tiny tower, fp32)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if args.tiny:
         vision, width, dtype = dict(TINY_VISION), 64, torch.float32

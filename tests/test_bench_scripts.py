@@ -1,19 +1,11 @@
-"""The GPU bench scripts still run end to end, on the CPU with a tiny model (their check modes)."""
+"""The GPU bench scripts still run end to end, on the CPU with a tiny model (their check modes); each main
+runs in the test process (tests/bench/inprocess.py), the start-up bench still times fresh child processes."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_script(*args: str) -> str:
-    done = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+from tests.bench.inprocess import run_main
 
 
 def json_lines(text: str) -> list[dict]:
@@ -21,8 +13,8 @@ def json_lines(text: str) -> list[dict]:
 
 
 def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
-    rows = json_lines(run_script("bench/gpu_decode.py", "--tiny", "--batches", "1,2", "--new-tokens", "5",
-                                 "--repeats", "1"))
+    rows = json_lines(run_main("bench/gpu_decode.py", "--tiny", "--batches", "1,2", "--new-tokens", "5",
+                               "--repeats", "1"))
     measured = {(r["side"], r["batch"]) for r in rows if "side" in r}
     assert measured == {(side, b) for side in ("transformers", "deepinfer") for b in (1, 2)}
     for row in rows:
@@ -35,8 +27,8 @@ def test_gpu_decode_tiny_measures_both_sides_and_checks_greedy_parity():
 
 
 def test_quant_decode_tiny_runs_fp8_projections_and_fp4_experts_with_their_smaller_floor():
-    rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--new-tokens", "3",
-                                 "--repeats", "1"))
+    rows = json_lines(run_main("bench/quant_decode.py", "--tiny", "--batches", "1", "--new-tokens", "3",
+                               "--repeats", "1"))
     engines = {r["engine"]: r for r in rows if "engine" in r}
     quantised, dense = engines["fp8+fp4"], engines["bf16"]
     assert quantised["expert_format"] == ["fp4"] and dense["expert_format"] == ["dense"]
@@ -48,8 +40,8 @@ def test_quant_decode_tiny_runs_fp8_projections_and_fp4_experts_with_their_small
 
 
 def test_quant_decode_startup_times_a_cold_and_a_warm_start():
-    rows = json_lines(run_script("bench/quant_decode.py", "--tiny", "--batches", "1", "--startup",
-                                 "--startup-engines", "quant"))
+    rows = json_lines(run_main("bench/quant_decode.py", "--tiny", "--batches", "1", "--startup",
+                               "--startup-engines", "quant"))
     starts = {(r["startup"], r["cache"]): r for r in rows if "startup" in r}
     assert set(starts) == {("fp8+fp4", "cold"), ("fp8+fp4", "warm")}
     for row in starts.values():
@@ -58,14 +50,14 @@ def test_quant_decode_startup_times_a_cold_and_a_warm_start():
 
 
 def test_host_overhead_reports_every_mode_and_batch():
-    table = run_script("bench/host_overhead.py", "--batch", "1,4", "--steps", "4")
+    table = run_main("bench/host_overhead.py", "--batch", "1,4", "--steps", "4")
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith(("| eager", "| graph"))]
     assert sorted((mode.strip(), int(batch)) for mode, batch in rows) == [("eager", 1), ("eager", 4), ("graph", 1), ("graph", 4)]
 
 
 def test_ep_scale_reports_every_rank_and_the_balance_eplb_reaches():
-    rows = json_lines(run_script("bench/ep_scale.py", "--ranks", "2", "--requests", "2", "--prompt", "16",
-                                 "--new-tokens", "8", "--step-interval", "3", "--window", "3"))
+    rows = json_lines(run_main("bench/ep_scale.py", "--ranks", "2", "--requests", "2", "--prompt", "16",
+                               "--new-tokens", "8", "--step-interval", "3", "--window", "3"))
     ranks = [r for r in rows if "rank" in r]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["tok_s"] > 0 and 0 < r["dispatch_s"] < r["step_s"] for r in ranks)

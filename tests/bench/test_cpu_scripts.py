@@ -10,13 +10,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.inprocess import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_script(*args: str, env: dict | None = None) -> list[dict]:
-    """The script's JSON lines (it must exit 0)."""
+def run_script(script: str, *args: str) -> list[dict]:
+    """The script's JSON lines, its main run in this process (tests/bench/inprocess.py; it must exit 0)."""
+    return [json.loads(line) for line in run_main(script, *args).splitlines() if line.startswith("{")]
+
+
+def run_fresh(*args: str) -> list[dict]:
+    """The script's JSON lines from a fresh interpreter (it must exit 0), for a script that must set the
+    environment before a module it needs is first imported."""
     done = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=env)
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -46,7 +54,9 @@ def test_prefix_cache_reports_every_mode():
 def test_prefill_tiles_tiny_runs_every_sweep():
     pytest.importorskip("triton", reason="the sweeps' kernels need triton (its interpreter on the CPU)")
     pytest.importorskip("deepinfer_nvidia_sm100", reason="the sweeps time the NVIDIA plugin's kernels")
-    rows = [r for r in run_script("bench/prefill_tiles.py", "--tiny") if "kernel" in r]
+    # a fresh process: --tiny sets TRITON_INTERPRET before the kernels are imported, which in this process
+    # another test may have imported compiled
+    rows = [r for r in run_fresh("bench/prefill_tiles.py", "--tiny") if "kernel" in r]
     assert not [r for r in rows if "error" in r]
     counts = {(r["kernel"], r.get("case")): 0 for r in rows}
     for r in rows:

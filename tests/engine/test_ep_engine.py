@@ -175,24 +175,33 @@ engine.shutdown()
 """
 
 
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory):
+    """The checkpoint, launch script, batch and single-process tokens both torchrun layouts are checked
+    against: written and run once for the module (the ranks only read them)."""
+    from deepinfer_core.testing.checkpoints import write_checkpoint
+
+    directory = tmp_path_factory.mktemp("torchrun")
+    model_dir = write_checkpoint(directory / "model", CONFIG, WEIGHTS)
+    script = directory / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    batch = [p[:40] for p in prompts()[1:4]]
+    expected = build_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=2, num_kv_blocks=4))
+    want = run(expected, [(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
+                          for i, p in enumerate(batch)])
+    return model_dir, script, batch, want
+
+
 @pytest.mark.parametrize("layout", [{"enable_expert_parallel": True}, {"tensor_parallel_size": 2}],
                          ids=["dp2-ep", "dp2-tp2"])
-def test_torchrun_ranks_run_data_and_expert_parallelism(tmp_path, layout):
+def test_torchrun_ranks_run_data_and_expert_parallelism(torchrun_reference, layout):
     """DP 2 with expert parallelism (2 ranks), and DP 2 of two tensor-parallel ranks each (4 ranks: each
     DP rank's first rank hosts its core and drives the second), under torchrun."""
     import json
     import subprocess
     import sys
 
-    from deepinfer_core.testing.checkpoints import write_checkpoint
-
-    model_dir = write_checkpoint(tmp_path / "model", CONFIG, WEIGHTS)
-    script = tmp_path / "run.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    batch = [p[:40] for p in prompts()[1:4]]
-    expected = build_engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=2, num_kv_blocks=4))
-    want = run(expected, [(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))
-                          for i, p in enumerate(batch)])
+    model_dir, script, batch, want = torchrun_reference
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

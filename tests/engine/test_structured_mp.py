@@ -28,6 +28,12 @@ def step_by_step() -> Engine:
     return make_engine(async_scheduling=False)
 
 
+@pytest.fixture(scope="module")
+def reference(step_by_step: Engine) -> dict:
+    """`REQUESTS` answered step by step, once for the module (both parametrizations compare with it)."""
+    return run_engine(step_by_step, REQUESTS)
+
+
 REQUESTS = {"regex-greedy": SamplingParams(max_tokens=40, temperature=0, structured_outputs=CONSTRAINTS["regex"]),
             "regex-seeded": SamplingParams(max_tokens=40, seed=9, structured_outputs=CONSTRAINTS["regex"]),
             "choice": SamplingParams(max_tokens=40, seed=3, structured_outputs=CONSTRAINTS["choice"]),
@@ -37,9 +43,8 @@ CONSTRAINED = {"regex-greedy", "regex-seeded", "choice"}
 
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 2}],
                          ids=["plain", "ngram"])
-def test_a_constrained_request_decodes_every_step_under_worker_processes(step_by_step, speculative,
+def test_a_constrained_request_decodes_every_step_under_worker_processes(reference, speculative,
                                                                          monkeypatch) -> None:
-    reference = run_engine(step_by_step, REQUESTS)
     engine = make_engine(async_scheduling=True, distributed_executor_backend="mp", world_size=1,
                          speculative_config=speculative)
     try:

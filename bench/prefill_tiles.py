@@ -208,11 +208,13 @@ FP4_VARIANTS = {
     "decode": [("gemv", (16, 32, 256, 4, 2)), ("mma", (16, 64, 64, 4, 4)), ("mma", (16, 64, 128, 4, 3)),
                ("mma", (16, 128, 128, 8, 3)), ("mma_words", (16, 64, 128, 4, 4)), ("mma_words", (16, 64, 256, 4, 3)),
                ("mma_words", (16, 128, 128, 4, 3)), ("mma_words", (16, 128, 256, 8, 3)),
-               ("mma_words", (16, 64, 256, 4, 4, True)), ("mma_halves", (16, 64, 128, 4, 3))],
+               ("mma_words", (16, 64, 256, 4, 4, True)), ("mma_pairs", (16, 64, 256, 4, 3)),
+               ("mma_pairs", (16, 128, 256, 8, 3)), ("mma_halves", (16, 64, 128, 4, 3))],
     "prefill": [("dequant", (64, 64, 64, 4, 4, True)), ("mma", (64, 64, 64, 4, 4, True)),
                 ("mma", (64, 128, 64, 8, 4, True)), ("mma", (128, 128, 64, 8, 4, True)),
                 ("mma_words", (64, 64, 128, 4, 3, True)), ("mma_words", (64, 128, 128, 8, 3, True)),
-                ("mma_words", (128, 128, 128, 8, 3, True)), ("mma_halves", (64, 128, 64, 8, 3, True))],
+                ("mma_words", (128, 128, 128, 8, 3, True)), ("mma_pairs", (64, 128, 128, 8, 3, True)),
+                ("mma_pairs", (128, 128, 128, 8, 3, True)), ("mma_halves", (64, 128, 64, 8, 3, True))],
 }
 """FP4 `GemmConfig` kernels and tiles (block_m, block_n, block_k, num_warps, num_stages[, n_fastest]) at
 decode sizes (at most 16 rows an expert) and beyond."""

@@ -140,8 +140,8 @@ def fp4_prefill() -> dict:
     ids, topk_weights = moe.route(x.bfloat16(), input_ids, packed)
     for kernel in ("tile", "dequant"):
         moe.experts(x.bfloat16(), ids, topk_weights, packed, GemmConfig(64, 64, 64, 4, 4, True, kernel=kernel))
-    for config in (*FP4_MMA_PREFILL, GemmConfig(64, 64, 128, 4, 3, True, kernel="mma_words"),
-                   GemmConfig(64, 64, 64, 4, 4, True, kernel="mma_halves")):
+    for config in (*FP4_MMA_PREFILL, GemmConfig(64, 64, 128, 4, 3, True, kernel="mma_pairs"),
+                   GemmConfig(64, 64, 64, 4, 4, True, kernel="mma_halves"), GemmConfig(64, 64, 64, 4, 4, True, kernel="mma")):
         moe.experts(x.bfloat16(), ids, topk_weights, packed, config)
     return {"model": "fp4-prefill", "backends": ["TritonMoE"]}
 

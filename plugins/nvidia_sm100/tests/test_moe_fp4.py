@@ -207,7 +207,7 @@ def test_fp4_mma_gives_the_fp32_result(kernel_device: torch.device, num_tokens: 
 
 
 @pytest.mark.parametrize("num_tokens", [3, 40])
-@pytest.mark.parametrize("kernel", ["mma_halves", "mma_words"])
+@pytest.mark.parametrize("kernel", ["mma_halves", "mma_words", "mma_pairs"])
 def test_fp4_mma_decoded_by_hand_gives_the_fp32_result_on_gpu(cuda_device: torch.device, kernel: str,
                                                               num_tokens: int) -> None:
     """The same product decoded by hand (Triton's interpreter multiplies bf16 tiles wrongly: GPU only)."""
@@ -230,3 +230,26 @@ def test_fp4_bf16_experts_at_release_shapes_on_gpu(cuda_device: torch.device, sh
     """The kernels the plugin picks for bf16 activations, at the release configs' expert shapes and the
     row counts of decode and prefill, against the fp32 computation on the dequantised weights."""
     _check_mma(RELEASE_SHAPES[shape], num_tokens, cuda_device)
+
+
+PAIR_SHIFTS = ((6, 12), (2, 8), (-2, 4), (-6, 0))
+"""`fp4_mma_kernels._paired_codes`' shifts for codes `j` and `j + 4` (magnitude, sign; negative: right)."""
+
+
+def test_pair_widening_bits_give_the_e2m1_values() -> None:
+    """The bit layout `_paired_codes` builds in PTX (not runnable off the GPU), done in torch: both codes'
+    magnitude bits under a bf16's exponent and mantissa, the signs on bits 15 and 31, times the bf16
+    2^(s - 1), give each code's e2m1 value times 2^(s - 127) for every code, position and scale it takes."""
+    codes = torch.arange(256, dtype=torch.int32)
+    words = codes[:, None] * 0x01010101 + torch.arange(4)[None, :] * 0x10101010  # every nibble everywhere
+    words = words.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1)
+    for j, (magnitude, sign) in enumerate(PAIR_SHIFTS):
+        moved = words << magnitude if magnitude >= 0 else words >> -magnitude
+        pair = (moved & 0x01C001C0) | ((words << sign) & 0x80008000)
+        for scale in (100, 117, 127, 128):
+            factor = torch.tensor([(scale + 126) << 7], dtype=torch.int16).view(torch.bfloat16).float()
+            for half, code in ((pair & 0xFFFF, nibbles[:, j]), ((pair >> 16) & 0xFFFF, nibbles[:, j + 4])):
+                widened = half.to(torch.int32).to(torch.int16).view(torch.bfloat16).float() * factor
+                want = torch.tensor(quant.E2M1_MAGNITUDES)[code & 7] * torch.where(code >= 8, -1.0, 1.0)
+                assert torch.equal(widened, want * 2.0 ** (scale - 127)), (j, scale)

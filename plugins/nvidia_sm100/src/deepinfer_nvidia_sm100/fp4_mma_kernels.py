@@ -31,12 +31,13 @@ import triton.language as tl
 from deepinfer_nvidia_sm100.fp4_gemv_kernels import _half_codes
 from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, _tile
 
-DECODES = {"mma": 0, "mma_halves": 1, "mma_words": 2}
+DECODES = {"mma": 0, "mma_halves": 1, "mma_words": 2, "mma_pairs": 3}
 """`GemmConfig.kernel` -> the kernels' `DECODE`: `tl.dot_scaled`; bytes decoded into the even and odd
 input columns (`moe_kernels._fp4_halves`); 32-bit words of eight codes decoded two codes an integer
-operation (`fp4_gemv_kernels._half_codes`) into eight column sets."""
+operation (`fp4_gemv_kernels._half_codes`) into eight column sets; the same words widened straight to
+bf16 pairs in inline PTX (`_paired_codes`)."""
 
-CODES_PER_ELEMENT = {0: 2, 1: 2, 2: 8}
+CODES_PER_ELEMENT = {0: 2, 1: 2, 2: 8, 3: 8}
 """Codes a weight-tensor element holds under each `DECODE` (bytes, bytes, 32-bit words)."""
 
 
@@ -61,6 +62,39 @@ def _scaled_words(w_ptrs, s_ptrs, w_valid, s_mask, k0, k_size, j: tl.constexpr, 
     factors = tl.reshape(tl.broadcast_to(factors[:, :, None], (BLOCK_W, BLOCK_K // 32, 4)), (BLOCK_W, BLOCK_K // 8))
     low, high = _half_codes(words, j)
     return (low * factors).to(dtype), (high * factors).to(dtype)
+
+
+@triton.jit
+def _paired_codes(words, factors, j: tl.constexpr):
+    """Codes `j` and `j + 4` of each word as bf16 values times their scales, in packed bf16x2 arithmetic: two
+    shifts and one mask-merge put both codes' magnitude bits under a bf16's exponent and mantissa (bits
+    6-8 and 22-24: the value times 2^-126; the subnormal `m / 2` lands on a bf16 subnormal) and their signs
+    on bits 15 and 31; one `fma.rn.bf16x2` by `factors` (both halves the bf16 2^(s - 1), which folds the
+    2^126 in: exact for scales up to 2^1, which FP4 experts never exceed) scales them; the pair is split
+    into its halves."""
+    if j == 0:
+        shifts: tl.constexpr = "shl.b32 m, $2, 6; shl.b32 s, $2, 12;"
+    elif j == 1:
+        shifts: tl.constexpr = "shl.b32 m, $2, 2; shl.b32 s, $2, 8;"
+    elif j == 2:
+        shifts: tl.constexpr = "shr.u32 m, $2, 2; shl.b32 s, $2, 4;"
+    else:
+        shifts: tl.constexpr = "shr.u32 m, $2, 6; mov.b32 s, $2;"
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 m, s, p, z; " + shifts + " and.b32 m, m, 0x01C001C0; and.b32 s, s, 0x80008000; or.b32 p, m, s; "
+        "mov.b32 z, 0x80008000; fma.rn.bf16x2 p, p, $3, z; mov.b32 {$0, $1}, p; }",
+        "=h,=h,r,r", [words, factors], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _word_tile(w_ptrs, s_ptrs, w_valid, s_mask, k0, k_size, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile's 32-bit words `[BLOCK_W, BLOCK_K // 8]` and, for each word, its bf16x2 factor 2^(s - 1) twice."""
+    offs_q = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptrs, mask=w_valid[:, None] & (k0 + 8 * offs_q < k_size)[None, :], other=0)
+    half = (tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32) + 126) << 7
+    factors = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (BLOCK_W, BLOCK_K // 32, 4)),
+                         (BLOCK_W, BLOCK_K // 8))
+    return words, factors
 
 
 @triton.jit
@@ -91,6 +125,18 @@ def _fp4_step(acc_a, acc_b, a_ptrs, as_ptrs, b_ptrs, bs_ptrs, w_valid, x_ptr, ro
         if TWO:
             even, odd = _fp4_halves(b_ptrs, bs_ptrs, h_mask, s_mask, BLOCK_W, BLOCK_K, dtype)
             acc_b = tl.dot(odd, x_odd, tl.dot(even, x_even, acc_b))
+    elif DECODE == 3:
+        a_words, a_factors = _word_tile(a_ptrs, as_ptrs, w_valid, s_mask, k0, k_size, BLOCK_W, BLOCK_K)
+        if TWO:
+            b_words, b_factors = _word_tile(b_ptrs, bs_ptrs, w_valid, s_mask, k0, k_size, BLOCK_W, BLOCK_K)
+        for j in tl.static_range(4):
+            x_low = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j)
+            x_high = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j + 4)
+            low, high = _paired_codes(a_words, a_factors, j)
+            acc_a = tl.dot(high, x_high, tl.dot(low, x_low, acc_a))
+            if TWO:
+                low, high = _paired_codes(b_words, b_factors, j)
+                acc_b = tl.dot(high, x_high, tl.dot(low, x_low, acc_b))
     else:
         for j in tl.static_range(4):
             x_low = _activations_t(x_ptr, rows, row_valid, k0, k_size, stride_x, BLOCK_K, 8, j)

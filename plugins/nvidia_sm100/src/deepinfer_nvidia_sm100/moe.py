@@ -63,7 +63,7 @@ class GemmConfig:
     kernel: str = "tile"
     """FP4 experts: "mma" (bf16 activations: the weights as the tensor-core MMA's first operand, decoded
     by `tl.dot_scaled`, `fp4_mma_kernels`; `block_m` is then the token rows a tile, `block_n` the weight
-    rows), "mma_halves" and "mma_words" (the same, decoded by hand: `fp4_mma_kernels.DECODES`), "tile" (tensor-core tiles decoded in registers as
+    rows), "mma_halves", "mma_words" and "mma_pairs" (the same, decoded by hand: `fp4_mma_kernels.DECODES`), "tile" (tensor-core tiles decoded in registers as
     the second operand), "gemv" (CUDA-core products with each real row, `fp4_gemv_kernels`) or "dequant"
     (the experts dequantised to the activations' dtype, then the dense tiles); dense experts always take
     "tile"."""
@@ -394,8 +394,8 @@ class TritonMoE:
         num_rows, inter = num_tokens * spec.top_k, spec.intermediate_size
         num_blocks = rows.block_expert.numel()
         decode = DECODES[config.kernel]
-        if decode == DECODES["mma_words"] and min(config.block_k, down_config.block_k) < 128:
-            raise ValueError(f"'mma_words' multiplies column sets of block_k / 8 inputs: block_k must be >= 128, "
+        if CODES_PER_ELEMENT[decode] == 8 and min(config.block_k, down_config.block_k) < 128:
+            raise ValueError(f"'{config.kernel}' multiplies column sets of block_k / 8 inputs: block_k must be >= 128, "
                              f"got {config} / {down_config}")
         element = torch.int32 if CODES_PER_ELEMENT[decode] == 8 else torch.uint8  # `tl.dot_scaled` takes uint8
         gate_up, down = gate_up.view(element), down.view(element)

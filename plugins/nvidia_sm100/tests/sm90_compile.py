@@ -122,7 +122,7 @@ def forward(family: str, directory: str) -> dict:
 
 def fp4_prefill() -> dict:
     """The FP4 experts at prefill sizes (64 rows an expert) through each kernel that serves them (the
-    defaults' tiles and the hand-decoded MMA variants the bench times)."""
+    default MMA tiles, and the inline-PTX widening the bench times beside them)."""
     import dataclasses
 
     from deepinfer_nvidia_sm100.moe import FP4_MMA_PREFILL, GemmConfig, TritonMoE
@@ -140,8 +140,7 @@ def fp4_prefill() -> dict:
     ids, topk_weights = moe.route(x.bfloat16(), input_ids, packed)
     for kernel in ("tile", "dequant"):
         moe.experts(x.bfloat16(), ids, topk_weights, packed, GemmConfig(64, 64, 64, 4, 4, True, kernel=kernel))
-    for config in (*FP4_MMA_PREFILL, GemmConfig(64, 64, 128, 4, 3, True, kernel="mma_pairs"),
-                   GemmConfig(64, 64, 64, 4, 4, True, kernel="mma_halves"), GemmConfig(64, 64, 64, 4, 4, True, kernel="mma")):
+    for config in (FP4_MMA_PREFILL[0], GemmConfig(64, 64, 128, 4, 3, True, kernel="mma_pairs")):
         moe.experts(x.bfloat16(), ids, topk_weights, packed, config)
     return {"model": "fp4-prefill", "backends": ["TritonMoE"]}
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100.fp4_gemv_kernels import _half_codes
-from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, _tile
+from deepinfer_nvidia_sm100.moe_kernels import _fp4_halves, _tile, swiglu
 
 DECODES = {"mma": 0, "mma_halves": 1, "mma_words": 2, "mma_pairs": 3}
 """`GemmConfig.kernel` -> the kernels' `DECODE`: `tl.dot_scaled`; bytes decoded into the even and odd
@@ -213,10 +213,7 @@ def fp4_mma_gate_up_kernel(
         u_ptrs += BLOCK_K // CODES
         gs_ptrs += BLOCK_K // 32
         us_ptrs += BLOCK_K // 32
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, swiglu_limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = swiglu(acc_g, acc_u, swiglu_limit, HAS_LIMIT)  # transposed: slots along the columns
     act_ptrs = act_ptr + offs_t[None, :].to(tl.int64) * stride_act + offs_w[:, None]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=w_valid[:, None])
 

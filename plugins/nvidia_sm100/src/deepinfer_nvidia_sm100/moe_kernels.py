@@ -127,12 +127,18 @@ def _dot(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def store_swiglu(acc_g, acc_u, act_ptr, offs_m, offs_n, n_valid, stride_act, swiglu_limit, HAS_LIMIT: tl.constexpr):
-    """The gate_up GEMMs' epilogue: `act[slot, n] = silu(min(g, limit)) * clamp(u, -limit, limit)`."""
+def swiglu(acc_g, acc_u, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """`silu(min(g, limit)) * clamp(u, -limit, limit)`, elementwise (any layout)."""
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, swiglu_limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    return acc_g * tl.sigmoid(acc_g) * acc_u
+
+
+@triton.jit
+def store_swiglu(acc_g, acc_u, act_ptr, offs_m, offs_n, n_valid, stride_act, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """The gate_up GEMMs' epilogue: `act[slot, n] = silu(min(g, limit)) * clamp(u, -limit, limit)`."""
+    act = swiglu(acc_g, acc_u, swiglu_limit, HAS_LIMIT)
     act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[None, :])
 
